@@ -1,0 +1,149 @@
+"""Model configuration: frozen, hashable dataclasses and named presets.
+
+Shape letters used throughout triax (written once, here):
+    B batch   T sequence (query)   S sequence (key/value)   D embed (model width)
+    N query heads   K kv heads   G query heads per kv head (N // K)   H head_dim
+    F mlp hidden   V vocab   L layers   E experts   C expert capacity
+
+Variants come from ``dataclasses.replace``::
+
+    >>> from triax.models import config
+    >>> cfg = config.get("tiny").replace(num_layers=2)
+    >>> cfg.num_layers
+    2
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts feed-forward settings (None on a dense model)."""
+
+    num_experts: int = 8
+    top_k: int = 2
+    mlp_dim: int = 0  # per-expert hidden size; 0 means "use ModelConfig.mlp_dim"
+    capacity_factor: Optional[float] = None  # None: dropless
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0
+
+    def replace(self, **kw) -> "MoEConfig":
+        return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama-style decoder. All sizes are global (unsharded)."""
+
+    name: str
+    vocab_size: int
+    embed_dim: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    max_seq_len: int = 2048
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    moe: Optional[MoEConfig] = None
+
+    def __post_init__(self):
+        for field in ("vocab_size", "embed_dim", "num_layers", "num_heads",
+                      "num_kv_heads", "head_dim", "mlp_dim", "max_seq_len"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"ModelConfig {self.name!r}: {field} must be positive, "
+                                 f"got {getattr(self, field)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of "
+                f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe is not None
+
+    def param_counts(self) -> dict[str, int]:
+        """Exact parameter counts by group (matches the model's real tree)."""
+        D, N, K, H, F, V, L = (self.embed_dim, self.num_heads, self.num_kv_heads,
+                               self.head_dim, self.mlp_dim, self.vocab_size, self.num_layers)
+        attn = D * N * H + 2 * D * K * H + N * H * D
+        if self.moe is None:
+            mlp = 3 * D * F
+        else:
+            Fe = self.moe.mlp_dim or F
+            mlp = self.moe.num_experts * 3 * D * Fe + D * self.moe.num_experts
+        per_layer = attn + mlp + 2 * D
+        embed = V * D
+        head = 0 if self.tie_embeddings else D * V
+        return {"embed": embed, "layers": L * per_layer, "final_norm": D, "head": head,
+                "per_layer": per_layer}
+
+    @property
+    def num_params(self) -> int:
+        c = self.param_counts()
+        return c["embed"] + c["layers"] + c["final_norm"] + c["head"]
+
+    def active_params(self) -> int:
+        """Parameters touched per token (differs from num_params only for MoE)."""
+        if self.moe is None:
+            return self.num_params
+        Fe = self.moe.mlp_dim or self.mlp_dim
+        unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.embed_dim * Fe
+        return self.num_params - self.num_layers * unused
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd)."""
+        attn = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # ~12·L·N·H·T/2 causal
+        return 6.0 * self.active_params() + attn
+
+
+def _llama(name, V, D, L, N, K, F, theta=500000.0, tie=False, seq=8192):
+    return ModelConfig(name=name, vocab_size=V, embed_dim=D, num_layers=L, num_heads=N,
+                       num_kv_heads=K, head_dim=D // N, mlp_dim=F, max_seq_len=seq,
+                       rope_theta=theta, tie_embeddings=tie)
+
+
+BYTE_VOCAB = 256 + 8  # byte-level tokenizer: 256 bytes plus specials (padded to a multiple of 8)
+
+TINY = ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, embed_dim=64, num_layers=4, num_heads=8,
+                   num_kv_heads=2, head_dim=8, mlp_dim=128, max_seq_len=256)
+SMALL = ModelConfig(name="small", vocab_size=BYTE_VOCAB, embed_dim=768, num_layers=12,
+                    num_heads=12, num_kv_heads=4, head_dim=64, mlp_dim=3840,
+                    max_seq_len=1024)
+LLAMA3_1B = _llama("llama3-1b", 128256, 2048, 16, 32, 8, 8192, tie=True)
+LLAMA3_8B = _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336)
+LLAMA3_70B = _llama("llama3-70b", 128256, 8192, 80, 64, 8, 28672)
+LLAMA3_405B = _llama("llama3-405b", 128256, 16384, 126, 128, 8, 53248)
+
+TINY_MOE = TINY.replace(name="tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=64))
+SMALL_MOE = SMALL.replace(name="small-moe", num_layers=6,
+                          moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=768))
+MIXTRAL_8X7B = ModelConfig(name="mixtral-8x7b", vocab_size=32000, embed_dim=4096, num_layers=32,
+                           num_heads=32, num_kv_heads=8, head_dim=128, mlp_dim=14336,
+                           max_seq_len=32768, rope_theta=1e6,
+                           moe=MoEConfig(num_experts=8, top_k=2))
+
+PRESETS: dict[str, ModelConfig] = {c.name: c for c in (
+    TINY, SMALL, LLAMA3_1B, LLAMA3_8B, LLAMA3_70B, LLAMA3_405B, TINY_MOE, SMALL_MOE, MIXTRAL_8X7B)}
+
+
+def get(name: str, num_layers: Optional[int] = None) -> ModelConfig:
+    """Return the preset ``name``, optionally with ``num_layers`` overridden."""
+    try:
+        cfg = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(PRESETS)}") from None
+    return cfg if num_layers is None else cfg.replace(num_layers=num_layers)

@@ -1,0 +1,146 @@
+"""Transformer building blocks in Flax NNX. Logical axis names only (see models/config.py
+for the shape-letter legend).
+
+Parameters carry their logical axes in Flax's ``out_sharding`` metadata with eager sharding
+off: the names are resolved to mesh axes by ``triax.sharding``, never here.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from triax.models.axes import constrain
+from triax.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ExecConfig:
+    """How to run (not what to run): compute dtype and activation checkpointing."""
+
+    compute_dtype: str = "float32"  # "bfloat16": bf16 compute over fp32 master parameters
+    remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.compute_dtype)
+
+
+def param(rngs: nnx.Rngs, shape, logical_axes, std: float | None, dtype=jnp.float32) -> nnx.Param:
+    """A parameter with logical axes; ``std=None`` means ones (norm scales)."""
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = std * jax.random.normal(rngs.params(), shape, dtype)
+    return nnx.Param(value, out_sharding=tuple(logical_axes), eager_sharding=False)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), None)
+        self.eps = eps
+
+    def __call__(self, x_BTD):
+        x32 = x_BTD.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+
+
+def rope(x_BTNH, positions_BT, theta: float):
+    """Rotary position embedding (half-split layout)."""
+    H = x_BTNH.shape[-1]
+    freq = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2.0 / H)
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq
+    sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
+    """Grouped-query attention core. ``mask_BTS`` is True where a query may see a key.
+
+    KV heads are repeated to the query heads (local on every tensor rank, whether KV heads
+    are sharded or replicated), so scores shard cleanly over heads.
+    """
+    G = q_BTNH.shape[2] // k_BSKH.shape[2]
+    k_BSNH = jnp.repeat(k_BSKH, G, axis=2)
+    v_BSNH = jnp.repeat(v_BSKH, G, axis=2)
+    k_BSNH = constrain(k_BSNH, ("batch", "kv_seq", "act_heads", "act_head_dim"))
+    v_BSNH = constrain(v_BSNH, ("batch", "kv_seq", "act_heads", "act_head_dim"))
+    scale = 1.0 / math.sqrt(q_BTNH.shape[-1])
+    s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH).astype(jnp.float32) * scale
+    s_BNTS = jnp.where(mask_BTS[:, None, :, :], s_BNTS, jnp.finfo(jnp.float32).min)
+    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(v_BSNH.dtype)
+    return jnp.einsum("BNTS,BSNH->BTNH", p_BNTS, v_BSNH)
+
+
+def causal_mask(T: int, B: int = 1):
+    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+
+
+class Attention(nnx.Module):
+    """Megatron layout: QKV column-parallel over heads, output row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        std = cfg.init_std
+        self.wq_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
+        self.wk_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wv_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wo_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), std)
+        self.theta = cfg.rope_theta
+
+    def project_qkv(self, x_BTD, positions_BT, dtype):
+        q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dtype))
+        k = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dtype))
+        v = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dtype))
+        q = constrain(rope(q, positions_BT, self.theta), ("batch", "seq", "act_heads", None))
+        k = constrain(rope(k, positions_BT, self.theta), ("batch", "seq", "act_kv_heads", None))
+        v = constrain(v, ("batch", "seq", "act_kv_heads", None))
+        return q, k, v
+
+    def output(self, o_BTNH, dtype):
+        out = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.wo_NHD[...].astype(dtype))
+        return constrain(out, ("batch", "seq", "act_embed"))
+
+    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype):
+        q, k, v = self.project_qkv(x_BTD, positions_BT, dtype)
+        return self.output(attend(q, k, v, mask_BTS), dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: gate/up column-parallel over ``mlp``, down row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        D, F, std = cfg.embed_dim, cfg.mlp_dim, cfg.init_std
+        self.w_gate_DF = param(rngs, (D, F), ("embed", "mlp"), std)
+        self.w_up_DF = param(rngs, (D, F), ("embed", "mlp"), std)
+        self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), std)
+
+    def __call__(self, x_BTD, dtype):
+        g = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate_DF[...].astype(dtype))
+        u = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up_DF[...].astype(dtype))
+        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+        out = jnp.einsum("BTF,FD->BTD", h, self.w_down_FD[...].astype(dtype))
+        return constrain(out, ("batch", "seq", "act_embed")), {}
+
+
+class Embed(nnx.Module):
+    """Vocabulary-parallel embedding (rows over ``vocab``)."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.table_VD = param(rngs, (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"),
+                              cfg.init_std)
+
+    def __call__(self, tokens_BT, dtype):
+        x = jnp.take(self.table_VD[...].astype(dtype), tokens_BT, axis=0)
+        return constrain(x, ("batch", "seq", "act_embed"))
+
+    def attend(self, x_BTD, dtype):
+        """Tied output projection: logits against the embedding table."""
+        return jnp.einsum("BTD,VD->BTV", x_BTD, self.table_VD[...].astype(dtype))

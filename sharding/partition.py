@@ -1,0 +1,148 @@
+"""Abstract parameters → logical axes → ``NamedSharding``s → parameters created already split.
+
+The journey of one parameter:
+  1. ``abstract_model`` traces the model's constructor with ``nnx.eval_shape``: shapes,
+     dtypes and logical axes, no memory.
+  2. ``param_shardings`` resolves each logical tuple through the strategy's rules.
+  3. ``init_params`` runs the constructor under ``jit(out_shardings=…)``, so every device
+     materialises only its own shard. The same abstract tree is the Orbax restore target.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from triax.mesh.build import mesh_sizes
+from triax.models.axes import using_constraint
+from triax.models.config import ModelConfig
+from triax.models.transformer import Transformer
+from triax.sharding.rules import Rules, ShardingError, Strategy, get_strategy
+
+PyTree = Any
+
+
+def path_str(path) -> str:
+    parts = []
+    for k in path:
+        k = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+        parts.append(str(k))
+    return "/".join(parts)
+
+
+@dataclass(frozen=True)
+class AbstractModel:
+    """Everything known about a model before any memory is spent."""
+
+    cfg: ModelConfig
+    graphdef: Any                 # nnx.GraphDef of the Transformer
+    shapes: PyTree                # pure dict of jax.ShapeDtypeStruct
+    logical: PyTree               # pure dict of logical-axis tuples (same structure)
+
+
+def abstract_model(cfg: ModelConfig, seed: int = 0) -> AbstractModel:
+    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed)))
+    graphdef, state = nnx.split(model)
+    shapes = nnx.to_pure_dict(jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state))
+    logical = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
+                           is_leaf=lambda x: isinstance(x, nnx.Variable))
+    logical = nnx.to_pure_dict(logical) if not isinstance(logical, dict) else logical
+    return AbstractModel(cfg, graphdef, shapes, _to_plain(logical))
+
+
+def _to_plain(tree):
+    if isinstance(tree, nnx.State) or hasattr(tree, "to_pure_dict"):
+        tree = tree.to_pure_dict()
+    if isinstance(tree, dict):
+        return {k: _to_plain(v) for k, v in tree.items()}
+    if isinstance(tree, nnx.Variable):
+        return tree[...]
+    return tree
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+def specs_for(rules: Rules, logical: PyTree, shapes: PyTree, mesh: Mesh) -> PyTree:
+    sizes = mesh_sizes(mesh)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, ax, sd: rules.spec(ax, sd.shape, sizes, what=f"parameter {path_str(path)!r}"),
+        logical, shapes, is_leaf=_is_axes)
+
+
+def param_shardings(am: AbstractModel, mesh: Mesh, strategy: str | Strategy,
+                    optimizer: bool = False) -> PyTree:
+    """``NamedSharding`` per parameter (``optimizer=True``: the optimizer-state rules)."""
+    st = get_strategy(strategy)
+    rules = st.optimizer_rules if optimizer else st.rules
+    specs = specs_for(rules, am.logical, am.shapes, mesh)
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                             is_leaf=lambda x: isinstance(x, P))
+    if st.fsdp and not optimizer:
+        check_sufficiently_sharded(am, shardings, mesh)
+    return shardings
+
+
+def check_sufficiently_sharded(am: AbstractModel, shardings: PyTree, mesh: Mesh,
+                               tolerance: float = 0.02) -> None:
+    """Under FSDP, at most ``tolerance`` of the parameter bytes may stay fully replicated
+    (cf. MaxText's "sufficiently sharded" check); the error names the largest offenders."""
+    if mesh.size == 1:
+        return
+    total = 0
+    replicated = []
+    for (path, sd), sh in zip(jax.tree_util.tree_flatten_with_path(am.shapes)[0],
+                              jax.tree.leaves(shardings)):
+        size = int(np.prod(sd.shape)) * sd.dtype.itemsize
+        total += size
+        if tuple(sh.shard_shape(sd.shape)) == tuple(sd.shape):
+            replicated.append((size, path_str(path), tuple(sd.shape)))
+    rep_bytes = sum(r[0] for r in replicated)
+    if total and rep_bytes / total > tolerance:
+        worst = ", ".join(f"{p} {s}" for _, p, s in sorted(replicated, reverse=True)[:5])
+        raise ShardingError(
+            f"FSDP rules leave {rep_bytes / total:.1%} of parameter bytes fully replicated "
+            f"(tolerance {tolerance:.0%}), e.g. {worst}; map one of their logical axes to "
+            f"'data' in the rules")
+
+
+def activation_constraint(mesh: Mesh, rules: Rules) -> Callable:
+    sizes = mesh_sizes(mesh)
+
+    def fn(x, logical_axes):
+        spec = rules.spec(logical_axes, x.shape, sizes, what="activation")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return fn
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: Mesh, strategy: str | Strategy):
+    """While tracing, resolve the model's logical activation axes through ``strategy``."""
+    with using_constraint(activation_constraint(mesh, get_strategy(strategy).rules)):
+        yield
+
+
+def init_params(am: AbstractModel, mesh: Mesh, strategy: str | Strategy, seed: int = 0,
+                dtype=jnp.float32) -> PyTree:
+    """Create parameters already sharded: each device only materialises its shard."""
+    shardings = param_shardings(am, mesh, strategy)
+    cfg = am.cfg
+
+    def init():
+        state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
+        return jax.tree.map(lambda x: x.astype(dtype), _to_plain(state))
+    return jax.jit(init, out_shardings=shardings)()
+
+
+def batch_sharding(mesh: Mesh, strategy: str | Strategy, ndim: int = 2) -> NamedSharding:
+    rules = get_strategy(strategy).rules
+    spec = rules.spec(("batch",) + (None,) * (ndim - 1), None, mesh_sizes(mesh), what="batch")
+    return NamedSharding(mesh, spec)

@@ -1,0 +1,188 @@
+"""Logical axis names → mesh axes: one rules table, and the strategy presets built from it.
+
+Logical names (parameters): ``embed, heads, kv_heads, head_dim, mlp, vocab, layers, experts``.
+Logical names (activations): ``batch, seq, act_embed, act_heads, act_kv_heads, act_mlp,
+act_vocab, act_experts``. Activations get names of their own so that, e.g., FSDP can shard a
+weight's ``embed`` dimension over ``data`` while the activation's batch already uses ``data``.
+
+A strategy is nothing but a choice of rules::
+
+    >>> from triax.sharding import rules
+    >>> rules.get_strategy("tp").rules.mesh_axes("mlp")
+    ('tensor',)
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Optional, Sequence, Union
+
+from jax.sharding import PartitionSpec as P
+
+MeshAxes = Union[None, str, tuple[str, ...]]
+
+PARAM_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
+              "expert_mlp", "norm")
+ACTIVATION_AXES = ("batch", "seq", "kv_seq", "act_embed", "act_heads", "act_kv_heads",
+                   "act_head_dim", "act_mlp", "act_vocab", "act_experts", "capacity")
+LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
+
+# Logical axes whose sharding degrades to replication when the mesh axis is larger than the
+# dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing).
+REPLICABLE = frozenset({"kv_heads", "act_kv_heads"})
+
+
+class ShardingError(ValueError):
+    """A rules table, a parameter or a mesh that cannot be combined; the message says the fix."""
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An immutable logical-name → mesh-axes table (hashable, so jit caches stay stable)."""
+
+    table: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def of(cls, mapping: Mapping[str, MeshAxes]) -> "Rules":
+        unknown = sorted(set(mapping) - set(LOGICAL_AXES))
+        if unknown:
+            raise ShardingError(f"unknown logical axis name(s) {unknown} in rules; known names: "
+                                f"{', '.join(LOGICAL_AXES)}")
+        return cls(tuple(sorted((k, _as_tuple(v)) for k, v in mapping.items())))
+
+    def as_dict(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.table)
+
+    def mesh_axes(self, logical: Optional[str]) -> tuple[str, ...]:
+        if logical is None:
+            return ()
+        if logical not in LOGICAL_AXES:
+            raise ShardingError(f"unknown logical axis name {logical!r}; known names: "
+                                f"{', '.join(LOGICAL_AXES)} (add it to sharding.rules)")
+        return self.as_dict().get(logical, ())
+
+    def replace(self, **updates: MeshAxes) -> "Rules":
+        d = self.as_dict()
+        d.update({k: _as_tuple(v) for k, v in updates.items()})
+        return Rules.of(d)
+
+    def spec(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int] | None = None,
+             mesh_shape: Mapping[str, int] | None = None, what: str = "array") -> P:
+        """Resolve logical axes to a ``PartitionSpec``, validating against shape and mesh.
+
+        Mesh axes of size 1 are dropped (they shard nothing); a ``REPLICABLE`` axis that
+        does not divide falls back to replication.
+        """
+        used: dict[str, str] = {}
+        out = []
+        for i, name in enumerate(logical_axes):
+            axes = tuple(a for a in self.mesh_axes(name)
+                         if mesh_shape is None or mesh_shape.get(a, 1) > 1)
+            if mesh_shape is not None:
+                missing = [a for a in self.mesh_axes(name) if a not in mesh_shape]
+                if missing:
+                    raise ShardingError(f"{what}: rules map {name!r} to mesh axis {missing} "
+                                        f"which the mesh {dict(mesh_shape)} does not have")
+            for a in axes:
+                if a in used:
+                    raise ShardingError(
+                        f"{what}: mesh axis {a!r} used twice in one array (by logical axes "
+                        f"{used[a]!r} and {name!r}); map one of them elsewhere in the rules")
+                used[a] = name
+            if axes and shape is not None and mesh_shape is not None:
+                n = 1
+                for a in axes:
+                    n *= mesh_shape[a]
+                if shape[i] % n:
+                    if name in REPLICABLE:
+                        for a in axes:
+                            used.pop(a)
+                        axes = ()
+                    else:
+                        raise ShardingError(
+                            f"{what}: dimension {i} ({name!r}, size {shape[i]}) is not divisible "
+                            f"by mesh axes {axes} of size {n}; choose a mesh whose {'×'.join(axes)} "
+                            f"divides {shape[i]}, or map {name!r} elsewhere in the rules")
+            out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
+        while out and out[-1] is None:
+            out.pop()
+        return P(*out)
+
+
+class StrategyKind(enum.Enum):
+    DP = "dp"
+    FSDP = "fsdp"
+    ZERO1 = "zero1"
+    TP = "tp"
+    FSDP_TP = "fsdp_tp"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A parallelism strategy: the rules for parameters/activations and for optimizer state.
+
+    ``optimizer_rules`` differs from ``rules`` only for ZeRO-1 (replicated parameters,
+    sharded optimizer state). Pipeline and expert parallelism are added by ``with_pipe``
+    and ``with_experts`` so they compose with every base strategy.
+    """
+
+    name: str
+    rules: Rules
+    optimizer_rules: Rules
+    fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
+
+    def with_updates(self, **updates: MeshAxes) -> "Strategy":
+        return dataclasses.replace(self, rules=self.rules.replace(**updates),
+                                   optimizer_rules=self.optimizer_rules.replace(**updates))
+
+
+_BATCH = {"batch": "data"}
+_TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
+       "expert_mlp": "tensor",
+       "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor",
+       "act_vocab": "tensor"}
+_FSDP = {"embed": "data"}
+# Pipeline: stacked layers split over `pipe`. Experts: over `expert` (weights and dispatch).
+_PIPE = {"layers": "pipe"}
+_EXPERT = {"experts": "expert", "act_experts": "expert"}
+
+
+def _strategy(kind: StrategyKind) -> Strategy:
+    base = {**_BATCH, **_PIPE, **_EXPERT}
+    if kind is StrategyKind.DP:
+        r = Rules.of(base)
+        return Strategy(kind.value, r, r)
+    if kind is StrategyKind.FSDP:
+        r = Rules.of({**base, **_FSDP})
+        return Strategy(kind.value, r, r, fsdp=True)
+    if kind is StrategyKind.ZERO1:
+        r = Rules.of(base)
+        return Strategy(kind.value, r, Rules.of({**base, **_FSDP}))
+    if kind is StrategyKind.TP:
+        r = Rules.of({**base, **_TP})
+        return Strategy(kind.value, r, r)
+    if kind is StrategyKind.FSDP_TP:
+        r = Rules.of({**base, **_TP, **_FSDP})
+        return Strategy(kind.value, r, r, fsdp=True)
+    raise AssertionError(kind)
+
+
+STRATEGIES: dict[str, Strategy] = {k.value: _strategy(k) for k in StrategyKind}
+
+
+def get_strategy(name: str | Strategy) -> Strategy:
+    """Look up a preset by name (``dp, fsdp, zero1, tp, fsdp_tp``)."""
+    if isinstance(name, Strategy):
+        return name
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        raise ShardingError(f"unknown strategy {name!r}; choose one of: "
+                            f"{', '.join(STRATEGIES)}") from None
