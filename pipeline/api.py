@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
+from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import DATA, PIPE, StepSpec, run_ticks
@@ -117,8 +118,10 @@ class Pipeline:
         def body(blocks, pieces, tokens, targets, weights, inv_w):
             blocks = _gather(blocks, bdims)
             pieces = _gather(pieces, pdims)
-            loss, g_blocks, g_pieces = run_ticks(spec, blocks, pieces, tokens, targets,
-                                                 weights, inv_w)
+            # Activation constraints would name manual axes; parameters carry TP instead.
+            with using_constraint(None):
+                loss, g_blocks, g_pieces = run_ticks(spec, blocks, pieces, tokens, targets,
+                                                     weights, inv_w)
             loss = jax.lax.psum(loss, (PIPE, DATA))
             if not backward:
                 return loss, {}, {}

@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from triax.models.axes import using_constraint
 from triax.pipeline.program import COL, TickProgram
 from triax.pipeline.schedules import OpKind
 from triax.pipeline.stage import Residuals
@@ -152,6 +151,5 @@ def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
                "recv_b": jax.lax.ppermute(o["msg_b"], PIPE, bperm)}
         return new, None
 
-    with using_constraint(None):
-        out, _ = jax.lax.scan(tick, carry, jnp.asarray(rows))
+    out, _ = jax.lax.scan(tick, carry, jnp.asarray(rows))
     return out["loss"], out["acc_blocks"], out["acc_pieces"]
