@@ -123,3 +123,27 @@ def test_request_errors_name_the_constraint():
         build("pipedream", 4, 8)
     with pytest.raises(ScheduleError, match="must be >= 1"):
         build("gpipe", 0, 8)
+
+
+def test_schedule_cli_json_png_and_errors(tmp_path, capsys):
+    import json
+
+    from triax.cli.main import main
+    png = tmp_path / "t.png"
+    assert main(["schedule", "--kind", "gpipe", "--stages", "4", "--microbatches", "8",
+                 "--json", "--png", str(png)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["ticks"] == 22 and facts["peak_in_flight"] == 8
+    assert facts["bubble_fraction"] == pytest.approx(3 / 11)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "--kind", "interleaved", "--stages", "4", "--microbatches", "6",
+                 "--virtual", "2"]) == 2
+    assert "M=6 is not a multiple of S=4" in capsys.readouterr().err
+    assert main(["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+                 "--png", str(tmp_path / "t.jpg")]) == 2
+
+
+def test_timeline_svg(tmp_path):
+    from triax.pipeline.timeline import save
+    out = save(build("interleaved", 2, 4, 2), tmp_path / "il.svg")
+    assert out.read_text().lstrip().startswith("<?xml")
