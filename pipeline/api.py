@@ -84,6 +84,20 @@ class Pipeline:
         return specs_for(self.strategy.rules, self.abstract.logical, self.abstract.shapes,
                          self.mesh)
 
+    @cached_property
+    def _manual_specs(self):
+        """shard_map specs over the manual axes, and each leaf's `data`-sharded dim (FSDP)."""
+        is_p = lambda x: isinstance(x, P)  # noqa: E731
+        blocks = self.param_specs["blocks"]
+        pieces = {k: v for k, v in self.param_specs.items() if k != "blocks"}
+        # Blocks enter as [S, v, Lc, ...]: pipe on the stage dim, then the layer spec's rest.
+        bspec = jax.tree.map(lambda s: _manual_spec(s[1:], (PIPE, None, None)), blocks,
+                             is_leaf=is_p)
+        bdims = jax.tree.map(lambda s: None if _data_dim(s[1:]) is None else
+                             _data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
+        return (bspec, jax.tree.map(_manual_spec, pieces, is_leaf=is_p), bdims,
+                jax.tree.map(_data_dim, pieces, is_leaf=is_p))
+
     def _check_batch(self, B: int, M: int) -> int:
         if B % (self.data * M):
             raise ScheduleError(
@@ -104,15 +118,8 @@ class Pipeline:
         pieces = {k: v for k, v in params.items() if k != "blocks"}
         spec = StepSpec(compile_program(schedule), make_stage_apply(self.abstract.graphdef,
                                                                     self.exe),
-                        self.stages, schedule.virtual, micro, self.exe.dtype, None)
-        bspec = jax.tree.map(lambda s: _manual_spec(s[1:], (PIPE, None, None)),
-                             self.param_specs["blocks"], is_leaf=lambda x: isinstance(x, P))
-        pspec = {k: jax.tree.map(_manual_spec, self.param_specs[k],
-                                 is_leaf=lambda x: isinstance(x, P)) for k in pieces}
-        bdims = jax.tree.map(lambda s: None if _data_dim(s[1:]) is None else _data_dim(s[1:]) + 3,
-                             self.param_specs["blocks"], is_leaf=lambda x: isinstance(x, P))
-        pdims = {k: jax.tree.map(_data_dim, self.param_specs[k],
-                                 is_leaf=lambda x: isinstance(x, P)) for k in pieces}
+                        self.stages, schedule.virtual, micro, self.exe.dtype)
+        bspec, pspec, bdims, pdims = self._manual_specs
         backward = schedule.has_backward
 
         def body(blocks, pieces, tokens, targets, weights, inv_w):

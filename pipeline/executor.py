@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+import numpy as np
 
 from triax.pipeline.program import COL, TickProgram
 from triax.pipeline.schedules import OpKind
@@ -36,7 +36,6 @@ class StepSpec:
     virtual: int
     micro: int                      # micro-batch size per data shard
     dtype: Any
-    fsdp_dims: Any                  # per param leaf: dim sharded over `data` (or None)
 
 
 def _slot(i, n):
@@ -97,59 +96,68 @@ def _perms(S: int, circular: bool):
     return fwd, bwd
 
 
+def _remap_kinds(rows):
+    """Op kinds → dense branch indices (only the branches the schedule uses get traced)."""
+    kinds = sorted({int(k) for k in rows[..., COL["kind"]].ravel()} | {0})
+    rows = rows.copy()
+    lookup = np.zeros(max(kinds) + 1, np.int32)
+    lookup[kinds] = np.arange(len(kinds))
+    rows[..., COL["kind"]] = lookup[rows[..., COL["kind"]]]
+    return kinds, rows
+
+
+def _init_carry(prog: TickProgram, res, blocks, pieces, x0):
+    buf = lambda n: jnp.zeros((n + 1,) + x0.shape, x0.dtype)  # noqa: E731  (+1: scratch)
+    backward = prog.schedule.has_backward
+    return {"fin": buf(prog.fwd_slots), "bin": buf(prog.bwd_slots), "ctb": buf(prog.ct_slots),
+            "stash": [jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
+                      for s in (res.shapes if res else ())],
+            "recv_f": x0, "recv_b": x0, "loss": jnp.zeros((), jnp.float32),
+            "acc_blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
+            "acc_pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}
+
+
 def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
     """The body inside ``shard_map``: returns ``(loss, acc_blocks, acc_pieces)`` (local)."""
-    prog, S = spec.program, spec.stages
+    prog = spec.program
     stage = jax.lax.axis_index(PIPE)
     blocks = jax.tree.map(lambda a: a[0], blocks)               # [v, Lc, ...] of this stage
-    M = prog.schedule.microbatches
-    mb_shape = (M, spec.micro) + tokens.shape[1:]
+    mb_shape = (prog.schedule.microbatches, spec.micro) + tokens.shape[1:]
     tokens, targets, weights = (a.reshape(mb_shape) for a in (tokens, targets, weights))
-    b, T = mb_shape[1:]
     D = jax.tree.leaves(pieces["embed"])[0].shape[-1]
-    x0 = jnp.zeros((b, T, D), spec.dtype)
-    chunk0 = jax.tree.map(lambda a: a[0], blocks)
-    extras0 = (tokens[0], targets[0], weights[0], jnp.bool_(True), jnp.bool_(True), inv_w)
-    backward = prog.schedule.has_backward
-    res = Residuals.trace(spec.apply, chunk0, pieces, x0, extras0) if backward else None
-    stash = [jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
-             for s in (res.shapes if res else ())]
-    buf = lambda n: jnp.zeros((n + 1, b, T, D), spec.dtype)  # noqa: E731
-    carry = {"fin": buf(prog.fwd_slots), "bin": buf(prog.bwd_slots), "ctb": buf(prog.ct_slots),
-             "stash": stash, "recv_f": x0, "recv_b": x0, "loss": jnp.zeros((), jnp.float32),
-             "acc_blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
-             "acc_pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}
+    x0 = jnp.zeros(mb_shape[1:] + (D,), spec.dtype)
+    res = None
+    if prog.schedule.has_backward:
+        extras0 = (tokens[0], targets[0], weights[0], jnp.bool_(True), jnp.bool_(True), inv_w)
+        res = Residuals.trace(spec.apply, jax.tree.map(lambda a: a[0], blocks), pieces, x0,
+                              extras0)
     table = _branches(spec, res)
-    kinds = sorted({int(k) for k in prog.rows[..., COL["kind"]].ravel()} | {0})
-    branch_of = {k: i for i, k in enumerate(kinds)}
-    rows = prog.rows.copy()
-    rows[..., COL["kind"]] = [[branch_of[int(k)] for k in r] for r in rows[..., COL["kind"]]]
-    fperm, bperm = _perms(S, spec.virtual > 1)
+    kinds, rows = _remap_kinds(prog.rows)
+    branches = [table[k] for k in kinds]
+    fperm, bperm = _perms(spec.stages, spec.virtual > 1)
 
     def tick(c, row_all):
         r = {name: _take(row_all, stage)[i] for name, i in COL.items()}
         fin = _put(c["fin"], c["recv_f"], _slot(r["recv_f"], prog.fwd_slots))
         bin_ = _put(c["bin"], c["recv_b"], _slot(r["recv_b"], prog.bwd_slots))
         mb, j = jnp.maximum(r["mb"], 0), jnp.maximum(r["local_chunk"], 0)
-        s_slot = _slot(r["stash"], prog.stash_slots)
-        ct_slot = _slot(r["ct"], prog.ct_slots)
+        s_slot, ct_slot = _slot(r["stash"], prog.stash_slots), _slot(r["ct"], prog.ct_slots)
+        last = r["last"] > 0
+        dy = _take(bin_, _slot(r["bin"], prog.bwd_slots))
         ops = {"chunk": jax.tree.map(lambda a: _take(a, j), blocks), "pieces": pieces, "j": j,
                "x_in": _take(fin, _slot(r["fin"], prog.fwd_slots)),
-               "dy": jnp.where(r["last"] > 0, 0, _take(bin_, _slot(r["bin"], prog.bwd_slots))
-                               ).astype(spec.dtype),
-               "ct": _take(c["ctb"], ct_slot), "last": r["last"] > 0,
-               "extras": (tokens[mb], targets[mb], weights[mb], r["first"] > 0, r["last"] > 0,
-                          inv_w),
+               "dy": jnp.where(last, jnp.zeros_like(dy), dy), "last": last,
+               "ct": _take(c["ctb"], ct_slot),
+               "extras": (tokens[mb], targets[mb], weights[mb], r["first"] > 0, last, inv_w),
                "res": [_take(s, s_slot) for s in c["stash"]], "loss": c["loss"],
                "acc_blocks": c["acc_blocks"], "acc_pieces": c["acc_pieces"],
                "msg_f": x0, "msg_b": x0}
-        o = jax.lax.switch(r["kind"], [table[k] for k in kinds], ops)
-        new = {"fin": fin, "bin": bin_, "ctb": _put(c["ctb"], o["ct"], ct_slot),
-               "stash": [_put(s, x, s_slot) for s, x in zip(c["stash"], o["res"])],
-               "loss": o["loss"], "acc_blocks": o["acc_blocks"], "acc_pieces": o["acc_pieces"],
-               "recv_f": jax.lax.ppermute(o["msg_f"], PIPE, fperm),
-               "recv_b": jax.lax.ppermute(o["msg_b"], PIPE, bperm)}
-        return new, None
+        o = jax.lax.switch(r["kind"], branches, ops)
+        return {"fin": fin, "bin": bin_, "ctb": _put(c["ctb"], o["ct"], ct_slot),
+                "stash": [_put(s, x, s_slot) for s, x in zip(c["stash"], o["res"])],
+                "loss": o["loss"], "acc_blocks": o["acc_blocks"], "acc_pieces": o["acc_pieces"],
+                "recv_f": jax.lax.ppermute(o["msg_f"], PIPE, fperm),
+                "recv_b": jax.lax.ppermute(o["msg_b"], PIPE, bperm)}, None
 
-    out, _ = jax.lax.scan(tick, carry, jnp.asarray(rows))
+    out, _ = jax.lax.scan(tick, _init_carry(prog, res, blocks, pieces, x0), jnp.asarray(rows))
     return out["loss"], out["acc_blocks"], out["acc_pieces"]
