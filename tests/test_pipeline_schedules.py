@@ -147,3 +147,12 @@ def test_timeline_svg(tmp_path):
     from triax.pipeline.timeline import save
     out = save(build("interleaved", 2, 4, 2), tmp_path / "il.svg")
     assert out.read_text().lstrip().startswith("<?xml")
+
+
+def test_schedules_import_without_jax():
+    import subprocess
+    import sys
+    code = ("import sys, triax.pipeline, triax.pipeline.timeline, triax.pipeline.cli_args; "
+            "b = triax.pipeline.build('zb-h1', 4, 8); "
+            "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax'")
+    subprocess.run([sys.executable, "-c", code], check=True)
