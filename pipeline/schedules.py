@@ -12,7 +12,7 @@ sent in tick t is usable from tick t+1). The same orders give the cost-weighted 
     >>> s = build("1f1b", stages=4, microbatches=8)
     >>> s.ticks, s.peak_in_flight
     (22, 4)
-    >>> round(s.bubble_fraction, 4) == round(3 / 11, 4)
+    >>> round(s.bubble_fraction(), 4) == round(3 / 11, 4)
     True
 """
 from __future__ import annotations
