@@ -226,7 +226,7 @@ class _Loop:
                 raise self._nonfinite(step, loss)
             result.losses.append(loss)
             rec = self._record(step, loss, m, dt)
-            if run.eval_every and step % run.eval_every == 0 and step < run.steps:
+            if step == run.steps or (run.eval_every and step % run.eval_every == 0):
                 rec["val_loss"] = result.val_losses[step] = self.evaluate(state)
             self.sinks.write(rec)
             bar.update(1)
@@ -267,6 +267,8 @@ class _Loop:
 
     def save(self, step, state, position, wait=False):
         t = time.perf_counter()
+        if not bool(_all_finite(state["params"])):  # never overwrite good with bad
+            raise self._nonfinite(step, "non-finite parameters")
         self.ckpt.save(step, state, self.meta(step, position), wait=wait)
         self.times["ckpt_s"] += time.perf_counter() - t
 
@@ -274,7 +276,8 @@ class _Loop:
         last = self.ckpt.latest_step() if self.ckpt else None
         kept = (f"; the last good checkpoint (step {last}) in {self.ckpt.directory} is untouched"
                 if last is not None else "; no checkpoint was written for this state")
-        return NonFiniteLoss(f"loss became {loss} at step {step}; stopped without saving{kept}. "
+        what = loss if isinstance(loss, str) else f"loss {loss}"
+        return NonFiniteLoss(f"{what} at step {step}; stopped without saving{kept}. "
                              f"Try a lower --lr or --precision fp32")
 
     def _interrupt(self, signum, step, state, position) -> Interrupted:
@@ -290,12 +293,17 @@ class _Loop:
     def _finish(self, result, state, position, start) -> TrainResult:
         run = self.rc
         if run.steps > start:
-            result.val_losses[run.steps] = self.evaluate(state)
             if self.ckpt and not run.no_save:
                 self.save(run.steps, state, position, wait=True)
         result.state = state
         result.summary = summarize(self, result, start)
         return result
+
+
+@jax.jit
+def _all_finite(tree):
+    return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all()
+                                          for x in jax.tree.leaves(tree)]))
 
 
 def json_safe(obj):
