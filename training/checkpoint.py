@@ -43,6 +43,9 @@ class Checkpointer:
             cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))
+        # Orbax removes partial saves in the background (awaited at the first save);
+        # finish it now so a crashed save's leftovers are gone once we are open.
+        getattr(self.manager, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     def steps(self) -> list[int]:
         return list(self.manager.all_steps())
