@@ -21,8 +21,8 @@ import numpy as np
 
 from triax.mesh import describe, make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
-from triax.sharding.partition import activation_sharding
 from triax.training import metrics as M
+from triax.training.compiled import compiled_for
 from triax.training.checkpoint import CheckpointError, Checkpointer, check_compatible, rng_json
 from triax.training.config import RunConfig
 from triax.training.data import Batches, check_vocab, load_corpus
@@ -101,15 +101,6 @@ def build_trainer(run: RunConfig, cfg: ModelConfig, mesh) -> Trainer:
                    loss_and_grad=pipeline_loss_and_grad(run, cfg, mesh))
 
 
-def make_eval_fn(trainer: Trainer):
-    loss = trainer.loss_fn()
-
-    def f(params, batch):
-        with activation_sharding(trainer.mesh, trainer.strategy):
-            return loss(params, batch)[0]
-    return jax.jit(f, in_shardings=(trainer.param_shardings, trainer.batch_sharding()))
-
-
 def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer: Trainer, note):
     """(checkpointer or None, state or None, data position, start step)."""
     if not run.checkpoint_dir:
@@ -170,16 +161,17 @@ def train(run: RunConfig, note=print) -> TrainResult:
     check_batch(run, mesh)
     corpus = load_corpus(run.data, run.val_fraction)
     check_vocab(corpus, cfg.vocab_size)
-    trainer = build_trainer(run, cfg, mesh)
+    compiled = compiled_for(run, cfg, mesh, build_trainer)
+    trainer = compiled.trainer
     ckpt, state, position, start = open_checkpoints(run, cfg, trainer, say)
     if state is None:
-        state = trainer.init(run.seed)
+        state = compiled.init(run.seed)
     times = {"setup_s": time.perf_counter() - t0}
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)], strategy {trainer.strategy.name}, data "
         f"{corpus.name} ({len(corpus.tokens):,} tokens)")
-    loop = _Loop(run, trainer, corpus, ckpt, main, say, times)
+    loop = _Loop(run, compiled, corpus, ckpt, main, say, times)
     try:
         with _Signals() as sig:
             result = loop.run(state, position, start, sig)
@@ -189,12 +181,12 @@ def train(run: RunConfig, note=print) -> TrainResult:
 
 
 class _Loop:
-    def __init__(self, run, trainer, corpus, ckpt, main, say, times):
-        self.rc, self.trainer, self.corpus, self.ckpt = run, trainer, corpus, ckpt
+    def __init__(self, run, compiled, corpus, ckpt, main, say, times):
+        self.rc, self.compiled, self.corpus, self.ckpt = run, compiled, corpus, ckpt
+        self.trainer = trainer = compiled.trainer
         self.main, self.say, self.times = main, say, times
         self.sinks = M.MetricSinks(run.log_json, run.tensorboard, main,
                                    append=run.resume, note=say)
-        self.eval_fn = make_eval_fn(trainer)
         dev = jax.devices()[0]
         self.peak = M.peak_flops_per_device(dev.device_kind) if dev.platform != "cpu" else None
         self.flops_per_step = trainer.cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len
@@ -210,9 +202,11 @@ class _Loop:
         data = Batches(self.corpus.train, run.batch_size, run.seq_len, run.seed, "train", position)
         sharding = tr.batch_sharding()
         t = time.perf_counter()
-        step_fn = tr.lower(run.batch_size, run.seq_len).compile()
+        cached = self.compiled.is_step_compiled
+        step_fn = self.compiled.step
         self.times["compile_s"] = time.perf_counter() - t
-        self.say(f"triax train: compiled the step in {self.times['compile_s']:.1f}s "
+        self.say("triax train: reusing the step compiled earlier in this process" if cached else
+                 f"triax train: compiled the step in {self.times['compile_s']:.1f}s "
                  f"(excluded from averages)")
         result = TrainResult(trainer=tr)
         bar = M.progress_bar(run.steps, start, self.main and run.progress)
@@ -227,7 +221,9 @@ class _Loop:
             result.losses.append(loss)
             rec = self._record(step, loss, m, dt)
             if step == run.steps or (run.eval_every and step % run.eval_every == 0):
-                rec["val_loss"] = result.val_losses[step] = self.evaluate(state)
+                val = self.evaluate(state)
+                if val is not None:
+                    rec["val_loss"] = result.val_losses[step] = val
             self.sinks.write(rec)
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
@@ -248,11 +244,13 @@ class _Loop:
                 "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
                 "mfu": u}
 
-    def evaluate(self, state) -> float:
+    def evaluate(self, state) -> Optional[float]:
+        if self.rc.eval_batches <= 0:
+            return None
         t = time.perf_counter()
         val = Batches(self.corpus.val, self.rc.batch_size, self.rc.seq_len, self.rc.seed, "val")
         sh = self.trainer.batch_sharding()
-        losses = [float(self.eval_fn(state["params"], val.global_batch(i, sh)))
+        losses = [float(self.compiled.eval_loss(state["params"], val.global_batch(i, sh)))
                   for i in range(self.rc.eval_batches)]
         self.times["eval_s"] += time.perf_counter() - t
         return float(np.mean(losses))
