@@ -61,7 +61,7 @@ class Compiled:
 def compiled_for(run, cfg, mesh, build: Callable[..., Trainer]) -> Compiled:
     """The cached ``Compiled`` for this run's program, building the trainer on a miss."""
     key = (cfg, mesh, run.strategy, run.optim_config().resolved(run.steps), run.exec_config(),
-           run.grad_accum, run.batch_size, run.seq_len, run.pipeline_schedule, run.microbatches)
+           run.grad_accum, run.batch_size, run.seq_len, run.schedule, run.microbatches, run.virtual)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]

@@ -42,8 +42,9 @@ class RunConfig:
     precision: str = "fp32"             # fp32 | bf16 (bf16 compute, fp32 master weights)
     remat: str = "none"
     grad_accum: int = 1
-    pipeline_schedule: str = "gpipe"
-    microbatches: int = 1               # pipeline micro-batches (used when pipe > 1)
+    schedule: str = "1f1b"              # pipeline schedule (used when pipe > 1)
+    microbatches: int = 0               # pipeline micro-batches (0: 2 × pipe)
+    virtual: int = 1                    # pipeline chunks per stage (interleaved schedules)
     data: str = "pydoc"
     val_fraction: float = 0.05
     eval_every: int = 0                 # 0: only at the end

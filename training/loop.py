@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import signal
 import time
@@ -69,9 +70,14 @@ def build_mesh(run: RunConfig, cfg: ModelConfig):
     return maker(**sizes)
 
 
+def pipeline_microbatches(run: RunConfig, mesh) -> int:
+    pipe = mesh_sizes(mesh)["pipe"]
+    return 1 if pipe == 1 else (run.microbatches or 2 * pipe)
+
+
 def check_batch(run: RunConfig, mesh) -> None:
     data = mesh_sizes(mesh)["data"]
-    micro = run.grad_accum * (run.microbatches if mesh_sizes(mesh)["pipe"] > 1 else 1)
+    micro = run.grad_accum * pipeline_microbatches(run, mesh)
     unit = data * micro
     if run.batch_size % unit or run.batch_size <= 0:
         valid = max(unit, round(run.batch_size / unit) * unit)
@@ -79,26 +85,16 @@ def check_batch(run: RunConfig, mesh) -> None:
                          f"micro-batches ({micro}) = {unit}; use e.g. --batch-size {valid}")
 
 
-def pipeline_loss_and_grad(run: RunConfig, cfg: ModelConfig, mesh):
-    """The pipeline's ``loss_and_grad`` when ``pipe > 1`` and triax.pipeline provides one.
-
-    Without it, ``layers -> pipe`` still shards the stacked layers over ``pipe`` and XLA
-    gathers each layer's weights where it runs (correct, but not a scheduled pipeline).
-    """
-    if mesh_sizes(mesh)["pipe"] == 1:
-        return None
-    import triax.pipeline as pl
-    make = getattr(pl, "make_loss_and_grad", None)
-    if make is None:
-        return None
-    return make(cfg, mesh, run.strategy, schedule=run.pipeline_schedule,
-                microbatches=run.microbatches, exe=run.exec_config())
-
-
 def build_trainer(run: RunConfig, cfg: ModelConfig, mesh) -> Trainer:
+    """The run's Trainer; with ``pipe > 1`` it runs triax.pipeline's schedule where the
+    Trainer supports one (its ``pipeline=`` argument). Without it, ``layers -> pipe`` still
+    splits the stacked layers over ``pipe`` and XLA gathers each layer where it runs."""
+    kw = {}
+    if mesh_sizes(mesh)["pipe"] > 1 and "pipeline" in inspect.signature(Trainer).parameters:
+        from triax.pipeline.api import PipelineConfig
+        kw["pipeline"] = PipelineConfig(run.schedule, run.microbatches, run.virtual)
     return Trainer(cfg, mesh, run.strategy, optim=run.optim_config(), exe=run.exec_config(),
-                   total_steps=run.steps, accum_steps=run.grad_accum,
-                   loss_and_grad=pipeline_loss_and_grad(run, cfg, mesh))
+                   total_steps=run.steps, accum_steps=run.grad_accum, **kw)
 
 
 def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer: Trainer, note):
