@@ -147,6 +147,16 @@ class _Signals:
             signal.signal(s, h)
 
 
+def stop_requested(sig: _Signals) -> Optional[int]:
+    """The signal to stop on; across processes any one's signal stops all at the same step
+    (the save is collective, so every process must take it together)."""
+    if jax.process_count() == 1:
+        return sig.received
+    from jax.experimental import multihost_utils
+    got = multihost_utils.process_allgather(np.int32(sig.received or 0))
+    return int(np.max(got)) or None
+
+
 def train(run: RunConfig, note=print) -> TrainResult:
     """Run (or resume) training as configured; see the module docstring."""
     t0 = time.perf_counter()
@@ -224,9 +234,10 @@ class _Loop:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rec['tokens_per_s']:,.0f}",
                             mfu=M.fmt_mfu(rec["mfu"]), refresh=False)
-            if sig.received is not None:
+            signum = stop_requested(sig)
+            if signum is not None:
                 bar.close()
-                raise self._interrupt(sig.received, step, state, data.position)
+                raise self._interrupt(signum, step, state, data.position)
             if self.ckpt and not run.no_save and run.checkpoint_every and \
                     step % run.checkpoint_every == 0 and step < run.steps:
                 self.save(step, state, data.position)
