@@ -8,9 +8,10 @@ per sequence). The layer runs in four steps, all mesh-free:
                ``pos`` counts earlier assignments to that expert *in the same sequence*, all
                first choices before all second choices (then token order). ``pos >= C``
                drops the assignment (its gate contributes nothing) and is counted.
-  3. experts:  SwiGLU per expert on buf_BECD, through the ``run_experts`` hook. By default it
-               runs here; ``triax.sharding.experts`` installs an all-to-all over the ``expert``
-               mesh axis instead, so models/ never names a mesh.
+  3. experts:  SwiGLU per expert on buf_BECD.
+By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
+(``using_moe_runner``) that runs steps 1-4 per token shard and turns step 3 into an
+all-to-all over the ``expert`` mesh axis, so models/ never names a mesh.
   4. combine:  y_BTD = Σ_r gate_BTR · out[b, e, pos].
 
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from typing import Callable, Optional
 
@@ -40,10 +42,12 @@ from triax.models.layers import param
 
 AUX_KEYS = ("moe_lb_loss", "moe_z_loss", "moe_dropped_tokens", "moe_loss_weighted")
 
-# run(fn, buf_BECD, weights) -> out_BECD, where fn(buf_...ECD, weights) computes the experts.
-ExpertRunner = Callable[[Callable, jax.Array, tuple], jax.Array]
-_RUNNER: contextvars.ContextVar[Optional[ExpertRunner]] = contextvars.ContextVar(
-    "triax_expert_runner", default=None)
+# How the token work runs: runner(token_fn, x_BTD, router_DE, weights) -> (y_BTD, stats).
+# token_fn(x_BTD, router_DE, weights, experts) does routing, dispatch and combine on the
+# tokens it is given and calls experts(buf_BECD, weights) -> out_BECD; stats are token sums.
+MoERunner = Callable[..., tuple]
+_RUNNER: contextvars.ContextVar[Optional[MoERunner]] = contextvars.ContextVar(
+    "triax_moe_runner", default=None)
 
 
 def aux_zeros() -> dict:
@@ -52,8 +56,9 @@ def aux_zeros() -> dict:
 
 
 @contextlib.contextmanager
-def using_expert_runner(fn: Optional[ExpertRunner]):
-    """Install how experts run (``None``: locally); ``triax.sharding`` uses this."""
+def using_moe_runner(fn: Optional[MoERunner]):
+    """Install how the MoE token work runs (``None``: here, on whole arrays); see
+    ``triax.sharding.experts`` for the expert-parallel runner."""
     token = _RUNNER.set(fn)
     try:
         yield
@@ -61,9 +66,11 @@ def using_expert_runner(fn: Optional[ExpertRunner]):
         _RUNNER.reset(token)
 
 
-def run_experts(fn: Callable, buf_BECD, weights: tuple):
+def _run(token_fn, x_BTD, router_DE, weights):
     runner = _RUNNER.get()
-    return fn(buf_BECD, weights) if runner is None else runner(fn, buf_BECD, weights)
+    if runner is None:
+        return token_fn(x_BTD, router_DE, weights, expert_ffn)
+    return runner(token_fn, x_BTD, router_DE, weights)
 
 
 def capacity(moe: MoEConfig, seq_len: int) -> int:
@@ -108,16 +115,36 @@ def expert_ffn(buf_ECD, weights):
     return jnp.einsum("...ECF,EFD->...ECD", jax.nn.silu(g) * u, w_down_EFD)
 
 
-def router_aux(logits_BTE, idx_BTR, dropped, moe: MoEConfig) -> dict:
+def router_stats(logits_BTE, idx_BTR, dropped) -> dict:
+    """Token sums the aux losses need (sums, so shards add them with one psum)."""
+    E = logits_BTE.shape[-1]
+    return {"assigned_E": jnp.sum(jax.nn.one_hot(idx_BTR, E, dtype=jnp.float32), axis=(0, 1, 2)),
+            "prob_E": jnp.sum(jax.nn.softmax(logits_BTE, axis=-1), axis=(0, 1)),
+            "lse2": jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
+            "dropped": dropped}
+
+
+def router_aux(stats: dict, num_tokens: int, moe: MoEConfig) -> dict:
     """Switch-style load balance E·Σ_e f_e·p_e, router z-loss, and their weighted sum."""
-    E, R = moe.num_experts, moe.top_k
-    probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-    frac_E = jnp.mean(jnp.sum(jax.nn.one_hot(idx_BTR, E, dtype=jnp.float32), axis=2),
-                      axis=(0, 1)) / R
-    lb = E * jnp.sum(jax.lax.stop_gradient(frac_E) * jnp.mean(probs_BTE, axis=(0, 1)))
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)))
-    return {"moe_lb_loss": lb, "moe_z_loss": z, "moe_dropped_tokens": dropped,
+    frac_E = jax.lax.stop_gradient(stats["assigned_E"]) / (num_tokens * moe.top_k)
+    lb = moe.num_experts * jnp.sum(frac_E * stats["prob_E"] / num_tokens)
+    z = stats["lse2"] / num_tokens
+    return {"moe_lb_loss": lb, "moe_z_loss": z, "moe_dropped_tokens": stats["dropped"],
             "moe_loss_weighted": moe.aux_loss_weight * lb + moe.z_loss_weight * z}
+
+
+def moe_tokens(x_BTD, router_DE, weights, experts, moe: MoEConfig):
+    """Route, dispatch, run ``experts`` on the buffers, combine: ``(y_BTD, stats)``."""
+    T, E = x_BTD.shape[1], moe.num_experts
+    C = capacity(moe, T)
+    logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32), router_DE)
+    idx_BTR, gates_BTR = route(logits_BTE, moe.top_k)
+    pos_BTR = jax.vmap(slots, in_axes=(0, None))(idx_BTR, E)
+    dropped = jnp.sum(pos_BTR >= C).astype(jnp.float32)
+    buf_BECD = jax.vmap(_dispatch, in_axes=(0, 0, 0, None, None))(x_BTD, idx_BTR, pos_BTR, E, C)
+    out_BECD = experts(buf_BECD, weights)
+    y_BTD = jax.vmap(_combine)(out_BECD, idx_BTR, pos_BTR, gates_BTR)
+    return y_BTD, router_stats(logits_BTE, idx_BTR, dropped)
 
 
 class MoE(nnx.Module):
@@ -134,18 +161,11 @@ class MoE(nnx.Module):
         self.w_down_EFD = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), std)
 
     def __call__(self, x_BTD, dtype):
-        moe, (B, T, _) = self.moe, x_BTD.shape
-        E, C = moe.num_experts, capacity(moe, T)
-        logits_BTE = jnp.einsum("BTD,DE->BTE", x_BTD.astype(jnp.float32),
-                                self.router_DE[...].astype(jnp.float32))
-        idx_BTR, gates_BTR = route(logits_BTE, moe.top_k)
-        pos_BTR = jax.vmap(slots, in_axes=(0, None))(idx_BTR, E)
-        dropped = jnp.sum(pos_BTR >= C).astype(jnp.float32)
-        x_BTD = x_BTD.astype(dtype)
-        buf_BECD = jax.vmap(_dispatch, in_axes=(0, 0, 0, None, None))(x_BTD, idx_BTR, pos_BTR, E, C)
+        B, T, _ = x_BTD.shape
         weights = tuple(w[...].astype(dtype) for w in (self.w_gate_EDF, self.w_up_EDF,
                                                          self.w_down_EFD))
-        out_BECD = run_experts(expert_ffn, buf_BECD, weights)
-        y_BTD = jax.vmap(_combine)(out_BECD, idx_BTR, pos_BTR, gates_BTR)
+        token_fn = functools.partial(moe_tokens, moe=self.moe)
+        y_BTD, stats = _run(token_fn, x_BTD.astype(dtype),
+                            self.router_DE[...].astype(jnp.float32), weights)
         y_BTD = constrain(y_BTD, ("batch", "seq", "act_embed"))
-        return y_BTD, router_aux(logits_BTE, idx_BTR, dropped, moe)
+        return y_BTD, router_aux(stats, B * T, self.moe)

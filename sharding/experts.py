@@ -19,6 +19,8 @@ runs 4 per layer (dispatch and combine, forward and backward).
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Callable, Optional
 
 import jax
@@ -27,6 +29,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
+from triax.models.moe import capacity, expert_ffn
 from triax.sharding.rules import Rules, ShardingError
 
 
@@ -49,42 +52,60 @@ def check_expert_mesh(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> None:
         return
     ep, E = expert_parallel_size(mesh, rules), cfg.moe.num_experts
     if E % ep:
-        fits = [d for d in range(1, E + 1) if E % d == 0]
+        g = math.gcd(E, ep)
         raise ShardingError(
             f"model {cfg.name!r}: num_experts={E} is not divisible by the expert mesh axis "
-            f"{expert_axes(mesh, rules)} of size {ep}; choose an expert axis size in {fits} "
-            f"(e.g. --mesh ...,expert={max(d for d in fits if d <= ep)}) or change num_experts")
+            f"{expert_axes(mesh, rules)} of size {ep}; choose an expert axis size dividing {E} "
+            f"(e.g. expert={g}, giving the other factor {ep // g} to data) or make num_experts "
+            f"a multiple of {ep}")
 
 
-def _all_to_all_runner(mesh, axes: tuple[str, ...], ep: int) -> Callable:
-    spec = P(axes if len(axes) > 1 else axes[0])
+def _token_axes(mesh: Mesh, rules: Rules, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes the token buffer's batch dimension is split over: the expert axes, then the
+    rest of the batch axes (manual too, so XLA cannot regather the batch over ``data``)."""
+    sizes = mesh_sizes(mesh)
+    batch = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1 and a not in axes)
+    order = rules.mesh_axes("batch")
+    if all(a in order for a in axes):  # follow the rules' order: no reshuffle at the boundary
+        return tuple(a for a in order if a in axes or a in batch)
+    return axes + batch
 
-    def local(fn, buf_BECD, weights):
+
+def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Callable:
+    token_axes = _token_axes(mesh, rules, axes)
+    x_spec, w_spec = P(token_axes), P(axes)
+
+    def experts(buf_BECD, weights):
         b, E, C, D = buf_BECD.shape
         x = buf_BECD.reshape(b, ep, E // ep, C, D)
         x = jax.lax.all_to_all(x, axes, 1, 1, tiled=True)   # [b, src rank, local experts, C, D]
-        with using_constraint(None):   # activation constraints name the full mesh: not here
-            y = fn(x, weights)
+        y = expert_ffn(x, weights)
         y = jax.lax.all_to_all(y, axes, 1, 1, tiled=True)   # back to [b, dst rank, ...]
         return y.reshape(b, E, C, D)
 
-    def run(fn, buf_BECD, weights):
+    def local(token_fn, x_BTD, router_DE, weights):
+        with using_constraint(None):   # activation constraints name the full mesh: not here
+            y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
+        return y_BTD, jax.lax.psum(stats, token_axes)
+
+    def run(token_fn, x_BTD, router_DE, weights):
         context = jax.sharding.get_abstract_mesh()
         # Inside an enclosing shard_map (the pipeline's) the context mesh carries its manual
         # axes; nest in it. Otherwise use the concrete mesh.
         m = context if not context.empty and context.manual_axes else mesh
         return jax.shard_map(
-            lambda buf, ws: local(fn, buf, ws), mesh=m, axis_names=set(axes),
-            in_specs=(spec, (spec,) * len(weights)), out_specs=spec)(buf_BECD, tuple(weights))
+            functools.partial(local, token_fn), mesh=m, axis_names=set(token_axes),
+            in_specs=(x_spec, P(), (w_spec,) * len(weights)), out_specs=(x_spec, P()),
+        )(x_BTD, router_DE, tuple(weights))
     return run
 
 
 def expert_runner(mesh: Mesh, rules: Rules) -> Optional[Callable]:
-    """The ``run_experts`` implementation for ``mesh`` (None: experts run locally)."""
+    """The MoE runner for ``mesh`` (None: the MoE runs on whole arrays, no expert axis)."""
     axes = expert_axes(mesh, rules)
     if not axes:
         return None
-    return _all_to_all_runner(mesh, axes, expert_parallel_size(mesh, rules))
+    return _all_to_all_runner(mesh, rules, axes, expert_parallel_size(mesh, rules))
 
 
 def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rules: Rules,
@@ -94,7 +115,6 @@ def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rul
     ``buffer`` is the per-device payload of one all-to-all: (B / (EP·DP))·E·C·D·itemsize;
     ``count`` = 2·L per forward (dispatch + combine), doubled for a training step.
     """
-    from triax.models.moe import capacity
     if cfg.moe is None or not expert_axes(mesh, rules):
         return {"buffer_bytes": 0, "count": 0, "bytes_per_step": 0}
     sizes = mesh_sizes(mesh)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
-from triax.models.moe import using_expert_runner
+from triax.models.moe import using_moe_runner
 from triax.models.transformer import Transformer
 from triax.sharding.experts import check_expert_mesh, expert_runner
 from triax.sharding.rules import Rules, ShardingError, Strategy, get_strategy
@@ -131,7 +131,7 @@ def activation_sharding(mesh: Mesh, strategy: str | Strategy):
     """While tracing, resolve the model's logical activation axes through ``strategy``."""
     rules = get_strategy(strategy).rules
     with using_constraint(activation_constraint(mesh, rules)), \
-            using_expert_runner(expert_runner(mesh, rules)):
+            using_moe_runner(expert_runner(mesh, rules)):
         yield
 
 
