@@ -30,6 +30,19 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
 
+    def __post_init__(self):
+        if self.num_experts < 1 or self.top_k < 1:
+            raise ValueError(f"MoEConfig: num_experts={self.num_experts} and top_k={self.top_k} "
+                             f"must both be at least 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} exceeds num_experts="
+                             f"{self.num_experts}; choose top_k <= num_experts")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig: capacity_factor={self.capacity_factor} must be > 0 "
+                             f"(or None for dropless routing)")
+        if self.mlp_dim < 0:
+            raise ValueError(f"MoEConfig: mlp_dim={self.mlp_dim} must be >= 0 (0: the model's)")
+
     def replace(self, **kw) -> "MoEConfig":
         return dataclasses.replace(self, **kw)
 
