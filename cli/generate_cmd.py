@@ -30,7 +30,9 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop-token", type=int, action="append", default=[],
                    help="token id that ends a sequence (repeatable; 257 is EOS)")
-    p.add_argument("--mesh", default="", help="one replica's mesh, e.g. tensor=2 or pipe=2,tensor=2")
+    p.add_argument("--mesh", default="", help="one replica's mesh, e.g. tensor=2 or "
+                   "pipe=2,tensor=2 (axes left out are 1; default: tensor over all of a "
+                   "replica's devices)")
     p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -51,10 +53,12 @@ def run(args) -> int:
     from triax.inference.generate import build_server, generate
     from triax.inference.sampling import SamplingConfig
     prompts = _prompts(args)
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_tokens=tuple(args.stop_token))
     longest = max((len(p.encode("utf-8")) for p in prompts), default=1)
-    server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh),
+    server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers)
     out = generate(server, prompts, args.max_new_tokens)

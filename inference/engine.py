@@ -2,7 +2,8 @@
 
 The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chosen slots
 and samples their first token; ``decode`` advances every slot by one token. Shapes are
-bucketed (prompt length rounded up to a bucket, prefill batch to a power of two), so each
+bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
+all slots), so each
 function compiles once per bucket, never per request. ``pipe > 1`` decodes through the
 pipeline (``triax.inference.forward``).
 
@@ -56,13 +57,6 @@ class EngineConfig:
             out.append(b)
             b *= 2
         return tuple(out) + (self.max_len,)
-
-
-def _round_pow2(n: int, lo: int, hi: int) -> int:
-    b = lo
-    while b < n:
-        b *= 2
-    return min(b, hi)
 
 
 class Engine:
@@ -150,7 +144,8 @@ class Engine:
         if n_tokens > self.cfg.max_seq_len:
             raise InferenceError(f"prompt of {n_tokens} tokens is longer than the model's "
                                  f"context ({self.cfg.max_seq_len}); shorten it")
-        if n_tokens + max_new_tokens > self.ecfg.max_len:
+        # The last generated token is returned, never fed back, so it needs no position.
+        if n_tokens + max_new_tokens - 1 > self.ecfg.max_len:
             raise InferenceError(
                 f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} does not "
                 f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
@@ -165,7 +160,7 @@ class Engine:
             self.check_prompt(int(L), 1)
         T = next(b for b in self.ecfg.buckets() if b >= lens.max())
         lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
-        b = _round_pow2(n, lo, 1 << 30)  # a multiple of lo; few distinct sizes
+        b = lo if n <= lo else self.ecfg.max_batch  # two prefill batch buckets
         tokens = np.zeros((b, T), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p

@@ -17,6 +17,7 @@ stops frees its slot at once, and the next iteration fills it.
 from __future__ import annotations
 
 import collections
+import math
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -76,7 +77,15 @@ def split_devices(devices: Sequence, replicas: int) -> list[list]:
 
 def replica_meshes(mesh_sizes: Mapping[str, int], replicas: int, devices=None) -> list:
     """One mesh per replica; ``mesh_sizes`` describes a single replica (missing axes are 1)."""
-    groups = split_devices(list(jax.devices() if devices is None else devices), replicas)
+    devices = list(jax.devices() if devices is None else devices)
+    groups = split_devices(devices, replicas)
+    per = math.prod(mesh_sizes.values())
+    if per > 0 and per != len(groups[0]):  # (a -1 axis fills the replica's devices)
+        desc = ",".join(f"{a}={n}" for a, n in mesh_sizes.items()) or "one device"
+        raise InferenceError(
+            f"--mesh {desc} has {per} device(s) per replica, but {len(devices)} devices split "
+            f"into {replicas} replica(s) give {len(groups[0])} each; choose --mesh and "
+            f"--replicas whose product is {len(devices)}")
     return [make_mesh(devices=g, **dict(mesh_sizes)) for g in groups]
 
 
