@@ -8,6 +8,7 @@ from triax.inference.reference import greedy_reference
 from triax.inference.server import Server, replica_meshes
 from triax.mesh import make_mesh
 from triax.models import config
+from triax.sharding.introspect.hlo import Collective, collectives_from_compiled
 from triax.sharding.partition import abstract_model, init_params
 
 CFG = config.TINY.replace(num_layers=2)
@@ -46,8 +47,23 @@ def test_greedy_tokens_match_reference(layout, params, reference, devices):
     results = server.run()
     assert [results[i].tokens for i in ids] == reference[0]
     if sizes.get("pipe", 1) > 1:
-        assert server.engines[0].pipelined
-        assert "pipe" in str(server.engines[0].cache["k"].sharding.spec)
+        _check_pipeline_decode_hlo(server.engines[0], sizes)
+
+
+def _check_pipeline_decode_hlo(eng, sizes):
+    """Weights and cache stay on their stages: over `pipe` the decode step moves one
+    micro-batch activation per tick (collective-permute) and only logits-sized results."""
+    assert eng.pipelined and eng.cache["k"].sharding.spec[0] == "pipe"
+    B, S, M = ECFG.max_batch, sizes["pipe"], eng.microbatches
+    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3
+    over_pipe = [c for c in collectives_from_compiled(eng._decode_jit.lower(*args).compile(),
+                                                      eng.mesh) if "pipe" in c.axes]
+    rows = B // M // sizes.get("data", 1)  # one micro-batch's rows on one device
+    activation = Collective("collective-permute", ("pipe",), rows * CFG.embed_dim * 4, M + S - 1)
+    assert activation in over_pipe
+    others = [c for c in over_pipe if c != activation]
+    assert all(c.kind != "all-gather" and c.bytes_per_device * c.count <= B * CFG.vocab_size * 4
+               for c in others), others
 
 
 def test_cached_decode_logits_equal_full_recompute(params, reference, devices):
