@@ -9,14 +9,16 @@ pipeline (``triax.inference.forward``).
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
-    >>> eng = Engine.from_seed(config.TINY, make_mesh(tensor=2), seed=0)
-    >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])
-    >>> nxt = eng.decode(first_tokens_for_all_slots, active)        # doctest: +SKIP
+    >>> eng = Engine.from_seed(config.TINY, make_mesh(tensor=-1), seed=0,
+    ...                        ecfg=EngineConfig(max_batch=2, max_len=32))
+    >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])     # slot 0 <- prompt
+    >>> active = np.array([True, False])
+    >>> nxt = eng.decode(np.array([int(first[0]), 0]), active, seeds=np.zeros(2))
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Sequence
 
 import jax
@@ -88,8 +90,9 @@ class Engine:
         self.cache_sharding = self._cache_sharding(B)
         self.cache = self._zeros_cache(B, ecfg.max_len)
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
+        # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(6,))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(5,))
         self.compiles = {"prefill": set(), "decode": set()}
 
     @classmethod
@@ -117,22 +120,25 @@ class Engine:
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
     # ---- traced programs ---------------------------------------------------------------------
-    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b):
+    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
         b, T = tokens_bT.shape
         shape = cache_shape(self.cfg, b, T)
         tmp = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
         logits_bTV, tmp = self._fwd(params, tokens_bT, positions, tmp)
         last_bV = jnp.take_along_axis(logits_bTV, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
-        tok = sample(last_bV, self.sampling, seeds_b, lengths_b)
+        tok = sample(last_bV, rule, seeds_b, lengths_b)
         cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 
-    def _decode(self, params, cache, tokens_B, positions_B, seeds_B):
+    def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule):
         logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None], cache)
-        tok = sample(logits_B1V[:, 0], self.sampling, seeds_B, positions_B + 1)
+        tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1)
         return cache, tok, logits_B1V[:, 0]
+
+    def _rule(self) -> SamplingConfig:
+        return dataclasses.replace(self.sampling, stop_tokens=())
 
     # ---- host API ------------------------------------------------------------------------------
     def check_prompt(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -172,7 +178,7 @@ class Engine:
         seed_arr[:n] = seeds
         self.compiles["prefill"].add((b, T))
         self.cache, tok, self.last_logits = self._prefill_jit(
-            self.params, self.cache, tokens, lengths, slot_arr, seed_arr)
+            self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule())
         self.lengths[list(slots)] = lens
         return tok[:n]
 
@@ -187,6 +193,6 @@ class Engine:
         self.compiles["decode"].add(tokens.shape)
         self.cache, tok, self.last_logits = self._decode_jit(
             self.params, self.cache, np.asarray(tokens, np.int32), positions,
-            np.asarray(seeds, np.int32))
+            np.asarray(seeds, np.int32), self._rule())
         self.lengths[active] += 1
         return tok

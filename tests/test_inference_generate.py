@@ -55,7 +55,7 @@ def _check_pipeline_decode_hlo(eng, sizes):
     micro-batch activation per tick (collective-permute) and only logits-sized results."""
     assert eng.pipelined and eng.cache["k"].sharding.spec[0] == "pipe"
     B, S, M = ECFG.max_batch, sizes["pipe"], eng.microbatches
-    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3
+    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
     over_pipe = [c for c in collectives_from_compiled(eng._decode_jit.lower(*args).compile(),
                                                       eng.mesh) if "pipe" in c.axes]
     rows = B // M // sizes.get("data", 1)  # one micro-batch's rows on one device

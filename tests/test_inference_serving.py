@@ -82,3 +82,16 @@ def test_stop_token_ends_a_request_and_frees_its_slot(setup, devices):
         stopping.engines[0].sampling = SamplingConfig()
     assert r.finish_reason == "stop" and r.tokens == ref[0][:ref[0].index(stop)]
     assert all(s is None for s in stopping.slots[0])
+
+
+def test_sampled_results_independent_of_arrival_order(setup):
+    server, reqs, ref = setup
+    eng = server.engines[0]  # one replica keeps the extra (sampling) compile small
+    eng.sampling = SamplingConfig(temperature=1.5, top_k=20, top_p=0.95, seed=5)
+    try:
+        forward = _serve(Server([eng]), reqs[:12], range(12))
+        shuffled = _serve(Server([eng]), reqs[:12], list(reversed(range(12))))
+    finally:
+        eng.sampling = SamplingConfig()
+    assert {i: r.tokens for i, r in forward.items()} == {i: r.tokens for i, r in shuffled.items()}
+    assert any(forward[i].tokens != ref[i][:reqs[i][1]] for i in range(12))  # it did sample
