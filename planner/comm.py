@@ -1,0 +1,131 @@
+"""Communication per step, per device and per mesh axis, and where each axis runs.
+
+Two numbers per collective:
+  * ``payload``: bytes in the convention of ``triax.sharding.introspect`` (all-reduce: the
+    buffer; all-gather: the gathered output; reduce-scatter: the full input; all-to-all and
+    collective-permute: the buffer), which is what the compiled HLO is checked against;
+  * ``wire``: bytes a device actually sends with ring algorithms (all-reduce 2(n−1)/n of the
+    buffer, all-gather and reduce-scatter (n−1)/n, all-to-all (n−1)/n, permute 1×), which is
+    what the link time uses.
+
+    >>> from triax.models import config
+    >>> from triax.planner.spec import Layout, Workload
+    >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
+    >>> traffic(w, Layout(data=8))["data"].payload == config.get("tiny").num_params * 4
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from triax.planner.hardware import Cluster, Link
+from triax.planner.memory import FP32, local_param_elements
+from triax.planner.spec import Layout, Workload, ceil_div
+from triax.sharding.rules import get_strategy
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+
+
+@dataclass
+class AxisTraffic:
+    """Collectives on one mesh axis: payload bytes by kind, ring wire bytes, messages."""
+
+    size: int
+    payload_by_kind: dict[str, float] = field(default_factory=dict)
+    messages: int = 0
+
+    def add(self, kind: str, payload: float, count: int = 1) -> None:
+        self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload * count
+        self.messages += count
+
+    @property
+    def payload(self) -> float:
+        return sum(self.payload_by_kind.values())
+
+    @property
+    def wire(self) -> float:
+        return sum(_WIRE[k](self.size) * b for k, b in self.payload_by_kind.items())
+
+
+def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
+    """Per-device collective bytes of one training step (or one forward) by mesh axis."""
+    out = {a: AxisTraffic(s) for a, s in lay.sizes.items() if s > 1}
+    if "data" in out and w.train:
+        _data_axis(w, lay, out["data"])
+    if w.cfg is None:
+        return out
+    tokens = w.batch / lay.data * w.seq                 # tokens one device's replica runs
+    act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
+    layers = ceil_div(w.cfg.num_layers, lay.pipe)
+    passes = 2 if w.train else 1                          # forward (+ backward)
+    if "tensor" in out and "heads" in get_strategy(lay.strategy).rules.as_dict():
+        # Megatron: two all-reduces per block each way (attention out, MLP out / their
+        # input grads), plus the vocab-parallel embedding (fwd) and head input grad (bwd).
+        out["tensor"].add("all-reduce", act, 2 * layers * passes + passes)
+    if "pipe" in out:
+        M = max(lay.microbatches, 1)
+        out["pipe"].add("collective-permute", act / M, M * passes * lay.virtual)
+    if "expert" in out and w.cfg.moe is not None:
+        moe = w.cfg.moe
+        routed = act * moe.top_k * (moe.capacity_factor or 1.0)
+        out["expert"].add("all-to-all", routed, 2 * layers * passes)   # dispatch + combine
+    return out
+
+
+def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
+    """Gradient reduction (DP), plus parameter gathers (ZeRO-1 after the update; FSDP in
+    the forward and again in the backward)."""
+    st = get_strategy(lay.strategy)
+    sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
+    full = local_param_elements(w, _unsharded_over_data(lay))   # this replica's params
+    if not sharded_opt:
+        t.add("all-reduce", full * FP32)
+        return
+    t.add("reduce-scatter", full * FP32)
+    if st.fsdp:
+        t.add("all-gather", full * w.dtype_bytes, 2)
+    else:
+        t.add("all-gather", full * w.dtype_bytes)
+
+
+def _unsharded_over_data(lay: Layout) -> Layout:
+    """The same layout with the parameters not split over ``data`` (what a gather yields)."""
+    name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(lay.strategy, lay.strategy)
+    return Layout(1, lay.tensor, lay.pipe, lay.expert, name, lay.schedule, lay.microbatches,
+                  lay.virtual)
+
+
+# ---- placement on links ------------------------------------------------------------------
+INNER_TO_OUTER = ("tensor", "expert", "pipe", "data")
+
+
+def axis_links(lay: Layout, cluster: Cluster) -> dict[str, Link]:
+    """Which link each mesh axis runs on: an axis stays in a node when it and every axis
+    inside it fit in ``gpus_per_node`` (the mesh puts ``tensor`` innermost)."""
+    links, span = {}, 1
+    for a in INNER_TO_OUTER:
+        span *= lay.sizes[a]
+        inside = span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0
+        links[a] = cluster.intra if inside else cluster.inter
+    return links
+
+
+def comm_seconds(traffic_by_axis: dict[str, AxisTraffic], links: dict[str, Link],
+                 efficiency: float) -> dict[str, float]:
+    """Wire bytes over achieved bandwidth, plus a latency per message (ring: n−1 hops)."""
+    return {a: t.wire / (links[a].bandwidth * efficiency)
+            + t.messages * (t.size - 1) * links[a].latency
+            for a, t in traffic_by_axis.items()}
+
+
+def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:
+    links = axis_links(lay, cluster)
+    return [a for a in INNER_TO_OUTER if lay.sizes[a] > 1 and links[a] is cluster.inter
+            and cluster.nodes > 1]
+
+
+def total_payload(traffic_by_axis: dict[str, AxisTraffic]) -> float:
+    return sum(t.payload for t in traffic_by_axis.values())
