@@ -30,6 +30,8 @@ def simulate_cpu_devices(n: int = DEFAULT_SIMULATED, *, announce: bool = True) -
     if _has_accelerator():
         return None
     os.environ["JAX_NUM_CPU_DEVICES"] = str(n)
+    if "jax" in sys.modules:  # jax reads the variable at import; tell its config directly
+        sys.modules["jax"].config.update("jax_num_cpu_devices", n)
     if announce:
         print(f"triax: no accelerator found; simulating {n} CPU devices "
               f"(set JAX_NUM_CPU_DEVICES to choose another count)", file=sys.stderr)

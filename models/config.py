@@ -3,7 +3,7 @@
 Shape letters used throughout triax (written once, here):
     B batch   T sequence (query)   S sequence (key/value)   D embed (model width)
     N query heads   K kv heads   G query heads per kv head (N // K)   H head_dim
-    F mlp hidden   V vocab   L layers   E experts   C expert capacity
+    F mlp hidden   U fused gate|up pair (2)   V vocab   L layers   E experts   C expert capacity
 
 Variants come from ``dataclasses.replace``::
 

@@ -114,18 +114,17 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: gate/up column-parallel over ``mlp``, down row-parallel."""
+    """SwiGLU: gate and up fused into one column-parallel weight over ``mlp`` (so the
+    backward needs one input-gradient all-reduce, not two); down is row-parallel."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         D, F, std = cfg.embed_dim, cfg.mlp_dim, cfg.init_std
-        self.w_gate_DF = param(rngs, (D, F), ("embed", "mlp"), std)
-        self.w_up_DF = param(rngs, (D, F), ("embed", "mlp"), std)
+        self.w_in_D2F = param(rngs, (D, 2, F), ("embed", None, "mlp"), std)
         self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), std)
 
     def __call__(self, x_BTD, dtype):
-        g = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_gate_DF[...].astype(dtype))
-        u = jnp.einsum("BTD,DF->BTF", x_BTD, self.w_up_DF[...].astype(dtype))
-        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
+        gu = jnp.einsum("BTD,DUF->BTUF", x_BTD, self.w_in_D2F[...].astype(dtype))
+        h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "act_mlp"))
         out = jnp.einsum("BTF,FD->BTD", h, self.w_down_FD[...].astype(dtype))
         return constrain(out, ("batch", "seq", "act_embed")), {}
 
