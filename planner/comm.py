@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
-from triax.planner.memory import FP32, local_param_elements
+from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
 from triax.planner.spec import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
 
@@ -62,9 +62,12 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
     layers = ceil_div(w.cfg.num_layers, lay.pipe)
     passes = 2 if w.train else 1                          # forward (+ backward)
     if "tensor" in out and "heads" in get_strategy(lay.strategy).rules.as_dict():
-        # Megatron: two all-reduces per block each way (attention out, MLP out / their
-        # input grads), plus the vocab-parallel embedding (fwd) and head input grad (bwd).
-        out["tensor"].add("all-reduce", act, 2 * layers * passes + passes)
+        # Megatron: per block, forward all-reduces the attention and MLP outputs; backward
+        # all-reduces the input gradients of q, k and v (three buffers: the projections are
+        # separate weights) and of the fused MLP input. Plus the vocab-parallel embedding
+        # (forward) and the head's input gradient (backward).
+        per_block = 2 + (4 if w.train else 0)
+        out["tensor"].add("all-reduce", act, per_block * layers + passes)
     if "pipe" in out:
         M = max(lay.microbatches, 1)
         out["pipe"].add("collective-permute", act / M, M * passes * lay.virtual)
@@ -80,18 +83,35 @@ def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     the forward and again in the backward)."""
     st = get_strategy(lay.strategy)
     sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
-    full = local_param_elements(w, _unsharded_over_data(lay))   # this replica's params
+    full = local_param_elements(w, unsharded_over_data(lay))   # this replica's params
     if not sharded_opt:
         t.add("all-reduce", full * FP32)
-        return
-    t.add("reduce-scatter", full * FP32)
-    if st.fsdp:
-        t.add("all-gather", full * w.dtype_bytes, 2)
+    elif not st.fsdp or w.cfg is None:      # ZeRO-1 (or a --params estimate)
+        t.add("reduce-scatter", full * FP32)
+        t.add("all-gather", full * w.dtype_bytes, 2 if st.fsdp else 1)
     else:
-        t.add("all-gather", full * w.dtype_bytes)
+        _fsdp(w, lay, t)
 
 
-def _unsharded_over_data(lay: Layout) -> Layout:
+def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
+    """FSDP by parameter: block weights are gathered in the forward and again in the
+    backward (the layer scan frees them), the head once; every gradient but the embedding
+    table's is reduce-scattered. The embedding table stays split over ``embed``: the
+    lookup's activations are exchanged instead (an all-to-all each way)."""
+    sharded = get_strategy(lay.strategy).rules
+    whole = get_strategy(unsharded_over_data(lay).strategy).rules
+    for path, shape, logical in param_leaves(w.cfg):
+        full = local_elements(shape, logical, whole, lay.sizes)
+        split = local_elements(shape, logical, sharded, lay.sizes) < full
+        if path.startswith("embed/"):
+            t.add("all-to-all", w.batch / lay.data * w.seq * w.cfg.embed_dim * w.dtype_bytes, 2)
+            continue
+        t.add("reduce-scatter" if split else "all-reduce", full * FP32)
+        if split:
+            t.add("all-gather", full * w.dtype_bytes, 2 if path.startswith("blocks/") else 1)
+
+
+def unsharded_over_data(lay: Layout) -> Layout:
     """The same layout with the parameters not split over ``data`` (what a gather yields)."""
     name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(lay.strategy, lay.strategy)
     return Layout(1, lay.tensor, lay.pipe, lay.expert, name, lay.schedule, lay.microbatches,

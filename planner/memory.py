@@ -93,10 +93,8 @@ def analytic_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
            ("blocks/mlp_norm/scale", (L, D), ("layers", "norm")),
            ("embed/table_VD", (V, D), ("vocab", "embed")), ("final_norm/scale", (D,), ("norm",))]
     if cfg.moe is None:
-        out += [(f"blocks/mlp/w_{n}", s, a) for n, s, a in (
-            ("gate_DF", (L, D, F), ("layers", "embed", "mlp")),
-            ("up_DF", (L, D, F), ("layers", "embed", "mlp")),
-            ("down_FD", (L, F, D), ("layers", "mlp", "embed")))]
+        out += [("blocks/mlp/w_in_D2F", (L, D, 2, F), ("layers", "embed", None, "mlp")),
+                ("blocks/mlp/w_down_FD", (L, F, D), ("layers", "mlp", "embed"))]
     else:
         E, Fe = cfg.moe.num_experts, cfg.moe.mlp_dim or F
         out += [("blocks/mlp/router_DE", (L, D, E), ("layers", "embed", None))]
@@ -151,8 +149,9 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
 
     No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
-    GQA-repeated k/v (5·N·H + 3·K·H), the fp32 scores and probabilities (2·N·T), SwiGLU's
-    gate, up, silu and product (4·F); TP divides everything but the D-sized terms.
+    GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
+    gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
+    (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -162,15 +161,16 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     if remat == "full":
         per_token = D
     elif remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + 2 * f
+        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + 3 * f
     else:
-        per_token = 6 * D + 5 * nh + 3 * kh + scores + 4 * f
+        per_token = 6 * D + 5 * nh + 3 * kh + scores + 5 * f
     return per_token * tokens
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
     """Saved activations on the busiest device: its layers × micro-batches in flight, plus
-    (for remat) one block's recompute working set, plus the fp32 logits and their gradient.
+    one block's backward working set (its recomputed or saved internals and their
+    gradients), plus the fp32 logits, log-probabilities and their gradient.
     """
     cfg = w.cfg
     if cfg is None or not w.train:
@@ -181,8 +181,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
     per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat)
     saved = layers * per_layer * in_flight
-    if w.remat != "none":   # one block recomputed at a time during the backward
-        saved += layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
+    saved += layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
     logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
     return (saved + logits) * w.dtype_bytes
 
@@ -216,7 +215,7 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         # Training weights: fp32 params (fp32) or a bf16 working copy plus an fp32 master
         # (mixed); gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them).
         params = p_local * w.dtype_bytes
-        grads = o_local * FP32
+        grads = o_local * FP32 + _block_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * (ADAM_MOMENTS + (1 if w.mixed else 0)) + 16
     else:
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
@@ -225,6 +224,17 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     modelled = params + grads + optimizer + acts + kv
     overhead = assume.overhead_bytes + assume.overhead_frac * modelled
     return Memory(params, grads, optimizer, acts, kv, overhead)
+
+
+def _block_grad_elements(w: Workload, lay: Layout) -> int:
+    """One block's gradient before its reduction over ``data`` (the backward's working set)."""
+    if w.cfg is None:
+        return 0
+    from triax.planner.comm import unsharded_over_data
+    rules = get_strategy(unsharded_over_data(lay).strategy).rules
+    blocks = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                 if p.startswith("blocks/"))
+    return blocks // ceil_div(w.cfg.num_layers, lay.pipe)
 
 
 def min_devices_for_weights(w: Workload, device_memory: float) -> int:
