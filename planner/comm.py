@@ -57,7 +57,8 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         _data_axis(w, lay, out["data"])
     if w.cfg is None:
         return out
-    tokens = w.batch / lay.data * w.seq                 # tokens one device's replica runs
+    # Tokens one replica runs: a training step's B·T, or one decode step's B new tokens.
+    tokens = w.batch / lay.data * (w.seq if w.train else 1)
     act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
     layers = ceil_div(w.cfg.num_layers, lay.pipe)
     passes = 2 if w.train else 1                          # forward (+ backward)

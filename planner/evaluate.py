@@ -70,11 +70,32 @@ class PlanResult:
 
 
 def step_flops(w: Workload) -> float:
-    """Model FLOPs of one step: training 6·N_active + attention per token; inference a
-    forward (a third of that)."""
-    tokens = w.batch * w.seq
+    """Model FLOPs of one step: training is B·T tokens at 6·N_active + attention each;
+    inference is one decode step, B tokens at a third of that."""
     per_token = w.cfg.flops_per_token(w.seq) if w.cfg is not None else 6.0 * w.params
-    return tokens * per_token * (1.0 if w.train else 1.0 / 3.0)
+    return w.batch * w.seq * per_token if w.train else w.batch * per_token / 3.0
+
+
+def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
+                  assume: Assumptions) -> tuple[float, float, float]:
+    """(compute seconds, bubble, busy seconds incl. bubble) on the busiest device."""
+    flops = step_flops(w)
+    peak = cluster.device.peak_flops(w.dtype)
+    uneven = 1.0
+    if w.cfg is not None and lay.pipe > 1:   # the largest stage sets the pace
+        uneven = ceil_div(w.cfg.num_layers, lay.pipe) * lay.pipe / w.cfg.num_layers
+    compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
+    if w.train:
+        compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
+        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
+        return compute, bubble, compute / (1.0 - bubble)
+    # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.
+    M = max(lay.microbatches, 1)
+    read = (mem.params + mem.kv_cache) / cluster.device.hbm_bandwidth
+    per_mb = max(compute / M, read)
+    ticks = M + lay.pipe - 1
+    busy = ticks * per_mb
+    return compute, 1.0 - M * per_mb / busy, busy
 
 
 def evaluate(w: Workload, lay: Layout, cluster: Cluster,
@@ -84,19 +105,14 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
     mem = estimate(w, lay, assume)
     traffic = comm.traffic(w, lay)
     seconds = comm.comm_seconds(traffic, comm.axis_links(lay, cluster), assume.comm_efficiency)
-    flops = step_flops(w)
-    peak = cluster.device.peak_flops(w.dtype)
-    uneven = 1.0
-    if w.cfg is not None and lay.pipe > 1:   # the largest stage sets the pace
-        uneven = ceil_div(w.cfg.num_layers, lay.pipe) * lay.pipe / w.cfg.num_layers
-    compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
-    bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
-    busy = compute / (1.0 - bubble)
+    compute, bubble, busy = _busy_seconds(w, lay, mem, cluster, assume)
     data_t = seconds.get("data", 0.0)
     exposed = sum(t for a, t in seconds.items() if a != "data") \
         + max(0.0, data_t - DATA_OVERLAP * compute)
     step = busy + exposed
-    mfu = flops / (step * lay.devices * peak)
+    peak = cluster.device.peak_flops(w.dtype)
+    mfu = step_flops(w) / (step * lay.devices * peak)
+    tokens = w.batch * (w.seq if w.train else 1)
     return PlanResult(w, lay, mem, traffic, seconds, compute, sum(seconds.values()), bubble,
-                      step, mfu, w.batch * w.seq / step, mem.total <= cluster.device.memory,
+                      step, mfu, tokens / step, mem.total <= cluster.device.memory,
                       cluster.device.memory)
