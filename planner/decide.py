@@ -75,6 +75,13 @@ def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
                        f"({state_bytes(w) / 1e9:.0f} GB) exceed one node "
                        f"({node_bytes / 1e9:.0f} GB), so pipeline stages go across nodes "
                        f"with tensor parallelism inside each node.")
+    if w.cfg is not None and w.cfg.moe is not None:
+        ep = [p for p in ranked if p.layout.expert > 1]
+        if ep:
+            ranked = ep + [p for p in ranked if p not in ep]
+            why.append(f"{w.cfg.moe.num_experts} experts: expert weights are split over the "
+                       f"'expert' axis (tokens travel by all-to-all) rather than cut by "
+                       f"tensor parallelism, which would all-reduce every expert's output.")
     if _slow_intra(cluster):
         low = [p for p in ranked if p.layout.tensor <= SLOW_LINK_MAX_TP]
         if low and len(low) < len(ranked):

@@ -50,11 +50,13 @@ class Memory:
     activations: float
     kv_cache: float
     overhead: float
+    gathered: float = 0.0     # FSDP: one block's weights gathered over ``data``
 
     @property
     def modelled(self) -> float:
         """Everything but the overhead: what XLA's memory_analysis sees."""
-        return self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+        return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+                + self.gathered)
 
     @property
     def total(self) -> float:
@@ -221,13 +223,17 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
     acts = activation_bytes(w, lay)
     kv = kv_cache_bytes(w, lay)
-    modelled = params + grads + optimizer + acts + kv
+    gathered = 0.0
+    if get_strategy(lay.strategy).fsdp and lay.data > 1:
+        gathered = _block_grad_elements(w, lay) * w.dtype_bytes
+    modelled = params + grads + optimizer + acts + kv + gathered
     overhead = assume.overhead_bytes + assume.overhead_frac * modelled
-    return Memory(params, grads, optimizer, acts, kv, overhead)
+    return Memory(params, grads, optimizer, acts, kv, overhead, gathered)
 
 
 def _block_grad_elements(w: Workload, lay: Layout) -> int:
-    """One block's gradient before its reduction over ``data`` (the backward's working set)."""
+    """One block's parameters, whole over ``data``: its gradient before the reduction (the
+    backward's working set) and, under FSDP, its gathered weights."""
     if w.cfg is None:
         return 0
     from triax.planner.comm import unsharded_over_data
