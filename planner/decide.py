@@ -53,7 +53,7 @@ def state_bytes(w: Workload) -> float:
     """Bytes of the whole training state (or of the weights, for inference)."""
     if not w.train:
         return w.weight_bytes
-    per_param = w.dtype_bytes + FP32 + FP32 * (ADAM_MOMENTS + (1 if w.mixed else 0))
+    per_param = FP32 + FP32 + FP32 * ADAM_MOMENTS   # fp32 params (= master), grads, mu, nu
     return w.params * per_param
 
 
@@ -108,7 +108,7 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
                        f"over {cluster.intra.name}.")
     if w.train:
         why.append(f"Training keeps {state_bytes(w) / 1e9:.3g} GB of state (weights, fp32 "
-                   f"gradients, AdamW moments{', fp32 master' if w.mixed else ''}); DP, "
+                   f"gradients, AdamW moments{'; the fp32 weights are the master copy' if w.mixed else ''}); DP, "
                    f"ZeRO-1 or FSDP go on top of TP/PP.")
     return why
 

@@ -50,13 +50,13 @@ class Memory:
     activations: float
     kv_cache: float
     overhead: float
-    gathered: float = 0.0     # FSDP: one block's weights gathered over ``data``
+    block_weights: float = 0.0  # one block's weights made ready for compute (see estimate)
 
     @property
     def modelled(self) -> float:
         """Everything but the overhead: what XLA's memory_analysis sees."""
         return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
-                + self.gathered)
+                + self.block_weights)
 
     @property
     def total(self) -> float:
@@ -214,21 +214,33 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     p_local = local_param_elements(w, lay)
     if w.train:
         o_local = local_param_elements(w, lay, optimizer=True)
-        # Training weights: fp32 params (fp32) or a bf16 working copy plus an fp32 master
-        # (mixed); gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them).
-        params = p_local * w.dtype_bytes
+        # triax trains fp32 parameters; under mixed precision they *are* the fp32 master
+        # weights and each block is cast to bf16/fp16 as it runs (block_weights below).
+        # Gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them), plus
+        # one block's gradient before its reduction. AdamW: mu and nu in fp32.
+        params = p_local * FP32
         grads = o_local * FP32 + _block_grad_elements(w, lay) * FP32
-        optimizer = o_local * FP32 * (ADAM_MOMENTS + (1 if w.mixed else 0)) + 16
+        optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
     else:
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
     acts = activation_bytes(w, lay)
     kv = kv_cache_bytes(w, lay)
-    gathered = 0.0
-    if get_strategy(lay.strategy).fsdp and lay.data > 1:
-        gathered = _block_grad_elements(w, lay) * w.dtype_bytes
-    modelled = params + grads + optimizer + acts + kv + gathered
+    block = _block_weights(w, lay, p_local)
+    modelled = params + grads + optimizer + acts + kv + block
     overhead = assume.overhead_bytes + assume.overhead_frac * modelled
-    return Memory(params, grads, optimizer, acts, kv, overhead, gathered)
+    return Memory(params, grads, optimizer, acts, kv, overhead, block)
+
+
+def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
+    """FSDP: one block's weights gathered over ``data``; mixed precision: one block's
+    compute-dtype copy of the local fp32 weights."""
+    if not w.train or w.cfg is None:
+        return 0.0
+    if get_strategy(lay.strategy).fsdp and lay.data > 1:
+        return _block_grad_elements(w, lay) * w.dtype_bytes
+    if w.mixed:
+        return p_local / w.cfg.num_layers * w.dtype_bytes
+    return 0.0
 
 
 def _block_grad_elements(w: Workload, lay: Layout) -> int:

@@ -16,6 +16,7 @@ plan needing another count runs in a subprocess with ``JAX_NUM_CPU_DEVICES`` set
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -69,16 +70,21 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
 
 def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     """Predicted beside compiled, for memory (modelled terms, no overhead) and per-axis
-    collective payload bytes."""
+    collective payload bytes. Mixed-precision plans are compiled and predicted as fp32."""
     if w.cfg is None:
         raise ValueError("--verify needs a model (--model NAME), not only --params")
+    if not w.train:
+        raise ValueError("--verify compiles the train step; use it with --train")
+    # XLA's CPU backend runs bf16/fp16 arithmetic and collectives in fp32, so a CPU compile
+    # of a mixed-precision plan is checked as the fp32 plan it actually compiles to.
+    w = dataclasses.replace(w, dtype="fp32")
     got = _in_process_or_subprocess(w, lay, timeout)
     mem = estimate(w, lay)
     predicted_comm = {a: t.payload for a, t in traffic(w, lay).items()}
     axes = sorted(set(predicted_comm) | set(got["collectives"]))
     batch_bytes = 2 * (w.batch // lay.data) * w.seq * 4    # int32 inputs and targets
     state = got["memory"]["argument_bytes"] - batch_bytes
-    return {"plan": lay.describe(),
+    return {"plan": lay.describe(), "compiled_as": "fp32 on simulated CPU devices",
             "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],
                        "predicted_state": mem.params + mem.optimizer,
                        "compiled_state": state,
