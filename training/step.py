@@ -124,7 +124,7 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
