@@ -1,7 +1,6 @@
 """The planner's memory and communication model against XLA: abstract AOT compiles of the
 real train step (no allocation) on the 8 simulated devices, compared with memory_analysis
 and the HLO collectives (triax.sharding.introspect)."""
-import jax
 import pytest
 
 from triax.models import config
@@ -25,13 +24,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def compiled(devices):
     out = {}
-    # The foundation's RMSNorm broadcasts (D,) against (B,T,D); main's fix is pending, so
-    # allow rank promotion while compiling (the planner itself does no array maths).
-    with jax.numpy_rank_promotion("allow"):
-        return _compile_all(out)
-
-
-def _compile_all(out):
     for key, (name, layers, B, T, sizes, strategy) in CASES.items():
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T)
