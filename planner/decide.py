@@ -24,7 +24,7 @@ from typing import Optional
 
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.hardware import Cluster, FormFactor
+from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
 from triax.planner.search import search
 from triax.planner.spec import Layout, Schedule, Workload
@@ -58,21 +58,22 @@ def state_bytes(w: Workload) -> float:
 
 
 def _slow_intra(cluster: Cluster) -> bool:
-    return cluster.intra.name.startswith("pcie") or (
-        cluster.device.form_factor is FormFactor.PCIE and cluster.intra.name.startswith("pcie"))
+    return cluster.intra.name.startswith("pcie")
 
 
 def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
                  why: list[str]) -> list[PlanResult]:
     """Stable re-ranking by the rules above (each only when an alternative fits)."""
     ranked = list(fitting)
+    if w.cfg is None:
+        ranked.sort(key=lambda p: (p.layout.tensor * p.layout.pipe, p.step_time_s))
     node_bytes = cluster.device.memory * cluster.gpus_per_node
     if cluster.nodes > 1 and state_bytes(w) > node_bytes:
         piped = [p for p in ranked if "pipe" in crossing_axes(p.layout, cluster)]
         if piped:
             ranked = piped + [p for p in ranked if p not in piped]
             why.append(f"The {'training state' if w.train else 'weights'} "
-                       f"({state_bytes(w) / 1e9:.0f} GB) exceed one node "
+                       f"({_gb(state_bytes(w))} GB) exceed{'s' if w.train else ''} one node "
                        f"({node_bytes / 1e9:.0f} GB), so pipeline stages go across nodes "
                        f"with tensor parallelism inside each node.")
     if w.cfg is not None and w.cfg.moe is not None:
@@ -92,10 +93,14 @@ def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
     return ranked
 
 
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.0f}" if x >= 1e10 else f"{x / 1e9:.3g}"
+
+
 def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     dev = cluster.device
-    why = [f"{w.name}: {w.params:,} parameters, {w.weight_bytes / 1e9:.3g} GB of "
-           f"{w.dtype} weights; a {dev.name} holds {dev.memory / 1e9:.0f} GB."]
+    why = [f"{w.name}: {w.params:,} parameters, {_gb(w.weight_bytes)} GB of "
+           f"{w.dtype} weights; one {dev.name} holds {dev.memory / 1e9:.0f} GB."]
     if min_dev == 1:
         why.append("The weights fit on one device" + (
             ", so data parallelism over the others adds throughput." if w.train
@@ -103,13 +108,17 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     else:
         why.append(f"The weights alone need at least {min_dev} devices, so no single-device "
                    f"plan is considered.")
-        if min_dev <= cluster.gpus_per_node:
-            why.append("They fit within one node: tensor parallelism inside the node, "
-                       f"over {cluster.intra.name}.")
     if w.train:
-        why.append(f"Training keeps {state_bytes(w) / 1e9:.3g} GB of state (weights, fp32 "
-                   f"gradients, AdamW moments{'; the fp32 weights are the master copy' if w.mixed else ''}); DP, "
-                   f"ZeRO-1 or FSDP go on top of TP/PP.")
+        master = "; the fp32 weights are the master copy" if w.mixed else ""
+        why.append(f"Training keeps {_gb(state_bytes(w))} GB of state (weights, fp32 "
+                   f"gradients, AdamW moments{master}); DP, ZeRO-1 or FSDP go on top of TP/PP.")
+    need = state_bytes(w)
+    if min_dev > 1 and need <= dev.memory * cluster.gpus_per_node:
+        why.append(f"That fits within one node: tensor parallelism inside the node, over "
+                   f"{cluster.intra.name}.")
+    if w.cfg is None:
+        why.append("Without a model config (--params), activations and TP/PP traffic are not "
+                   "modelled, so plans are ranked by the least model parallelism that fits.")
     return why
 
 
@@ -131,12 +140,13 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
     ranked = _apply_rules(w, cluster, res.fitting, why)
     best = ranked[0]
     why.append(f"Searched {res.considered} plans; {len(res.fitting)} fit. Best: "
-               f"{best.layout.describe()} (remat {best.workload.remat}), "
+               f"{best.layout.describe()}"
+               + (f" (remat {best.workload.remat}), " if w.train else ", ") +
                f"{best.step_time_s * 1e3:.1f} ms per step, MFU {best.mfu:.0%}, "
                f"{best.memory.total / 1e9:.1f} GB per device.")
     if best.bubble > 0:
         why.append(f"Its pipeline bubble is {best.bubble:.1%} of the step.")
-    if best.comm_time_by_axis:
+    if any(best.comm_time_by_axis.values()):
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")

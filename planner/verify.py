@@ -84,7 +84,7 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     axes = sorted(set(predicted_comm) | set(got["collectives"]))
     batch_bytes = 2 * (w.batch // lay.data) * w.seq * 4    # int32 inputs and targets
     state = got["memory"]["argument_bytes"] - batch_bytes
-    return {"plan": lay.describe(), "compiled_as": "fp32 on simulated CPU devices",
+    return {"plan": f"{lay.describe()} remat={w.remat}", "compiled_as": "fp32 on simulated CPU devices",
             "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],
                        "predicted_state": mem.params + mem.optimizer,
                        "compiled_state": state,
