@@ -79,8 +79,9 @@ def run(args) -> int:
     rec = plan(w, cluster, top=args.top, layout=_layout(args))
     out = rec.to_json()
     if args.verify:
-        from triax.planner.verify import verify
+        from triax.planner.verify import pipelined_verify_available, verify
+        ok = pipelined_verify_available()
         out["verify"] = [verify(p.workload, p.layout) for p in rec.plans
-                         if p.layout.pipe == 1]
+                         if ok or p.layout.pipe == 1]
     print(json.dumps(out, indent=2) if args.json else text_report(rec, out.get("verify")))
     return 0

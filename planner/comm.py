@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
 from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
+from triax.planner.pipeline_math import schedule_table
 from triax.planner.spec import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
 
@@ -70,13 +71,29 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         per_block = 2 + (4 if w.train else 0)
         out["tensor"].add("all-reduce", act, per_block * layers + passes)
     if "pipe" in out:
-        M = max(lay.microbatches, 1)
-        out["pipe"].add("collective-permute", act / M, M * passes * lay.virtual)
+        _pipe_axis(w, lay, out["pipe"], act, passes)
     if "expert" in out and w.cfg.moe is not None:
         moe = w.cfg.moe
         routed = act * moe.top_k * (moe.capacity_factor or 1.0)
         out["expert"].add("all-to-all", routed, 2 * layers * passes)   # dispatch + combine
     return out
+
+
+def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int) -> None:
+    """Stage-to-stage permutes of one micro-batch's activations (forward) and their
+    gradients (backward). triax.pipeline's executor permutes every tick of its table, idle
+    or not; without the table, each micro-batch crosses each boundary once per pass
+    (v times when interleaved). Training also all-reduces the gradients of parameters
+    that every stage holds (embedding, head, final norm) over ``pipe``."""
+    M = max(lay.microbatches, 1)
+    table = schedule_table(lay.schedule, lay.pipe, M, lay.virtual)
+    sends = table.ticks if table is not None else M * lay.virtual
+    t.add("collective-permute", act / M, sends * passes)
+    if w.train:
+        rules = get_strategy(lay.strategy).rules
+        shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                     if not p.startswith("blocks/"))
+        t.add("all-reduce", shared * FP32)
 
 
 def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:

@@ -47,5 +47,5 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
                              f"{human_bytes(c['compiled'])}")
         if not verified:
             lines.append("  (no unpipelined plan among the top ones; pipelined plans are "
-                         "verified once triax.pipeline's executor is on main)")
+                         "verified once triax.pipeline's executor is installed)")
     return "\n".join(lines)

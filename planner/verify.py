@@ -39,15 +39,14 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
     from triax.sharding.introspect import collectives_from_compiled, memory_from_compiled
     from triax.training.step import Trainer
 
-    if lay.pipe > 1 or lay.schedule is not Schedule.NONE:
-        raise ValueError("--verify compiles unpipelined plans only until triax.pipeline's "
-                         "executor is on main; choose a plan with pipe=1")
     if len(jax.devices()) != lay.devices:
         raise ValueError(f"plan needs {lay.devices} devices, JAX has {len(jax.devices())}; "
                          f"use verify() (it starts a subprocess with the right count)")
     mesh = make_mesh(**lay.sizes)
     exe = ExecConfig(compute_dtype=_COMPUTE_DTYPE[w.dtype], remat=w.remat)
-    compiled = Trainer(w.cfg, mesh, lay.strategy, exe=exe).lower(w.batch, w.seq).compile()
+    extra = {"pipeline": _pipeline_config(lay)} if lay.pipe > 1 else {}
+    trainer = Trainer(w.cfg, mesh, lay.strategy, exe=exe, **extra)
+    compiled = trainer.lower(w.batch, w.seq).compile()
     by_axis: dict[str, int] = {}
     for c in collectives_from_compiled(compiled, mesh):
         for a in c.axes:   # a collective over several axes counts toward each
@@ -55,12 +54,30 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
     return {"memory": memory_from_compiled(compiled).to_json(), "collectives": by_axis}
 
 
+def pipelined_verify_available() -> bool:
+    try:
+        from triax.pipeline.api import PipelineConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pipeline_config(lay: Layout):
+    if not pipelined_verify_available():
+        raise ValueError("--verify compiles pipelined plans once triax.pipeline's executor "
+                         "is installed; choose a plan with pipe=1")
+    from triax.pipeline.api import PipelineConfig
+    return PipelineConfig(lay.schedule.value, lay.microbatches, lay.virtual)
+
+
 def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(lay.devices), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="3")
     arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
-                      "sizes": lay.sizes, "strategy": lay.strategy})
+                      "sizes": lay.sizes, "strategy": lay.strategy,
+                      "schedule": lay.schedule.value, "microbatches": lay.microbatches,
+                      "virtual": lay.virtual})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -110,7 +127,9 @@ def _main(arg: str) -> None:
     a = json.loads(arg)
     w = Workload.of(config.get(a["model"], num_layers=a["layers"]), train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"])
-    print(json.dumps(compile_figures(w, Layout(**a["sizes"], strategy=a["strategy"]))))
+    lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=Schedule(a["schedule"]),
+                 microbatches=a["microbatches"], virtual=a["virtual"])
+    print(json.dumps(compile_figures(w, lay)))
 
 
 if __name__ == "__main__":

@@ -6,33 +6,40 @@ import pytest
 from triax.models import config
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
-from triax.planner.pipeline_math import bubble_fraction, peak_in_flight
+from triax.planner.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
 from triax.planner.spec import Layout, Schedule, Workload
-from triax.planner.verify import compile_figures
+from triax.planner.verify import compile_figures, pipelined_verify_available
 
-# (model, layers, batch, seq, mesh sizes, strategy): few layers keep compiles short.
+# model, layers, batch, seq, layout: few layers keep compiles short.
 CASES = {
-    "tiny-dp": ("tiny", 2, 16, 32, dict(data=8), "dp"),
-    "tiny-fsdp": ("tiny", 2, 16, 32, dict(data=8), "fsdp"),
-    "tiny-tp": ("tiny", 2, 16, 32, dict(data=4, tensor=2), "tp"),
-    "tiny-fsdp_tp": ("tiny", 2, 16, 32, dict(data=4, tensor=2), "fsdp_tp"),
-    "small-tp": ("small", 2, 8, 64, dict(data=2, tensor=4), "tp"),
-    "small-fsdp": ("small", 2, 16, 64, dict(data=8), "fsdp"),
+    "tiny-dp": ("tiny", 2, 16, 32, Layout(data=8, strategy="dp")),
+    "tiny-fsdp": ("tiny", 2, 16, 32, Layout(data=8, strategy="fsdp")),
+    "tiny-tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="tp")),
+    "tiny-fsdp_tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="fsdp_tp")),
+    "small-tp": ("small", 2, 8, 64, Layout(data=2, tensor=4, strategy="tp")),
+    "small-fsdp": ("small", 2, 16, 64, Layout(data=8, strategy="fsdp")),
 }
+# Pipelined compiles need triax.pipeline's executor (its own branch until merged); then the
+# pp case joins the communication check. Its memory is not held to 15% yet: on the pipeline
+# branch the executor's stash measured 4.27 MB against the model's 2.56 MB (docs/planner.md).
+PIPELINED = {"tiny-pp": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
+                                                   schedule=Schedule.ONE_F_ONE_B,
+                                                   microbatches=8))}
+if pipelined_verify_available():
+    CASES.update(PIPELINED)
 
 
 @pytest.fixture(scope="module")
 def compiled(devices):
     out = {}
-    for key, (name, layers, B, T, sizes, strategy) in CASES.items():
+    for key, (name, layers, B, T, lay) in CASES.items():
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T)
-        lay = Layout(**sizes, strategy=strategy)
         out[key] = (w, lay, compile_figures(w, lay))
     return out
 
 
-@pytest.mark.parametrize("key", list(CASES))
+@pytest.mark.parametrize("key", [k for k in CASES if k not in PIPELINED])
 def test_memory_terms_match_memory_analysis(compiled, key):
     w, lay, got = compiled[key]
     mem = estimate(w, lay)
@@ -52,17 +59,23 @@ def test_comm_bytes_match_hlo(compiled, key):
 
 
 def test_pipe_traffic_follows_schedule():
-    # Until triax.pipeline's executor is on main, pp is checked against the schedule's own
-    # arithmetic: each micro-batch crosses each boundary once forward, once backward.
+    # Until triax.pipeline's executor is on main this checks the formula against the
+    # schedule, not a compile: each micro-batch's activation crosses each boundary forward
+    # and its gradient backward (with the pipeline's table: a permute per tick each way),
+    # and the stage-shared parameters' gradients are all-reduced over pipe once.
     cfg = config.get("tiny", num_layers=4)
     w = Workload.of(cfg, train=True, dtype="fp32", batch=16, seq=32)
-    for M in (2, 4, 8):
+    for M in (4, 8):
         lay = Layout(data=2, pipe=4, strategy="dp", schedule=Schedule.ONE_F_ONE_B,
                      microbatches=M)
         t = traffic(w, lay)["pipe"]
+        table = schedule_table(Schedule.ONE_F_ONE_B, 4, M)
+        sends = 2 * (table.ticks if table is not None else M)
         per_mb = (16 // 2 // M) * 32 * cfg.embed_dim * 4
-        assert t.payload == pytest.approx(2 * M * per_mb)
-        assert t.messages == 2 * M
+        shared = (2 * cfg.vocab_size * cfg.embed_dim + cfg.embed_dim) * 4
+        assert t.payload_by_kind["collective-permute"] == pytest.approx(sends * per_mb)
+        assert t.payload_by_kind["all-reduce"] == shared
+        assert traffic(w, lay)["data"].payload == estimate(w, lay).params  # grads once
     assert bubble_fraction(Schedule.ONE_F_ONE_B, 4, 12) == pytest.approx(3 / 15)
     assert bubble_fraction(Schedule.INTERLEAVED, 4, 8, 2) == pytest.approx(3 / 19)
     assert peak_in_flight(Schedule.GPIPE, 4, 16) == 16
