@@ -11,8 +11,8 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from triax.models import config  # noqa: E402
-from triax.planner.spec import Layout, Workload  # noqa: E402
-from triax.planner.verify import verify  # noqa: E402
+from triax.planner.spec import Layout, Schedule, Workload  # noqa: E402
+from triax.planner.verify import pipelined_verify_available, verify  # noqa: E402
 
 CASES = [
     ("tiny", 2, 16, 32, dict(data=8), "dp"),
@@ -26,6 +26,11 @@ CASES = [
     ("small", 2, 8, 128, dict(data=2, tensor=4), "tp"),
     ("small", 2, 16, 128, dict(data=2, tensor=4), "fsdp_tp"),
 ]
+PIPELINED = [  # need triax.pipeline's executor
+    ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=8), "dp"),
+    ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.GPIPE, microbatches=8), "dp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=4), "dp"),
+]
 
 
 def mb(x):
@@ -36,7 +41,8 @@ def main():
     print("| model (layers) | B×T | plan | state pred/compiled MB | peak pred/compiled MB "
           "(ratio) | comm per axis pred/HLO MB (ratio) |")
     print("|---|---|---|---|---|---|")
-    for name, layers, B, T, sizes, strategy in CASES:
+    cases = CASES + (PIPELINED if pipelined_verify_available() else [])
+    for name, layers, B, T, sizes, strategy in cases:
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T)
         v = verify(w, Layout(**sizes, strategy=strategy))
