@@ -44,3 +44,18 @@ def test_parse_every_format_with_trip_counts():
         ("reduce-scatter", ("data",)): (2 * 8 * 2 * 2, 1),  # full input = output × group
         ("collective-permute", ("tensor",)): (4 * 8 * 4, 1),
     }
+
+
+def test_mesh_groups_with_device_ids():
+    """`device_ids=` reorders devices over the replica-group mesh (seen with an expert axis)."""
+    hlo = HLO.replace(
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}",
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=([4,2]T(1,0)) {'axis_1'}")
+    got = {(c.kind, c.axes) for c in parse_collectives(hlo, AXES, SHAPE)}
+    # ids [[0,2,4,6],[1,3,5,7]]: groups vary data and tensor's high bit → spans both.
+    assert ("all-reduce", ("data", "tensor")) in got
+    explicit = HLO.replace(
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}",
+        "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=(0,1,2,3,4,5,6,7) {'axis_1'}")
+    got = {(c.kind, c.axes) for c in parse_collectives(explicit, AXES, SHAPE)}
+    assert ("all-reduce", ("tensor",)) in got

@@ -98,15 +98,32 @@ def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
     return mult
 
 
+def _device_ids(text: str | None, shape: list[int]) -> np.ndarray:
+    """Device ids laid out over a replica-group mesh: iota by default, or ``device_ids=``
+    given as an iota tile (``[4,2]T(1,0)``, optionally ``<=[8]``) or an explicit list."""
+    n = int(np.prod(shape))
+    if not text:
+        return np.arange(n).reshape(shape)
+    t = re.fullmatch(r"\s*\[([\d,]+)\](?:<=\[([\d,]+)\])?(?:T\(([\d,]+)\))?\s*", text)
+    if t:
+        src = [int(x) for x in (t.group(2) or t.group(1)).split(",")]
+        ids = np.arange(n).reshape(src)
+        if t.group(3):
+            ids = ids.transpose([int(x) for x in t.group(3).split(",")])
+        return ids.reshape(shape)
+    return np.array([int(x) for x in re.findall(r"\d+", text)]).reshape(shape)
+
+
 def _groups(attrs: str, num_devices: int) -> list[list[int]]:
     m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
     if m:
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", m.group(0))]
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*(?:,\s*device_ids=\(([^)]*\)?)\))?"
+                  r"\s*\{([^}]*)\}", attrs)
     if m:
         dims = [(k, int(v)) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))]
-        chosen = re.findall(r"'([^']+)'", m.group(2))
-        ids = np.arange(int(np.prod([d for _, d in dims]))).reshape([d for _, d in dims])
+        chosen = re.findall(r"'([^']+)'", m.group(3))
+        ids = _device_ids(m.group(2), [d for _, d in dims])
         names = [k for k, _ in dims]
         order = [i for i, k in enumerate(names) if k not in chosen] + \
                 [names.index(k) for k in chosen]
