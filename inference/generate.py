@@ -45,7 +45,11 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int) -> dic
     """Generate for every prompt; the CLI's ``--json`` shape plus per-request stats."""
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
-    ids = [server.submit(text.encode(p), max_new_tokens) for p in prompts]
+    encoded = [text.encode(p) for p in prompts]
+    for e in encoded:  # reject bad requests before compiling anything
+        server.engines[0].check_prompt(len(e), max_new_tokens)
+    server.warmup([len(e) for e in encoded])  # so the reported rates exclude compilation
+    ids = [server.submit(e, max_new_tokens) for e in encoded]
     results = server.run()
     out = []
     for p, rid in zip(prompts, ids):
