@@ -3,9 +3,8 @@
 The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chosen slots
 and samples their first token; ``decode`` advances every slot by one token. Shapes are
 bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
-all slots), so each
-function compiles once per bucket, never per request. ``pipe > 1`` decodes through the
-pipeline (``triax.inference.forward``).
+all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
+decodes through the pipeline (``triax.inference.forward``).
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
