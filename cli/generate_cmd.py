@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 from triax.mesh import parse_mesh, simulate_cpu_devices
 
@@ -72,5 +71,5 @@ def run(args) -> int:
         print(f"--- {r['prompt']!r} ({len(r['tokens'])} tokens, {r['finish_reason']}, "
               f"ttft {r['ttft_s'] * 1e3:.0f} ms)\n{r['prompt']}{r['text']}")
     print(f"prefill {out['prefill_tokens_per_s']:.1f} tokens/s, "
-          f"decode {out['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+          f"decode {out['decode_tokens_per_s']:.1f} tokens/s")
     return 0

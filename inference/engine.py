@@ -3,9 +3,8 @@
 The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chosen slots
 and samples their first token; ``decode`` advances every slot by one token. Shapes are
 bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
-all slots), so each
-function compiles once per bucket, never per request. ``pipe > 1`` decodes through the
-pipeline (``triax.inference.forward``).
+all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
+decodes through the pipeline (``triax.inference.forward``).
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
@@ -157,30 +156,51 @@ class Engine:
                 f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
                 f"max_new_tokens, or raise max_len (at most {self.cfg.max_seq_len})")
 
-    def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
-                seeds: Sequence[int]) -> jax.Array:
-        """Write ``prompts`` into ``slots``; return their first sampled tokens (async array)."""
-        n = len(prompts)
-        lens = np.array([len(p) for p in prompts], np.int32)
-        for L in lens:
-            self.check_prompt(int(L), 1)
-        T = next(b for b in self.ecfg.buckets() if b >= lens.max())
+    def _bucket(self, n_tokens: int) -> int:
+        return next(b for b in self.ecfg.buckets() if b >= n_tokens)
+
+    def _prefill_batches(self) -> tuple[int, int]:
+        """The two prefill batch buckets: one row per data shard (and micro-batch), or all."""
         lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
-        b = lo if n <= lo else self.ecfg.max_batch  # two prefill batch buckets
+        return lo, self.ecfg.max_batch
+
+    def _run_prefill(self, slots, prompts, seeds, b: int, T: int):
+        n = len(prompts)
         tokens = np.zeros((b, T), np.int32)
+        lengths = np.ones(b, np.int32)
+        slot_arr = np.full(b, self.ecfg.max_batch, np.int32)  # out of range: write dropped
+        seed_arr = np.zeros(b, np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p)] = p
-        lengths = np.ones(b, np.int32)
-        lengths[:n] = lens
-        slot_arr = np.full(b, self.ecfg.max_batch, np.int32)  # out of range: dropped
-        slot_arr[:n] = slots
-        seed_arr = np.zeros(b, np.int32)
-        seed_arr[:n] = seeds
+            lengths[i] = len(p)
+        slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
         self.compiles["prefill"].add((b, T))
         self.cache, tok, self.last_logits = self._prefill_jit(
             self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule())
-        self.lengths[list(slots)] = lens
         return tok[:n]
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
+                seeds: Sequence[int]) -> jax.Array:
+        """Write ``prompts`` into ``slots``; return their first sampled tokens (async array)."""
+        lens = [len(p) for p in prompts]
+        for n in lens:
+            self.check_prompt(n, 1)
+        lo, hi = self._prefill_batches()
+        tok = self._run_prefill(slots, prompts, seeds, lo if len(prompts) <= lo else hi,
+                                self._bucket(max(lens)))
+        self.lengths[list(slots)] = lens
+        return tok
+
+    def warmup(self, prompt_lengths: Sequence[int]) -> None:
+        """Compile prefill (both batch buckets × the needed length buckets) and decode ahead
+        of serving, so served timings exclude compilation. Call it with no live slots: the
+        warm-up decode writes (masked, later overwritten) junk into every slot's cache."""
+        for T in sorted({self._bucket(n) for n in prompt_lengths}):
+            for b in sorted(set(self._prefill_batches())):
+                self._run_prefill([], [], [], b, T)  # every row dropped: cache unchanged
+        B = self.ecfg.max_batch
+        jax.block_until_ready(self.decode(np.zeros(B, np.int32), np.zeros(B, bool),
+                                          np.zeros(B, np.int32)))
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray) -> jax.Array:
         """Feed one token per slot (``active`` rows advance); return the next tokens."""

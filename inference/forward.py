@@ -5,12 +5,13 @@ and the same math (``triax.models.decode``); only the placement differs.
 
 Pipeline decode (``pipe > 1``): a ``shard_map`` manual over ``pipe`` only (``data``,
 ``tensor`` stay automatic), each stage holding its ``L/S`` layers and those layers' cache.
-The batch is split into ``M`` micro-batches that flow through a forward-only schedule: at
-tick ``t`` stage ``s`` runs micro-batch ``t - s`` (``M + S - 1`` ticks, one ``lax.scan``),
-idle ticks skip their compute with ``lax.cond``, activations move to the next stage by
-``ppermute``, the embedding runs on stage 0 and the head on the last stage.
-This is triax's own small forward-only tick loop; it is meant to be unified with
-``triax.pipeline``'s forward-only schedule once that lands.
+The batch is split into ``M`` micro-batches that flow through ``triax.pipeline``'s validated
+forward-only schedule (its tick table says which micro-batch each stage runs at each tick;
+``M + S - 1`` ticks, one ``lax.scan``). Idle ticks skip their compute with ``lax.cond``,
+activations move to the next stage by ``ppermute``, the embedding runs on stage 0 and the
+head on the last stage. The tick loop is this module's own, small one rather than
+``triax.pipeline``'s executor, because each stage must also read and write its slice of the
+KV cache, which that loss-and-gradient executor does not carry.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -25,6 +27,7 @@ from triax.mesh.build import mesh_sizes
 from triax.models.decode import forward_with_cache, scan_blocks_with_cache
 from triax.models.layers import ExecConfig
 from triax.models.axes import using_constraint
+from triax.pipeline import build as build_schedule
 from triax.sharding.partition import AbstractModel, activation_sharding
 from triax.sharding.rules import ShardingError, Strategy
 
@@ -53,9 +56,18 @@ def check_pipeline(am: AbstractModel, mesh: Mesh, batch: int, microbatches: int)
             f"{microbatches * sizes['data']}")
 
 
+def schedule_table(S: int, M: int) -> np.ndarray:
+    """``[ticks, S]`` micro-batch index each stage runs per tick (-1: idle), taken from the
+    forward-only schedule of ``triax.pipeline``."""
+    sched = build_schedule("forward-only", stages=S, microbatches=M)
+    return np.array([[-1 if op is None else op.mb for op in row] for row in sched.table],
+                    np.int32)
+
+
 def _stage_program(am: AbstractModel, S: int, M: int, exe: ExecConfig):
     """The per-stage tick loop run inside ``shard_map`` (arrays are this stage's shards)."""
     last, perm = S - 1, [(i, i + 1) for i in range(S - 1)]
+    table = schedule_table(S, M)
 
     def program(rest, blocks, tokens_JMT, positions_JMT, k, v):
         model = nnx.merge(am.graphdef, {**rest, "blocks": blocks})
@@ -68,8 +80,8 @@ def _stage_program(am: AbstractModel, S: int, M: int, exe: ExecConfig):
 
         def tick(carry, t):
             recv, k, v, out = carry
-            m = jnp.clip(t - s, 0, M - 1)
-            valid = (t - s >= 0) & (t - s < M)
+            m = jnp.asarray(table)[t, s]
+            valid, m = m >= 0, jnp.maximum(m, 0)
             tok = jax.lax.dynamic_index_in_dim(tokens_JMT, m, 1, keepdims=False)
             pos = jax.lax.dynamic_index_in_dim(positions_JMT, m, 1, keepdims=False)
             x = jnp.where(s == 0, model.embed_tokens(tok, exe), recv)
@@ -86,7 +98,7 @@ def _stage_program(am: AbstractModel, S: int, M: int, exe: ExecConfig):
             out = jax.lax.dynamic_update_index_in_dim(out, lg, m, 1)
             return (jax.lax.ppermute(y, "pipe", perm), k, v, out), None
 
-        (_, k, v, out), _ = jax.lax.scan(tick, (x0, k, v, out), jnp.arange(M + S - 1))
+        (_, k, v, out), _ = jax.lax.scan(tick, (x0, k, v, out), jnp.arange(len(table)))
         return out[None], k, v
     return program
 

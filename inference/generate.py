@@ -9,11 +9,13 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Sequence
 
-from triax.inference import text
 from triax.inference.checkpoint import load_params
 from triax.inference.engine import EngineConfig, InferenceError
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server, replica_meshes
+from triax.training.tokenizer import ByteTokenizer
+
+TOKENIZER = ByteTokenizer()  # the presets' 264-token byte vocabulary (BOS 256, EOS 257)
 
 
 def engine_config_for(cfg, mesh_sizes: Mapping[str, int], longest: int, max_new_tokens: int,
@@ -45,12 +47,16 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int) -> dic
     """Generate for every prompt; the CLI's ``--json`` shape plus per-request stats."""
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
-    ids = [server.submit(text.encode(p), max_new_tokens) for p in prompts]
+    encoded = [TOKENIZER.encode(p) for p in prompts]
+    for e in encoded:  # reject bad requests before compiling anything
+        server.engines[0].check_prompt(len(e), max_new_tokens)
+    server.warmup([len(e) for e in encoded])  # so the reported rates exclude compilation
+    ids = [server.submit(e, max_new_tokens) for e in encoded]
     results = server.run()
     out = []
     for p, rid in zip(prompts, ids):
         r = results[rid]
-        out.append({"prompt": p, "text": text.decode(r.tokens), "tokens": r.tokens,
+        out.append({"prompt": p, "text": TOKENIZER.decode(r.tokens), "tokens": r.tokens,
                     "finish_reason": r.finish_reason, "ttft_s": r.ttft_s,
                     "tokens_per_s": r.tokens_per_s})
     return {"results": out, "prefill_tokens_per_s": server.prefill_tokens_per_s,

@@ -115,6 +115,13 @@ class Server:
         params = init_params(abstract_model(cfg), meshes[0], strategy, seed)
         return cls.from_params(cfg, params, meshes, strategy, **kw)
 
+    def warmup(self, prompt_lengths: Sequence[int]) -> None:
+        """Compile every replica's programs for these prompt lengths before serving."""
+        if any(s is not None for row in self.slots for s in row):
+            raise InferenceError("warmup() needs an idle server (no live requests)")
+        for eng in self.engines:
+            eng.warmup(prompt_lengths)
+
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None) -> int:
         """Queue a request; returns its id. ``seed`` defaults to a hash of the prompt, so

@@ -77,3 +77,20 @@ def test_checkpoint_roundtrip_and_config_mismatch(tmp_path, devices, capsys):
                  "--max-new-tokens", "2", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["results"][0]["tokens"]) == 2 and out["decode_tokens_per_s"] > 0
+
+
+def test_loads_a_training_checkpoint(tmp_path, devices):
+    """The layout written by training (state = params + opt_state + step, meta = model)."""
+    import dataclasses
+
+    from triax.training.checkpoint import Checkpointer
+    from triax.training.step import Trainer
+    trainer = Trainer(CFG, make_mesh(data=2, devices=devices[:2]), "dp")
+    state = trainer.init(seed=5)
+    ckpt = Checkpointer(str(tmp_path), async_save=False)
+    ckpt.save(3, state, {"model": json.loads(json.dumps(dataclasses.asdict(CFG)))}, wait=True)
+    ckpt.close()
+    cfg, params = load_params(make_mesh(tensor=2, devices=devices[2:4]), checkpoint=str(tmp_path))
+    assert cfg == CFG
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 params, state["params"])
