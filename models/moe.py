@@ -9,10 +9,11 @@ per sequence). The layer runs in four steps, all mesh-free:
                first choices before all second choices (then token order). ``pos >= C``
                drops the assignment (its gate contributes nothing) and is counted.
   3. experts:  SwiGLU per expert on buf_BECD.
-By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
-(``using_moe_runner``) that runs steps 1-4 per token shard and turns step 3 into an
-all-to-all over the ``expert`` mesh axis, so models/ never names a mesh.
   4. combine:  y_BTD = Σ_r gate_BTR · out[b, e, pos].
+
+By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
+(``using_moe_runner``) that runs steps 1-4 per token shard and wraps step 3 in an all-to-all
+over the ``expert`` mesh axis, so models/ never names a mesh.
 
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
 (``capacity_factor=None``) uses C = T, the most any expert can receive from one sequence.
