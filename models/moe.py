@@ -110,7 +110,9 @@ def _combine(out_ECD, idx_TR, pos_TR, gates_TR):
 
 def expert_ffn(buf_ECD, weights):
     """SwiGLU of each expert on its own slots; leading dims (``...``) are token groups."""
-    w_gate_EDF, w_up_EDF, w_down_EFD = weights
+    # Master weights arrive as stored (fp32) and are cast here, so the gradient reduction
+    # over replicated token shards happens in full precision.
+    w_gate_EDF, w_up_EDF, w_down_EFD = (w.astype(buf_ECD.dtype) for w in weights)
     g = jnp.einsum("...ECD,EDF->...ECF", buf_ECD, w_gate_EDF)
     u = jnp.einsum("...ECD,EDF->...ECF", buf_ECD, w_up_EDF)
     return jnp.einsum("...ECF,EFD->...ECD", jax.nn.silu(g) * u, w_down_EFD)
@@ -163,8 +165,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD, dtype):
         B, T, _ = x_BTD.shape
-        weights = tuple(w[...].astype(dtype) for w in (self.w_gate_EDF, self.w_up_EDF,
-                                                         self.w_down_EFD))
+        weights = tuple(w[...] for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
         token_fn = functools.partial(moe_tokens, moe=self.moe)
         y_BTD, stats = _run(token_fn, x_BTD.astype(dtype),
                             self.router_DE[...].astype(jnp.float32), weights)

@@ -83,7 +83,12 @@ def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Ca
         y = jax.lax.all_to_all(y, axes, 1, 1, tiled=True)   # back to [b, dst rank, ...]
         return y.reshape(b, E, C, D)
 
+    data_axes = tuple(a for a in token_axes if a not in axes)
+
     def local(token_fn, x_BTD, router_DE, weights):
+        if data_axes:  # mark the fp32 weights as per-shard now, so the gradient's psum over
+            # data is fp32 (a bf16 one, after the cast, crashes XLA:CPU and loses precision)
+            weights = tuple(jax.lax.pcast(w, data_axes, to="varying") for w in weights)
         with using_constraint(None):   # activation constraints name the full mesh: not here
             y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
         return y_BTD, jax.lax.psum(stats, token_axes)

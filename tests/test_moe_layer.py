@@ -113,3 +113,25 @@ def test_experts_not_divisible_by_expert_axis(devices):
     with pytest.raises(ShardingError, match=r"num_experts=6 is not divisible by the expert mesh "
                                             r"axis.*size 4.*expert=2"):
         param_shardings(am, make_mesh(data=2, expert=4), "dp")
+
+
+def test_bf16_expert_parallel_layer_grads(devices):
+    """bf16 compute over data × expert: weight gradients reduce over data in fp32 (a bf16
+    reduction there once crashed XLA:CPU) and match the fp32 local layer to bf16 precision."""
+    from triax.models.moe import using_moe_runner
+    from triax.sharding.experts import expert_runner
+    from triax.sharding.rules import get_strategy
+    graphdef, params = _layer(MoEConfig(num_experts=8, top_k=2, mlp_dim=32))
+    x_BTD = jax.random.normal(jax.random.key(4), (8, 8, 64))
+    runner = expert_runner(make_mesh(data=4, expert=2), get_strategy("dp").rules)
+
+    def loss(params, dtype, run):
+        with using_moe_runner(run):
+            y, _ = nnx.merge(graphdef, params)(x_BTD.astype(dtype), dtype)
+        return jnp.sum(y.astype(jnp.float32) * x_BTD)
+
+    g_bf16 = jax.jit(jax.grad(lambda p: loss(p, jnp.bfloat16, runner)))(params)
+    g_ref = jax.jit(jax.grad(lambda p: loss(p, jnp.float32, None)))(params)
+    for k in ("w_gate_EDF", "w_down_EFD"):
+        scale = float(jnp.max(jnp.abs(g_ref[k])))
+        np.testing.assert_allclose(g_bf16[k], g_ref[k], atol=0.03 * scale, err_msg=k)
