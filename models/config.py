@@ -133,8 +133,10 @@ BYTE_VOCAB = 256 + 8  # byte-level tokenizer: 256 bytes plus specials (padded to
 
 TINY = ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, embed_dim=64, num_layers=4, num_heads=8,
                    num_kv_heads=2, head_dim=8, mlp_dim=128, max_seq_len=256)
+# 16 query heads (not GPT-2's 12) so that tensor=8 divides them; 4 KV heads, so tensor=8
+# also exercises KV-head replication while tensor=4 shards them.
 SMALL = ModelConfig(name="small", vocab_size=BYTE_VOCAB, embed_dim=768, num_layers=12,
-                    num_heads=12, num_kv_heads=4, head_dim=64, mlp_dim=3840,
+                    num_heads=16, num_kv_heads=4, head_dim=48, mlp_dim=3840,
                     max_seq_len=1024)
 LLAMA3_1B = _llama("llama3-1b", 128256, 2048, 16, 32, 8, 8192, tie=True)
 LLAMA3_8B = _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336)

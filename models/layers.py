@@ -47,7 +47,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BTD):
         x32 = x_BTD.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.scale[...].astype(jnp.float32)[(None,) * (y.ndim - 1)]
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x32.ndim - 1) + (-1,))
         return (y * scale).astype(x_BTD.dtype)
 
 
