@@ -9,10 +9,11 @@ per sequence). The layer runs in four steps, all mesh-free:
                first choices before all second choices (then token order). ``pos >= C``
                drops the assignment (its gate contributes nothing) and is counted.
   3. experts:  SwiGLU per expert on buf_BECD.
-By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
-(``using_moe_runner``) that runs steps 1-4 per token shard and turns step 3 into an
-all-to-all over the ``expert`` mesh axis, so models/ never names a mesh.
   4. combine:  y_BTD = Σ_r gate_BTR · out[b, e, pos].
+
+By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
+(``using_moe_runner``) that runs steps 1-4 per token shard and wraps step 3 in an all-to-all
+over the ``expert`` mesh axis, so models/ never names a mesh.
 
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
 (``capacity_factor=None``) uses C = T, the most any expert can receive from one sequence.
@@ -109,7 +110,9 @@ def _combine(out_ECD, idx_TR, pos_TR, gates_TR):
 
 def expert_ffn(buf_ECD, weights):
     """SwiGLU of each expert on its own slots; leading dims (``...``) are token groups."""
-    w_gate_EDF, w_up_EDF, w_down_EFD = weights
+    # Master weights arrive as stored (fp32) and are cast here, so the gradient reduction
+    # over replicated token shards happens in full precision.
+    w_gate_EDF, w_up_EDF, w_down_EFD = (w.astype(buf_ECD.dtype) for w in weights)
     g = jnp.einsum("...ECD,EDF->...ECF", buf_ECD, w_gate_EDF)
     u = jnp.einsum("...ECD,EDF->...ECF", buf_ECD, w_up_EDF)
     return jnp.einsum("...ECF,EFD->...ECD", jax.nn.silu(g) * u, w_down_EFD)
@@ -162,8 +165,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x_BTD, dtype):
         B, T, _ = x_BTD.shape
-        weights = tuple(w[...].astype(dtype) for w in (self.w_gate_EDF, self.w_up_EDF,
-                                                         self.w_down_EFD))
+        weights = tuple(w[...] for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
         token_fn = functools.partial(moe_tokens, moe=self.moe)
         y_BTD, stats = _run(token_fn, x_BTD.astype(dtype),
                             self.router_DE[...].astype(jnp.float32), weights)

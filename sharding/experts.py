@@ -1,18 +1,19 @@
-"""Expert parallelism: the MoE expert computation as an all-to-all over the ``expert`` axis.
+"""Expert parallelism: the MoE layer's token work per shard, experts behind an all-to-all.
 
-The model (``triax.models.moe``) fills per-sequence capacity buffers ``buf_BECD`` and asks
-``run_experts`` to apply the experts. Here that becomes a partial-manual ``shard_map``, manual
-over the expert mesh axis only (``data``/``tensor``, and ``pipe`` from an enclosing
-pipeline, stay automatic):
+``triax.models.moe`` routes, fills per-sequence capacity buffers ``buf_BECD``, runs the
+experts and combines, all through a runner hook. Here the runner is a partial-manual
+``shard_map``, manual over the token axes (``expert`` and the other batch axes, ``data``);
+``tensor`` stays automatic, and so does ``pipe`` (or it is manual in an enclosing pipeline
+``shard_map``, which this nests in). Per device, with b = B / (EP·DP) local sequences:
 
-    local buf [b, E, C, D]   (b = this rank's sequences; batch is split over expert × data)
-      → [b, EP, E/EP, C, D] → all-to-all: send expert block j to rank j
-      → [b, EP(src), E/EP, C, D]: every rank now holds its own experts' slots of all ranks
+    x [b, T, D] → route, dispatch → buf [b, E, C, D] → [b, EP, E/EP, C, D]
+      → all-to-all over expert: expert block j goes to rank j → [b, EP(src), E/EP, C, D]
       → SwiGLU with the local expert weights [E/EP, D, F] (F may be split over ``tensor``)
-      → all-to-all back → [b, E, C, D]
+      → all-to-all back → [b, E, C, D] → combine → y [b, T, D]
 
-Per layer and device, each all-to-all moves a buffer of b·E·C·D elements; a training step
-runs 4 per layer (dispatch and combine, forward and backward).
+Router statistics are token sums, added over the token axes with one ``psum``. Each
+all-to-all moves b·E·C·D elements per device; a training step runs 4 per layer (dispatch
+and combine, forward and backward): see ``all_to_all_bytes``.
 
     >>> with activation_sharding(make_mesh(data=2, expert=4), "dp"):   # installs this
     ...     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
@@ -83,7 +84,12 @@ def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Ca
         y = jax.lax.all_to_all(y, axes, 1, 1, tiled=True)   # back to [b, dst rank, ...]
         return y.reshape(b, E, C, D)
 
+    data_axes = tuple(a for a in token_axes if a not in axes)
+
     def local(token_fn, x_BTD, router_DE, weights):
+        if data_axes:  # mark the fp32 weights as per-shard now, so the gradient's psum over
+            # data is fp32 (a bf16 one, after the cast, crashes XLA:CPU and loses precision)
+            weights = tuple(jax.lax.pcast(w, data_axes, to="varying") for w in weights)
         with using_constraint(None):   # activation constraints name the full mesh: not here
             y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
         return y_BTD, jax.lax.psum(stats, token_axes)
@@ -113,14 +119,17 @@ def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rul
     """Predicted all-to-all traffic of one step (per device, matching the compiled HLO).
 
     ``buffer`` is the per-device payload of one all-to-all: (B / (EP·DP))·E·C·D·itemsize;
-    ``count`` = 2·L per forward (dispatch + combine), doubled for a training step.
+    ``count`` = 2·L per forward (dispatch + combine), doubled for a training step. With a
+    pipeline, L is the layers of one stage and the count repeats per micro-batch.
+
+    >>> all_to_all_bytes(config.TINY_MOE, 8, 32, make_mesh(data=2, expert=4), rules)
+    {'buffer_bytes': 65536, 'count': 16, 'bytes_per_step': 1048576}
     """
     if cfg.moe is None or not expert_axes(mesh, rules):
         return {"buffer_bytes": 0, "count": 0, "bytes_per_step": 0}
-    sizes = mesh_sizes(mesh)
-    shards = 1
-    for a in set(rules.mesh_axes("batch")):
-        shards *= sizes.get(a, 1)
+    sizes, shards = mesh_sizes(mesh), 1
+    for a in _token_axes(mesh, rules, expert_axes(mesh, rules)):
+        shards *= sizes[a]
     C = capacity(cfg.moe, seq_len)
     buffer = (batch // shards) * cfg.moe.num_experts * C * cfg.embed_dim * itemsize
     count = 2 * cfg.num_layers * (1 if forward_only else 2)

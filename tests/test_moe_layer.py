@@ -44,10 +44,10 @@ def _apply(graphdef, params, x_BTD):
 
 
 def test_dropless_layer_equals_dense_reference_outputs_and_grads():
-    moe = MoEConfig(num_experts=8, top_k=2, mlp_dim=32, z_loss_weight=1e-3)
+    moe = MoEConfig(num_experts=4, top_k=2, mlp_dim=16, z_loss_weight=1e-3)
     graphdef, params = _layer(moe)
-    x_BTD = jax.random.normal(jax.random.key(1), (3, 16, 64))
-    cot_BTD = jax.random.normal(jax.random.key(2), (3, 16, 64))
+    x_BTD = jax.random.normal(jax.random.key(1), (2, 8, 64))
+    cot_BTD = jax.random.normal(jax.random.key(2), (2, 8, 64))
 
     def loss(params, x, fn):
         y, lb, z = fn(params, x)
@@ -88,11 +88,12 @@ def test_capacity_mode_drops_exactly_the_rule():
     y, aux = jax.jit(lambda p, x: _apply(graphdef, p, x))(params, x_BTD)
     keep_BTR = np.ones((2, 8, 2), np.float32)
     keep_BTR[:, :4, 1] = 0.0
-    y_ref, _, _ = dense_reference(params, x_BTD, moe, jnp.asarray(keep_BTR))
+    ref = jax.jit(dense_reference, static_argnums=2)
+    y_ref, _, _ = ref(params, x_BTD, moe, jnp.asarray(keep_BTR))
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     assert float(aux["moe_dropped_tokens"]) == 2 * 4
     # And the dropped route mattered: without dropping, tokens 0-3 would differ.
-    y_all, _, _ = dense_reference(params, x_BTD, moe)
+    y_all, _, _ = ref(params, x_BTD, moe, jnp.ones_like(keep_BTR))
     assert np.abs(np.asarray(y_all - y)[:, :4]).max() > 1e-2
     np.testing.assert_allclose(y_all[:, 4:], y[:, 4:], rtol=1e-5, atol=1e-5)
 
@@ -113,3 +114,25 @@ def test_experts_not_divisible_by_expert_axis(devices):
     with pytest.raises(ShardingError, match=r"num_experts=6 is not divisible by the expert mesh "
                                             r"axis.*size 4.*expert=2"):
         param_shardings(am, make_mesh(data=2, expert=4), "dp")
+
+
+def test_bf16_expert_parallel_layer_grads(devices):
+    """bf16 compute over data × expert: weight gradients reduce over data in fp32 (a bf16
+    reduction there once crashed XLA:CPU) and match the fp32 local layer to bf16 precision."""
+    from triax.models.moe import using_moe_runner
+    from triax.sharding.experts import expert_runner
+    from triax.sharding.rules import get_strategy
+    graphdef, params = _layer(MoEConfig(num_experts=8, top_k=2, mlp_dim=32))
+    x_BTD = jax.random.normal(jax.random.key(4), (8, 8, 64))
+    runner = expert_runner(make_mesh(data=4, expert=2), get_strategy("dp").rules)
+
+    def loss(params, dtype, run):
+        with using_moe_runner(run):
+            y, _ = nnx.merge(graphdef, params)(x_BTD.astype(dtype), dtype)
+        return jnp.sum(y.astype(jnp.float32) * x_BTD)
+
+    g_bf16 = jax.jit(jax.grad(lambda p: loss(p, jnp.bfloat16, runner)))(params)
+    g_ref = jax.jit(jax.grad(lambda p: loss(p, jnp.float32, None)))(params)
+    for k in ("w_gate_EDF", "w_down_EFD"):
+        scale = float(jnp.max(jnp.abs(g_ref[k])))
+        np.testing.assert_allclose(g_bf16[k], g_ref[k], atol=0.03 * scale, err_msg=k)

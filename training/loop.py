@@ -249,7 +249,7 @@ class _Loop:
         u = M.mfu(self.flops_per_step, dt, jax.device_count(), self.peak)
         return {"step": step, "loss": loss, "tokens_per_s": tokens / dt,
                 "lr": float(m["lr"]), "grad_norm": float(m["grad_norm"]), "step_time_s": dt,
-                "mfu": u}
+                "mfu": u, **{k: float(v) for k, v in m.items() if k.startswith("moe_")}}
 
     def evaluate(self, state) -> Optional[float]:
         if self.rc.eval_batches <= 0:
