@@ -39,6 +39,7 @@ class Recommendation:
     min_devices: int
     plans: list[PlanResult]
     reasoning: list[str]
+    assumptions: Assumptions = Assumptions()
 
     def to_json(self) -> dict:
         w = self.workload
@@ -46,7 +47,8 @@ class Recommendation:
                 "cluster": self.cluster.describe(),
                 "min_devices_for_weights": self.min_devices,
                 "plans": [p.to_json() for p in self.plans],
-                "reasoning": self.reasoning}
+                "reasoning": self.reasoning,
+                "assumptions": dataclasses.asdict(self.assumptions)}
 
 
 def state_bytes(w: Workload) -> float:
@@ -150,7 +152,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
-    return Recommendation(w, cluster, min_dev, ranked[:top], why)
+    return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions())
 
 
 def _nothing_fits(w: Workload, cluster: Cluster, res) -> str:
@@ -179,4 +181,4 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
     r = evaluate(w, layout, cluster, assume)
     why.append(f"Evaluated the given plan {layout.describe()}: "
                + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
-    return Recommendation(w, cluster, min_dev, [r], why)
+    return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions())

@@ -37,12 +37,19 @@ PIPELINE_STASH_FACTOR = 2.25
 
 @dataclass(frozen=True)
 class Assumptions:
-    """Stated constants of the model (printed with every plan)."""
+    """Stated constants of the model (reported with every plan)."""
 
     overhead_bytes: float = 2e9        # CUDA/NCCL context, allocator slack, per device
     overhead_frac: float = 0.05        # fragmentation, as a fraction of the modelled terms
     compute_efficiency: float = 0.45   # achieved / peak FLOP/s for the matmuls
     comm_efficiency: float = 0.8       # achieved / nominal link bandwidth
+    data_overlap: float = 0.5          # DP/FSDP traffic hidden under this share of compute
+
+    def describe(self) -> str:
+        return (f"compute at {self.compute_efficiency:.0%} of peak, links at "
+                f"{self.comm_efficiency:.0%} of nominal, DP/FSDP traffic overlapping "
+                f"{self.data_overlap:.0%} of compute, TP/PP/EP traffic exposed, overhead "
+                f"{self.overhead_bytes / 1e9:g} GB + {self.overhead_frac:.0%} per device")
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,8 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> i
     st = get_strategy(lay.strategy)
     rules = st.optimizer_rules if optimizer else st.rules
     if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
-        shards = lay.pipe * lay.expert
-        if any(rules.mesh_axes(n) == ("tensor",) for n in ("mlp",)):
+        shards = lay.pipe
+        if "tensor" in rules.mesh_axes("mlp"):
             shards *= lay.tensor
         if "data" in rules.mesh_axes("embed"):
             shards *= lay.data
