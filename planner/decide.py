@@ -26,6 +26,7 @@ from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
+from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
 from triax.planner.spec import Layout, Schedule, Workload
 
@@ -174,11 +175,32 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
     if w.train and w.batch % layout.data:
         raise ValueError(f"batch size {w.batch} does not divide over data={layout.data}; "
                          f"choose a batch size divisible by {layout.data}")
-    if layout.pipe > 1 and layout.schedule is Schedule.NONE:
-        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
-        m = min(2 * layout.pipe, max(w.batch // layout.data, 1))
-        layout = dataclasses.replace(layout, schedule=kind, microbatches=m)
+    if layout.pipe > 1:
+        layout = _pipeline_defaults(w, layout)
     r = evaluate(w, layout, cluster, assume)
     why.append(f"Evaluated the given plan {layout.describe()}: "
                + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
     return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions())
+
+
+def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
+    """pipe > 1: 1F1B (forward-only for inference) and M = 2·pipe unless given; check M."""
+    local = max(w.batch // layout.batch_shards, 1)
+    if layout.schedule is Schedule.NONE:
+        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
+        layout = dataclasses.replace(layout, schedule=kind)
+    if layout.microbatches <= 1:
+        layout = dataclasses.replace(layout, microbatches=min(2 * layout.pipe, local))
+    if local % layout.microbatches:
+        raise ValueError(f"--microbatches {layout.microbatches} does not divide the "
+                         f"{local} sequences each data replica runs; choose a divisor of {local}")
+    chunks = layout.pipe * layout.virtual
+    if w.cfg is not None and chunks > w.cfg.num_layers:
+        raise ValueError(f"pipe={layout.pipe} × virtual={layout.virtual} = {chunks} stage "
+                         f"chunks but {w.cfg.name} has {w.cfg.num_layers} layers; use fewer "
+                         f"stages or chunks")
+    why_not = microbatch_constraint(layout.schedule, layout.pipe, layout.microbatches,
+                                    layout.virtual)
+    if why_not:
+        raise ValueError(f"--schedule {layout.schedule.value}: {why_not}")
+    return layout

@@ -47,6 +47,8 @@ def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
 
 
 def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Schedule, int, int]]:
+    """(schedule, M, v) for a pipe size: M in S, 2S, 4S, 8S and the local batch when they
+    divide it; interleaved with v = 2 when every chunk keeps at least one layer."""
     if pipe == 1:
         yield Schedule.NONE, 1, 1
         return
@@ -55,6 +57,8 @@ def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Sched
     kinds = TRAIN_SCHEDULES if w.train else (Schedule.FORWARD_ONLY,)
     for kind in kinds:
         v = 2 if kind is Schedule.INTERLEAVED else 1
+        if w.cfg is not None and pipe * v > w.cfg.num_layers:
+            continue
         for m in counts:
             if microbatch_constraint(kind, pipe, m, v) is None:
                 yield kind, m, v
