@@ -47,6 +47,15 @@ def model_loss(am: AbstractModel, exe: ExecConfig):
     return loss
 
 
+def _make_pipeline(cfg, mesh, strategy, pipeline, exe, loss_and_grad):
+    """A ``triax.pipeline.Pipeline`` when the mesh has pipe > 1 (or one is asked for)."""
+    if loss_and_grad is not None or (pipeline is None and (
+            mesh_sizes(mesh).get("pipe", 1) < 2 or cfg.moe is not None)):
+        return None
+    from triax.pipeline.api import Pipeline, PipelineConfig
+    return Pipeline(cfg, mesh, strategy, pipeline or PipelineConfig(), exe)
+
+
 class Trainer:
     """A model, a mesh and a strategy, compiled into ``init`` and ``step``.
 
@@ -56,8 +65,14 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp",
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
-                 total_steps: int = 100, loss_and_grad: Optional[Callable] = None):
+                 total_steps: int = 100, loss_and_grad: Optional[Callable] = None,
+                 pipeline: Optional[Any] = None, accum_steps: int = 1):
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
+        self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
+        # pipe > 1: the pipeline executor computes loss and grads (triax.pipeline).
+        self.pipeline = _make_pipeline(cfg, mesh, self.strategy, pipeline, exe, loss_and_grad)
+        if self.pipeline is not None:
+            self.strategy, loss_and_grad = self.pipeline.strategy, self.pipeline.loss_and_grad
         self.exe = exe
         self.optim = optim.resolved(total_steps)
         self.tx = make_optimizer(self.optim)
@@ -114,9 +129,31 @@ class Trainer:
             return self._custom_loss_and_grad(params, batch)
         return jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
 
+    def accumulated_loss_and_grad(self, params, batch):
+        """``loss_and_grad`` averaged over ``accum_steps`` micro-batches (a scan in the step).
+
+        Micro-batch ``i`` takes rows ``i, i+M, i+2M, …`` so every micro-batch stays spread over
+        ``data`` (a contiguous split would put each micro-batch on a few data shards).
+        """
+        M = self.accum_steps
+        if M == 1:
+            return self.loss_and_grad(params, batch)
+        micro = jax.tree.map(lambda x: jnp.swapaxes(
+            x.reshape((x.shape[0] // M, M) + x.shape[1:]), 0, 1), batch)
+
+        def body(acc, mb):
+            mb = jax.lax.with_sharding_constraint(mb, self.batch_sharding())
+            out = self.loss_and_grad(params, mb)
+            return jax.tree.map(lambda a, o: a + o / M, acc, out), None
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(self.loss_and_grad, params,
+                                            jax.tree.map(lambda x: x[0], micro)))
+        out, _ = jax.lax.scan(body, zeros, micro)
+        return out
+
     def _step_fn(self, state, batch):
         with activation_sharding(self.mesh, self.strategy):
-            (loss, aux), grads = self.loss_and_grad(state["params"], batch)
+            (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
         grads = jax.lax.with_sharding_constraint(
