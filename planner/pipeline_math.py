@@ -29,6 +29,7 @@ def schedule_table(schedule: Schedule, stages: int, microbatches: int, virtual: 
         return None
 
 
+@functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: Schedule, stages: int, microbatches: int,
                     virtual: int = 1) -> float:
     """Idle fraction of a stage's time over one step (the table's, else the closed form)."""

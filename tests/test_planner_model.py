@@ -17,7 +17,6 @@ CASES = {
     "tiny-dp": ("tiny", 2, 16, 32, Layout(data=8, strategy="dp")),
     "tiny-fsdp": ("tiny", 2, 16, 32, Layout(data=8, strategy="fsdp")),
     "tiny-tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="tp")),
-    "tiny-fsdp_tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="fsdp_tp")),
     "small-tp": ("small", 2, 8, 64, Layout(data=2, tensor=4, strategy="tp")),
     "small-fsdp": ("small", 2, 16, 64, Layout(data=8, strategy="fsdp")),
 }
