@@ -29,6 +29,7 @@ from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_fo
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
 from triax.planner.spec import Layout, Schedule, Workload
+from triax.sharding.rules import get_strategy
 
 SLOW_LINK_MAX_TP = 2
 
@@ -157,7 +158,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
 
 
 def _nothing_fits(w: Workload, cluster: Cluster, res) -> str:
-    if w.train and res.batch_rejected and not res.overflowing and not res.fitting:
+    if res.batch_rejected and not res.overflowing and not res.fitting:
         return (f"batch size {w.batch} does not divide over any data-parallel size of "
                 f"{cluster.devices} devices; choose a batch divisible by the data axis")
     smallest = res.overflowing[0] if res.overflowing else None
@@ -172,9 +173,12 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
         raise ValueError(f"--mesh {layout.mesh_str} uses {layout.devices} devices but the "
                          f"cluster has {cluster.devices}; axes must multiply to "
                          f"{cluster.devices}")
-    if w.train and w.batch % layout.data:
-        raise ValueError(f"batch size {w.batch} does not divide over data={layout.data}; "
-                         f"choose a batch size divisible by {layout.data}")
+    shards = layout.batch_shards
+    if w.batch % shards:
+        axes = "×".join(a for a in get_strategy(layout.strategy).rules.mesh_axes("batch")
+                        if layout.sizes.get(a, 1) > 1) or "data"
+        raise ValueError(f"batch size {w.batch} does not divide over {axes}={shards}; "
+                         f"choose a batch size divisible by {shards}")
     if layout.pipe > 1:
         layout = _pipeline_defaults(w, layout)
     r = evaluate(w, layout, cluster, assume)

@@ -74,12 +74,13 @@ def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
                 continue
             for p in divisors(n // (e * t)):
                 d = n // (e * t * p)
-                if w.train and w.batch % d:
-                    continue
                 if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
                     continue
                 for st in _strategies(w, d, t):
-                    for kind, m, v in _schedules(w, p, max(w.batch // d, 1)):
+                    shards = Layout(d, t, p, e, st).batch_shards
+                    if w.batch % shards:      # the batch must split evenly
+                        continue
+                    for kind, m, v in _schedules(w, p, w.batch // shards):
                         yield Layout(d, t, p, e, st, kind, m, v)
 
 
@@ -87,8 +88,7 @@ def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
            remats: tuple[str, ...] = ("none", "full")) -> SearchResult:
     """Evaluate every layout (training also tries full remat) and sort the outcomes."""
     res = SearchResult()
-    if w.train:
-        res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
+    res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
         and w.cfg is not None else [w]
     for lay in layouts(w, cluster):
