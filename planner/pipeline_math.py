@@ -6,7 +6,7 @@ weighted bubble, peak in-flight); otherwise the closed forms they reproduce are 
 1F1B's).
 
     >>> from triax.planner.spec import Schedule
-    >>> bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12)
+    >>> round(bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12), 6)
     0.2
 """
 from __future__ import annotations
