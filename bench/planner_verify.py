@@ -5,6 +5,7 @@
 Prints a markdown table (docs/planner.md). Plans with 8 devices compile in this process;
 others go through ``verify``'s subprocess with their own device count.
 """
+import importlib.util
 import os
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
@@ -26,6 +27,12 @@ CASES = [
     ("small", 2, 8, 128, dict(data=2, tensor=4), "tp"),
     ("small", 2, 16, 128, dict(data=2, tensor=4), "fsdp_tp"),
 ]
+MOE = [  # need the MoE layer (triax.models.moe)
+    ("tiny-moe", 2, 16, 32, dict(data=2, expert=4), "dp"),
+    ("tiny-moe", 2, 16, 32, dict(expert=8), "dp"),
+    ("tiny-moe", 2, 16, 32, dict(data=2, expert=2, tensor=2), "tp"),
+    ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
+]
 PIPELINED = [  # need triax.pipeline's executor
     ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=8), "dp"),
     ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.GPIPE, microbatches=8), "dp"),
@@ -42,6 +49,8 @@ def main():
           "(ratio) | comm per axis pred/HLO MB (ratio) |")
     print("|---|---|---|---|---|---|")
     cases = CASES + (PIPELINED if pipelined_verify_available() else [])
+    if importlib.util.find_spec("triax.models.moe") is not None:
+        cases += MOE
     for name, layers, B, T, sizes, strategy in cases:
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T)

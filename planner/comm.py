@@ -19,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
-from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
+from triax.planner.memory import (FP32, expert_capacity, local_elements, local_param_elements,
+                                  param_leaves)
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.spec import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
@@ -56,27 +57,46 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
     out = {a: AxisTraffic(s) for a, s in lay.sizes.items() if s > 1}
     if "data" in out and w.train:
         _data_axis(w, lay, out["data"])
+    if w.train and w.cfg is not None:
+        _other_batch_axes(w, lay, out)
     if w.cfg is None:
         return out
     # Tokens one replica runs: a training step's B·T, or one decode step's B new tokens.
-    tokens = w.batch / lay.data * (w.seq if w.train else 1)
+    tokens = w.batch / lay.batch_shards * (w.seq if w.train else 1)
     act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
     layers = ceil_div(w.cfg.num_layers, lay.pipe)
     passes = 2 if w.train else 1                          # forward (+ backward)
     if "tensor" in out and "heads" in get_strategy(lay.strategy).rules.as_dict():
-        # Megatron: per block, forward all-reduces the attention and MLP outputs; backward
-        # all-reduces the input gradients of q, k and v (three buffers: the projections are
-        # separate weights) and of the fused MLP input. Plus the vocab-parallel embedding
-        # (forward) and the head's input gradient (backward).
-        per_block = 2 + (4 if w.train else 0)
-        out["tensor"].add("all-reduce", act, per_block * layers + passes)
+        _tensor_axis(w, lay, out["tensor"], act, layers, passes)
     if "pipe" in out:
         _pipe_axis(w, lay, out["pipe"], act, passes)
     if "expert" in out and w.cfg.moe is not None:
-        moe = w.cfg.moe
-        routed = act * moe.top_k * (moe.capacity_factor or 1.0)
-        out["expert"].add("all-to-all", routed, 2 * layers * passes)   # dispatch + combine
+        # Dispatch and combine move each sequence's whole capacity buffer: 2 per layer/pass.
+        out["expert"].add("all-to-all", _moe_buffer(w, lay), 2 * layers * passes)
     return out
+
+
+def _moe_buffer(w: Workload, lay: Layout) -> float:
+    """Bytes of one device's MoE capacity buffers (E·C slots of D per sequence), as
+    models.moe / sharding.experts build them."""
+    seq = w.seq if w.train else 1
+    slots = w.cfg.moe.num_experts * expert_capacity(w.cfg, seq)
+    return w.batch / lay.batch_shards * slots * w.cfg.embed_dim * w.dtype_bytes
+
+
+def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: int,
+                 passes: int) -> None:
+    """Megatron: per block, forward all-reduces the attention and MLP outputs; backward
+    all-reduces the input gradients of q, k and v (three buffers: the projections are
+    separate weights) and of the MLP input (one buffer: gate/up are fused). An MoE block's
+    expert FFN does the same on its capacity buffers (gate and up separate: two backward).
+    Plus the vocab-parallel embedding (forward) and the head's input gradient (backward)."""
+    train = 1 if w.train else 0
+    if w.cfg.moe is None:
+        t.add("all-reduce", act, (2 + 4 * train) * layers + passes)
+        return
+    t.add("all-reduce", act, (1 + 3 * train) * layers + passes)
+    t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
 
 
 def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int) -> None:
@@ -94,6 +114,18 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
         shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
                      if not p.startswith("blocks/"))
         t.add("all-reduce", shared * FP32)
+
+
+def _other_batch_axes(w: Workload, lay: Layout, out: dict) -> None:
+    """Batch axes besides ``data`` (the MoE rules split the batch over ``expert`` too): each
+    gradient is all-reduced over those of them its parameter is not split over."""
+    rules = get_strategy(lay.strategy).rules
+    for axis in rules.mesh_axes("batch"):
+        if axis == "data" or axis not in out:
+            continue
+        total = sum(local_elements(s, l, rules, lay.sizes) for _, s, l in param_leaves(w.cfg)
+                    if not any(axis in rules.mesh_axes(n) for n in l))
+        out[axis].add("all-reduce", total * FP32)
 
 
 def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
@@ -122,7 +154,8 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
         if path.startswith("embed/"):
-            t.add("all-to-all", w.batch / lay.data * w.seq * w.cfg.embed_dim * w.dtype_bytes, 2)
+            tokens = w.batch / lay.batch_shards * w.seq
+            t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 2)
             continue
         t.add("reduce-scatter" if split else "all-reduce", full * FP32)
         if split:

@@ -26,8 +26,10 @@ from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
+from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
 from triax.planner.spec import Layout, Schedule, Workload
+from triax.sharding.rules import get_strategy
 
 SLOW_LINK_MAX_TP = 2
 
@@ -39,6 +41,7 @@ class Recommendation:
     min_devices: int
     plans: list[PlanResult]
     reasoning: list[str]
+    assumptions: Assumptions = Assumptions()
 
     def to_json(self) -> dict:
         w = self.workload
@@ -46,7 +49,8 @@ class Recommendation:
                 "cluster": self.cluster.describe(),
                 "min_devices_for_weights": self.min_devices,
                 "plans": [p.to_json() for p in self.plans],
-                "reasoning": self.reasoning}
+                "reasoning": self.reasoning,
+                "assumptions": dataclasses.asdict(self.assumptions)}
 
 
 def state_bytes(w: Workload) -> float:
@@ -150,11 +154,11 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
-    return Recommendation(w, cluster, min_dev, ranked[:top], why)
+    return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions())
 
 
 def _nothing_fits(w: Workload, cluster: Cluster, res) -> str:
-    if w.train and res.batch_rejected and not res.overflowing and not res.fitting:
+    if res.batch_rejected and not res.overflowing and not res.fitting:
         return (f"batch size {w.batch} does not divide over any data-parallel size of "
                 f"{cluster.devices} devices; choose a batch divisible by the data axis")
     smallest = res.overflowing[0] if res.overflowing else None
@@ -169,14 +173,38 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
         raise ValueError(f"--mesh {layout.mesh_str} uses {layout.devices} devices but the "
                          f"cluster has {cluster.devices}; axes must multiply to "
                          f"{cluster.devices}")
-    if w.train and w.batch % layout.data:
-        raise ValueError(f"batch size {w.batch} does not divide over data={layout.data}; "
-                         f"choose a batch size divisible by {layout.data}")
-    if layout.pipe > 1 and layout.schedule is Schedule.NONE:
-        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
-        m = min(2 * layout.pipe, max(w.batch // layout.data, 1))
-        layout = dataclasses.replace(layout, schedule=kind, microbatches=m)
+    shards = layout.batch_shards
+    if w.batch % shards:
+        axes = "×".join(a for a in get_strategy(layout.strategy).rules.mesh_axes("batch")
+                        if layout.sizes.get(a, 1) > 1) or "data"
+        raise ValueError(f"batch size {w.batch} does not divide over {axes}={shards}; "
+                         f"choose a batch size divisible by {shards}")
+    if layout.pipe > 1:
+        layout = _pipeline_defaults(w, layout)
     r = evaluate(w, layout, cluster, assume)
     why.append(f"Evaluated the given plan {layout.describe()}: "
                + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
-    return Recommendation(w, cluster, min_dev, [r], why)
+    return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions())
+
+
+def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
+    """pipe > 1: 1F1B (forward-only for inference) and M = 2·pipe unless given; check M."""
+    local = max(w.batch // layout.batch_shards, 1)
+    if layout.schedule is Schedule.NONE:
+        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
+        layout = dataclasses.replace(layout, schedule=kind)
+    if layout.microbatches <= 1:
+        layout = dataclasses.replace(layout, microbatches=min(2 * layout.pipe, local))
+    if local % layout.microbatches:
+        raise ValueError(f"--microbatches {layout.microbatches} does not divide the "
+                         f"{local} sequences each data replica runs; choose a divisor of {local}")
+    chunks = layout.pipe * layout.virtual
+    if w.cfg is not None and chunks > w.cfg.num_layers:
+        raise ValueError(f"pipe={layout.pipe} × virtual={layout.virtual} = {chunks} stage "
+                         f"chunks but {w.cfg.name} has {w.cfg.num_layers} layers; use fewer "
+                         f"stages or chunks")
+    why_not = microbatch_constraint(layout.schedule, layout.pipe, layout.microbatches,
+                                    layout.virtual)
+    if why_not:
+        raise ValueError(f"--schedule {layout.schedule.value}: {why_not}")
+    return layout

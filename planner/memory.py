@@ -16,6 +16,7 @@ whole count over the axes that would hold it.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -36,12 +37,19 @@ PIPELINE_STASH_FACTOR = 2.25
 
 @dataclass(frozen=True)
 class Assumptions:
-    """Stated constants of the model (printed with every plan)."""
+    """Stated constants of the model (reported with every plan)."""
 
     overhead_bytes: float = 2e9        # CUDA/NCCL context, allocator slack, per device
     overhead_frac: float = 0.05        # fragmentation, as a fraction of the modelled terms
     compute_efficiency: float = 0.45   # achieved / peak FLOP/s for the matmuls
     comm_efficiency: float = 0.8       # achieved / nominal link bandwidth
+    data_overlap: float = 0.5          # DP/FSDP traffic hidden under this share of compute
+
+    def describe(self) -> str:
+        return (f"compute at {self.compute_efficiency:.0%} of peak, links at "
+                f"{self.comm_efficiency:.0%} of nominal, DP/FSDP traffic overlapping "
+                f"{self.data_overlap:.0%} of compute, TP/PP/EP traffic exposed, overhead "
+                f"{self.overhead_bytes / 1e9:g} GB + {self.overhead_frac:.0%} per device")
 
 
 @dataclass(frozen=True)
@@ -136,8 +144,8 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> i
     st = get_strategy(lay.strategy)
     rules = st.optimizer_rules if optimizer else st.rules
     if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
-        shards = lay.pipe * lay.expert
-        if any(rules.mesh_axes(n) == ("tensor",) for n in ("mlp",)):
+        shards = lay.pipe
+        if "tensor" in rules.mesh_axes("mlp"):
             shards *= lay.tensor
         if "data" in rules.mesh_axes("embed"):
             shards *= lay.data
@@ -157,20 +165,39 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
     GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
     gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
+    MoE: the per-sequence capacity buffers, E·C/T slots per token of D in and out and 4·F_e
+    inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    F = cfg.mlp_dim if cfg.moe is None else (cfg.moe.mlp_dim or cfg.mlp_dim) * cfg.moe.top_k
-    nh, kh, f = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H, F / tensor
+    nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
     scores = 2 * _tp_div(N, tensor) * seq
     if remat == "full":
-        per_token = D
-    elif remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + 3 * f
+        return D * tokens
+    if cfg.moe is None:
+        f = cfg.mlp_dim / tensor
+        ffn, ffn_dots = 5 * f, 3 * f
+    else:   # per-sequence capacity buffers: E·C slots of D in, F wide inside, D out
+        moe = cfg.moe
+        slots = moe.num_experts * expert_capacity(cfg, seq) / seq
+        fe = (moe.mlp_dim or cfg.mlp_dim) / tensor
+        ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
+        ffn_dots = slots * (D + 3 * fe) + moe.num_experts
+    if remat in ("dots", "dots_no_batch"):
+        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + ffn_dots
     else:
-        per_token = 6 * D + 5 * nh + 3 * kh + scores + 5 * f
+        per_token = 6 * D + 5 * nh + 3 * kh + scores + ffn
     return per_token * tokens
+
+
+def expert_capacity(cfg: ModelConfig, seq: int) -> int:
+    """Slots per expert per sequence, as ``models.moe.capacity``: ceil(cf·T·k/E) capped at
+    T with a capacity factor; T when dropless."""
+    moe = cfg.moe
+    if moe.capacity_factor is None:
+        return seq
+    return max(1, min(seq, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts)))
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
@@ -181,7 +208,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
     cfg = w.cfg
     if cfg is None or not w.train:
         return 0.0 if cfg is None else _inference_activations(w, lay)
-    local_batch = w.batch / lay.data
+    local_batch = w.batch / lay.batch_shards
     mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
     layers = ceil_div(cfg.num_layers, lay.pipe)
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
@@ -195,9 +222,9 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
 def _inference_activations(w: Workload, lay: Layout) -> float:
     """Forward only: one block's working set and the last position's logits."""
     cfg = w.cfg
-    tokens = w.batch / lay.data * w.seq / max(lay.microbatches, 1)
+    tokens = w.batch / lay.batch_shards * w.seq / max(lay.microbatches, 1)
     one = layer_activation_elements(cfg, tokens, w.seq, lay.tensor, "none")
-    return (one + w.batch / lay.data * cfg.vocab_size / lay.tensor) * w.dtype_bytes
+    return (one + w.batch / lay.batch_shards * cfg.vocab_size / lay.tensor) * w.dtype_bytes
 
 
 def kv_cache_bytes(w: Workload, lay: Layout) -> float:
@@ -207,7 +234,7 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
         return 0.0
     layers = ceil_div(cfg.num_layers, lay.pipe)
     kv = _tp_div(cfg.num_kv_heads, lay.tensor) * cfg.head_dim
-    return layers * 2 * kv * w.seq * (w.batch / lay.data) * w.dtype_bytes
+    return layers * 2 * kv * w.seq * (w.batch / lay.batch_shards) * w.dtype_bytes
 
 
 # ---- the whole picture ---------------------------------------------------------------------

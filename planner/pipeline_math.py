@@ -6,7 +6,7 @@ weighted bubble, peak in-flight); otherwise the closed forms they reproduce are 
 1F1B's).
 
     >>> from triax.planner.spec import Schedule
-    >>> bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12)
+    >>> round(bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12), 6)
     0.2
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ def schedule_table(schedule: Schedule, stages: int, microbatches: int, virtual: 
         return None
 
 
+@functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: Schedule, stages: int, microbatches: int,
                     virtual: int = 1) -> float:
     """Idle fraction of a stage's time over one step (the table's, else the closed form)."""

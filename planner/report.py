@@ -17,7 +17,8 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
     w = rec.workload
     lines = [f"triax plan: {w.name} ({'train' if w.train else 'inference'}, {w.dtype}, "
              f"batch {w.batch} × seq {w.seq}) on {rec.cluster.describe()}",
-             f"min devices for weights: {rec.min_devices}", "", "Reasoning:"]
+             f"min devices for weights: {rec.min_devices}",
+             f"assumptions: {rec.assumptions.describe()}", "", "Reasoning:"]
     lines += [f"  - {s}" for s in rec.reasoning]
     lines += ["", f"{'#':>2} {'plan':<42} {'remat':<5} {'fits':<4} {'per dev':>9} "
                   f"{'params':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'kv':>9} "

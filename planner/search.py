@@ -47,6 +47,8 @@ def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
 
 
 def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Schedule, int, int]]:
+    """(schedule, M, v) for a pipe size: M in S, 2S, 4S, 8S and the local batch when they
+    divide it; interleaved with v = 2 when every chunk keeps at least one layer."""
     if pipe == 1:
         yield Schedule.NONE, 1, 1
         return
@@ -55,6 +57,8 @@ def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Sched
     kinds = TRAIN_SCHEDULES if w.train else (Schedule.FORWARD_ONLY,)
     for kind in kinds:
         v = 2 if kind is Schedule.INTERLEAVED else 1
+        if w.cfg is not None and pipe * v > w.cfg.num_layers:
+            continue
         for m in counts:
             if microbatch_constraint(kind, pipe, m, v) is None:
                 yield kind, m, v
@@ -70,12 +74,13 @@ def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
                 continue
             for p in divisors(n // (e * t)):
                 d = n // (e * t * p)
-                if w.train and w.batch % d:
-                    continue
                 if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
                     continue
                 for st in _strategies(w, d, t):
-                    for kind, m, v in _schedules(w, p, max(w.batch // d, 1)):
+                    shards = Layout(d, t, p, e, st).batch_shards
+                    if w.batch % shards:      # the batch must split evenly
+                        continue
+                    for kind, m, v in _schedules(w, p, w.batch // shards):
                         yield Layout(d, t, p, e, st, kind, m, v)
 
 
@@ -83,8 +88,7 @@ def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
            remats: tuple[str, ...] = ("none", "full")) -> SearchResult:
     """Evaluate every layout (training also tries full remat) and sort the outcomes."""
     res = SearchResult()
-    if w.train:
-        res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
+    res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
         and w.cfg is not None else [w]
     for lay in layouts(w, cluster):

@@ -96,6 +96,14 @@ class Layout:
     def mesh_str(self) -> str:
         return ",".join(f"{a}={s}" for a, s in self.sizes.items() if s > 1) or "data=1"
 
+    @property
+    def batch_shards(self) -> int:
+        """Ways the global batch is split: the mesh axes the strategy maps ``batch`` to
+        (``data``; with the MoE rules also ``expert``)."""
+        from triax.sharding.rules import get_strategy
+        axes = get_strategy(self.strategy).rules.mesh_axes("batch")
+        return math.prod(self.sizes.get(a, 1) for a in axes)
+
     def describe(self) -> str:
         sched = "" if self.pipe == 1 else (
             f", {self.schedule.value} M={self.microbatches}"

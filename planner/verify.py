@@ -99,7 +99,7 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     mem = estimate(w, lay)
     predicted_comm = {a: t.payload for a, t in traffic(w, lay).items()}
     axes = sorted(set(predicted_comm) | set(got["collectives"]))
-    batch_bytes = 2 * (w.batch // lay.data) * w.seq * 4    # int32 inputs and targets
+    batch_bytes = 2 * (w.batch // lay.batch_shards) * w.seq * 4    # int32 inputs, targets
     state = got["memory"]["argument_bytes"] - batch_bytes
     return {"plan": f"{lay.describe()} remat={w.remat}", "compiled_as": "fp32 on simulated CPU devices",
             "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],

@@ -108,6 +108,13 @@ def test_cli_explicit_plan_reports_overflow(capsys):
     (["--model", "llama3-405b", "--gpu", "h100-80gb"], "at least 11 h100-80gb"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "6", "--mesh", "data=8",
       "--strategy", "dp"], "batch size 6 does not divide over data=8"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "16", "--mesh", "data=2,pipe=4",
+      "--strategy", "dp", "--microbatches", "6"], "--microbatches 6 does not divide the 8"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "16", "--mesh", "data=2,pipe=4",
+      "--strategy", "dp", "--schedule", "interleaved", "--microbatches", "4"],
+     "8 stage chunks but tiny has 4 layers"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--mesh", "data=4", "--strategy", "dp"],
+     "uses 4 devices but the cluster has 8"),
 ])
 def test_cli_bad_input(capsys, args, msg):
     rc, _, err = _cli(capsys, *args, "--train", "--gpus-per-node", "8", "--nodes", "1")

@@ -1,6 +1,8 @@
 """The planner's memory and communication model against XLA: abstract AOT compiles of the
 real train step (no allocation) on the 8 simulated devices, compared with memory_analysis
 and the HLO collectives (triax.sharding.introspect)."""
+import importlib.util
+
 import pytest
 
 from triax.models import config
@@ -15,7 +17,6 @@ CASES = {
     "tiny-dp": ("tiny", 2, 16, 32, Layout(data=8, strategy="dp")),
     "tiny-fsdp": ("tiny", 2, 16, 32, Layout(data=8, strategy="fsdp")),
     "tiny-tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="tp")),
-    "tiny-fsdp_tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="fsdp_tp")),
     "small-tp": ("small", 2, 8, 64, Layout(data=2, tensor=4, strategy="tp")),
     "small-fsdp": ("small", 2, 16, 64, Layout(data=8, strategy="fsdp")),
 }
@@ -26,6 +27,11 @@ PIPELINED = {"tiny-pp": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp"
                                                    microbatches=8))}
 if pipelined_verify_available():
     CASES.update(PIPELINED)
+# Likewise the MoE layer (triax.models.moe): experts over `expert`, the expert FFN over
+# `tensor`, the batch over data (× expert, with the MoE rules).
+if importlib.util.find_spec("triax.models.moe") is not None:
+    CASES["tiny-moe-ep-tp"] = ("tiny-moe", 2, 16, 32,
+                               Layout(data=2, expert=2, tensor=2, strategy="tp"))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,7 @@ def compiled(devices):
 def test_memory_terms_match_memory_analysis(compiled, key):
     w, lay, got = compiled[key]
     mem = estimate(w, lay)
-    batch_bytes = 2 * (w.batch // lay.data) * w.seq * 4
+    batch_bytes = 2 * (w.batch // lay.batch_shards) * w.seq * 4
     state = got["memory"]["argument_bytes"] - batch_bytes     # params + optimizer state
     assert mem.params + mem.optimizer == pytest.approx(state, rel=0.02)
     assert mem.modelled == pytest.approx(got["memory"]["peak_bytes"], rel=0.15)
