@@ -47,7 +47,8 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BTD):
         x32 = x_BTD.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)[None, None, :]).astype(x_BTD.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x32.ndim - 1) + (-1,))
+        return (y * scale).astype(x_BTD.dtype)
 
 
 def rope(x_BTNH, positions_BT, theta: float):

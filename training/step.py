@@ -47,6 +47,15 @@ def model_loss(am: AbstractModel, exe: ExecConfig):
     return loss
 
 
+def _make_pipeline(cfg, mesh, strategy, pipeline, exe, loss_and_grad):
+    """A ``triax.pipeline.Pipeline`` when the mesh has pipe > 1 (or one is asked for)."""
+    if loss_and_grad is not None or (pipeline is None and (
+            mesh_sizes(mesh).get("pipe", 1) < 2 or cfg.moe is not None)):
+        return None
+    from triax.pipeline.api import Pipeline, PipelineConfig
+    return Pipeline(cfg, mesh, strategy, pipeline or PipelineConfig(), exe)
+
+
 class Trainer:
     """A model, a mesh and a strategy, compiled into ``init`` and ``step``.
 
@@ -57,9 +66,13 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp",
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
                  total_steps: int = 100, loss_and_grad: Optional[Callable] = None,
-                 accum_steps: int = 1):
+                 pipeline: Optional[Any] = None, accum_steps: int = 1):
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
         self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
+        # pipe > 1: the pipeline executor computes loss and grads (triax.pipeline).
+        self.pipeline = _make_pipeline(cfg, mesh, self.strategy, pipeline, exe, loss_and_grad)
+        if self.pipeline is not None:
+            self.strategy, loss_and_grad = self.pipeline.strategy, self.pipeline.loss_and_grad
         self.exe = exe
         self.optim = optim.resolved(total_steps)
         self.tx = make_optimizer(self.optim)
@@ -148,7 +161,7 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 

@@ -1,0 +1,46 @@
+"""``triax schedule``: build a pipeline schedule and print its facts (no JAX needed).
+
+    triax schedule --kind zb-h1 --stages 4 --microbatches 8 --json
+    triax schedule --kind interleaved --stages 4 --microbatches 8 --virtual 2 --png il.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    from triax.pipeline.schedules import ScheduleKind
+    p = sub.add_parser("schedule", help="a pipeline schedule's tick table, bubble and memory",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--kind", default="1f1b", choices=[k.value for k in ScheduleKind])
+    p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches M")
+    p.add_argument("--virtual", type=int, default=1, help="chunks per stage (interleaved)")
+    p.add_argument("--json", action="store_true", help="machine-readable facts")
+    p.add_argument("--png", metavar="FILE", help="save the timeline (.png or .svg)")
+    p.add_argument("--table", action="store_true", help="also print the tick table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from triax.pipeline import build
+    sched = build(args.kind, args.stages, args.microbatches, args.virtual)
+    facts = sched.summary()
+    if args.png:
+        from triax.pipeline.timeline import save
+        facts["png"] = str(save(sched, args.png))
+    if args.json:
+        print(json.dumps(facts, indent=2))
+    else:
+        closed = facts["closed_form_bubble"]
+        print(f"{sched.kind.value}: S={sched.stages} M={sched.microbatches} v={sched.virtual}\n"
+              f"  ticks            {sched.ticks}\n"
+              f"  bubble fraction  {facts['bubble_fraction']:.4f} (costs F=1, B_in=1, W=1, B=2)"
+              + ("" if closed is None else f"; closed form {closed:.4f}") + "\n"
+              f"  peak in flight   {sched.peak_in_flight} micro-batch chunk(s) per stage")
+        if args.png:
+            print(f"  timeline         {facts['png']}")
+    if args.table:
+        print(sched)
+    return 0

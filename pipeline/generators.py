@@ -1,0 +1,150 @@
+"""Schedule generators: each writes every stage's op order; ``build`` places and validates.
+
+    >>> from triax.pipeline import build
+    >>> build("interleaved", stages=2, microbatches=4, virtual=2).ticks
+    18
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place)
+from triax.pipeline.validate import validate
+
+F, B, B_IN, W = OpKind.F, OpKind.B, OpKind.B_IN, OpKind.W
+Orders = list[list[Op]]
+
+
+def gpipe_orders(S: int, M: int, v: int) -> Orders:
+    """All forwards, then all backwards: every micro-batch's activations live at once."""
+    return [[Op(F, m, s) for m in range(M)] + [Op(B, m, s) for m in range(M)] for s in range(S)]
+
+
+def one_f_one_b_orders(S: int, M: int, v: int) -> Orders:
+    """PipeDream-flush: S-s-1 warm-up forwards, then alternate F and B, then drain."""
+    orders = []
+    for s in range(S):
+        w = min(S - s - 1, M)
+        o = [Op(F, m, s) for m in range(w)]
+        for i in range(M - w):
+            o += [Op(F, w + i, s), Op(B, i, s)]
+        o += [Op(B, m, s) for m in range(M - w, M)]
+        orders.append(o)
+    return orders
+
+
+def _chunk_sequence(S: int, M: int, v: int, s: int, backward: bool) -> list[tuple[int, int]]:
+    """Megatron's interleaved order: groups of S micro-batches sweep the local chunks."""
+    out = []
+    for k in range(M * v):
+        group, within = divmod(k, S * v)
+        j = within // S
+        if backward:
+            j = v - 1 - j
+        out.append((group * S + within % S, j * S + s))
+    return out
+
+
+def interleaved_orders(S: int, M: int, v: int) -> Orders:
+    """Interleaved 1F1B: v chunks per stage, chunk c on stage c % S (circular placement)."""
+    orders = []
+    for s in range(S):
+        fwd = _chunk_sequence(S, M, v, s, backward=False)
+        bwd = _chunk_sequence(S, M, v, s, backward=True)
+        w = min((S - s - 1) * 2 + (v - 1) * S, M * v)
+        o = [Op(F, *fwd[k]) for k in range(w)]
+        for i in range(M * v - w):
+            o += [Op(F, *fwd[w + i]), Op(B, *bwd[i])]
+        o += [Op(B, *bwd[k]) for k in range(M * v - w, M * v)]
+        orders.append(o)
+    return orders
+
+
+def forward_only_orders(S: int, M: int, v: int) -> Orders:
+    return [[Op(F, *mc) for mc in _chunk_sequence(S, M, v, s, backward=False)] for s in range(S)]
+
+
+def zb_h1_orders(S: int, M: int, v: int) -> Orders:
+    """Zero-bubble H1: backward split into B_in and W; W waits to fill what would idle.
+
+    Greedy list scheduling with unit op times: a stage runs B_in when its gradient has
+    arrived, else F while fewer than S-s micro-batches await B_in (1F1B's bound) and at most
+    S-1 W's are deferred, else a deferred W. The deferred W's fill the drain phase, so the
+    bubble is about a third of 1F1B's; the residuals kept for them raise ``peak_in_flight``
+    (counted until W) to at most 2S-1.
+    """
+    orders: Orders = [[] for _ in range(S)]
+    done: dict[Op, int] = {}
+    nf, nb, nw = [0] * S, [0] * S, [0] * S
+    t = 0
+    while any(nw[s] < M for s in range(S)):
+        ran = {}
+        for s in range(S):
+            ran[s] = _zb_pick(s, S, M, nf[s], nb[s], nw[s], done, t)
+        for s, op in ran.items():
+            if op is None:
+                continue
+            orders[s].append(op)
+            done[op] = t
+            nf[s] += op.kind is F
+            nb[s] += op.kind is B_IN
+            nw[s] += op.kind is W
+        t += 1
+        if t > 10 * (M + S) * 3:
+            raise ScheduleError("zb-h1 generator did not converge")
+    return orders
+
+
+def _zb_pick(s, S, M, nf, nb, nw, done, t):
+    def ready(op):
+        return op in done and done[op] < t
+    if nb < nf and (s == S - 1 or ready(Op(B_IN, nb, s + 1))) and ready(Op(F, nb, s)):
+        return Op(B_IN, nb, s)
+    if nf < M and nf - nb < S - s and nb - nw < S and (s == 0 or ready(Op(F, nf, s - 1))):
+        return Op(F, nf, s)
+    if nw < nb:
+        return Op(W, nw, s)
+    return None
+
+
+GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Orders]] = {
+    ScheduleKind.GPIPE: gpipe_orders,
+    ScheduleKind.ONE_F_ONE_B: one_f_one_b_orders,
+    ScheduleKind.INTERLEAVED: interleaved_orders,
+    ScheduleKind.ZB_H1: zb_h1_orders,
+    ScheduleKind.FORWARD_ONLY: forward_only_orders,
+}
+
+
+def check_request(kind: ScheduleKind, S: int, M: int, v: int) -> None:
+    """Reject (S, M, v) a schedule cannot run, saying which constraint and why."""
+    if S < 1 or M < 1 or v < 1:
+        raise ScheduleError(f"{kind.value}: stages, microbatches and virtual must be >= 1 "
+                            f"(got S={S}, M={M}, v={v})")
+    if kind is ScheduleKind.INTERLEAVED and v < 2:
+        raise ScheduleError("interleaved needs --virtual v >= 2 chunks per stage "
+                            "(with v=1 it is plain 1f1b)")
+    if kind not in (ScheduleKind.INTERLEAVED, ScheduleKind.FORWARD_ONLY) and v != 1:
+        raise ScheduleError(f"{kind.value} runs one chunk per stage; virtual={v} needs "
+                            f"--kind interleaved (or forward-only)")
+    if v > 1 and M % S:
+        raise ScheduleError(
+            f"{kind.value} with v={v} needs microbatches divisible by stages: M={M} is not a "
+            f"multiple of S={S}, because micro-batches sweep the {v} chunks in groups of S "
+            f"(choose M in {{{S}, {2 * S}, {3 * S}, ...}})")
+
+
+def build(kind: "str | ScheduleKind", stages: int, microbatches: int,
+          virtual: int = 1) -> Schedule:
+    """Generate, place and validate a schedule.
+
+    >>> build("gpipe", stages=2, microbatches=2).ticks
+    6
+    """
+    kind = ScheduleKind.parse(kind)
+    check_request(kind, stages, microbatches, virtual)
+    orders = GENERATORS[kind](stages, microbatches, virtual)
+    table = place(orders, stages * virtual)
+    sched = Schedule(kind, stages, microbatches, virtual, table)
+    validate(sched)
+    return sched

@@ -1,0 +1,84 @@
+"""Layers over stages: the stacked ``[L, ...]`` block parameters as ``[S, v, Lc, ...]``.
+
+Chunk ``c`` (``c = j*S + s``: local chunk j of stage s, circular placement) holds layers
+``[c*Lc, (c+1)*Lc)`` with ``Lc = ceil(L / (S*v))``. When ``S*v`` does not divide ``L`` the
+stack is padded with zero blocks, which are exact identities (a zero attention output
+projection and a zero MLP down projection leave the residual stream unchanged); their
+gradients are dropped again by :meth:`LayerLayout.from_stages`.
+
+Storage stays the model's ``[L, ...]`` (checkpoints do not depend on the schedule). With
+``L % S == 0`` and ``v == 1`` the reshape is local to each device; otherwise XLA moves the
+weights once per step (see :func:`pipeline_strategy` for uneven L).
+
+    >>> LayerLayout(num_layers=5, stages=2, virtual=1).per_chunk
+    3
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from triax.sharding.rules import Strategy
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    num_layers: int
+    stages: int
+    virtual: int = 1
+
+    @property
+    def chunks(self) -> int:
+        return self.stages * self.virtual
+
+    @property
+    def per_chunk(self) -> int:
+        return math.ceil(self.num_layers / self.chunks)
+
+    @property
+    def padding(self) -> int:
+        """Identity layers appended so every chunk holds ``per_chunk`` layers."""
+        return self.chunks * self.per_chunk - self.num_layers
+
+    @property
+    def even(self) -> bool:
+        return self.num_layers % self.stages == 0
+
+    def describe(self) -> str:
+        pad = f", {self.padding} identity padding layer(s)" if self.padding else ""
+        return (f"{self.num_layers} layers over {self.stages} stages x {self.virtual} chunk(s): "
+                f"{self.per_chunk} per chunk{pad}")
+
+    def to_stages(self, blocks):
+        """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
+        S, v, Lc = self.stages, self.virtual, self.per_chunk
+
+        def one(a):
+            a = jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))
+            a = a.reshape((v, S, Lc) + a.shape[1:])
+            return jnp.swapaxes(a, 0, 1)
+        return jax.tree.map(one, blocks)
+
+    def from_stages(self, blocks):
+        """Inverse of :meth:`to_stages` (padding dropped)."""
+        def one(a):
+            a = jnp.swapaxes(a, 0, 1)
+            a = a.reshape((self.chunks * self.per_chunk,) + a.shape[3:])
+            return a[:self.num_layers]
+        return jax.tree.map(one, blocks)
+
+
+def pipeline_strategy(strategy: Strategy, num_layers: int, stages: int) -> Strategy:
+    """The strategy the pipeline trains with.
+
+    ``layers → pipe`` needs ``stages | num_layers`` (JAX shardings must divide evenly). For
+    an uneven count the block stack is kept whole on every pipe rank instead (each stage
+    slices its own layers locally; the layer gradients are gathered over ``pipe`` once per
+    step). Even counts are returned unchanged.
+    """
+    if num_layers % stages == 0:
+        return strategy
+    return strategy.with_updates(layers=None)

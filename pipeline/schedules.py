@@ -1,0 +1,221 @@
+"""Pipeline schedules as data: per-stage op orders placed onto a tick table.
+
+Pure Python (no JAX): a schedule is a static table ``table[tick][stage]`` holding ``None``
+(idle) or an :class:`Op` ``(kind, mb, chunk)``. ``chunk`` is the *global* model chunk; with
+``v`` virtual chunks per stage and circular placement, chunk ``c`` runs on stage ``c % S``.
+
+Every generator first writes each stage's op *order* (the policy: GPipe, 1F1B, ...), then
+:func:`place` puts the orders onto unit ticks as early as the dependencies allow (a message
+sent in tick t is usable from tick t+1). The same orders give the cost-weighted figures.
+
+    >>> from triax.pipeline import build
+    >>> s = build("1f1b", stages=4, microbatches=8)
+    >>> s.ticks, s.peak_in_flight
+    (22, 4)
+    >>> round(s.bubble_fraction(), 4) == round(3 / 11, 4)
+    True
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Callable, Optional, Sequence
+
+
+class ScheduleError(ValueError):
+    """A schedule request or table that cannot work; the message says which rule and why."""
+
+
+class OpKind(enum.IntEnum):
+    """Op kinds; the integer values are what the executor switches on (0 is idle)."""
+
+    F = 1      # forward of one chunk for one micro-batch
+    B = 2      # full backward (input and weight gradients)
+    B_IN = 3   # backward for the input gradient only (zero-bubble split)
+    W = 4      # backward for the weight gradients only (zero-bubble split)
+
+
+DEFAULT_COSTS = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.B_IN: 1.0, OpKind.W: 1.0}
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: OpKind
+    mb: int
+    chunk: int
+
+    def __str__(self) -> str:
+        return f"{self.kind.name}(mb={self.mb}, chunk={self.chunk})"
+
+
+class ScheduleKind(enum.Enum):
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    ZB_H1 = "zb-h1"
+    FORWARD_ONLY = "forward-only"
+
+    @classmethod
+    def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+        if isinstance(name, cls):
+            return name
+        try:
+            return cls(name)
+        except ValueError:
+            raise ScheduleError(f"unknown schedule {name!r}; choose one of: "
+                                f"{', '.join(k.value for k in cls)}") from None
+
+
+Table = tuple[tuple[Optional[Op], ...], ...]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A validated tick table plus the facts derived from it."""
+
+    kind: ScheduleKind
+    stages: int
+    microbatches: int
+    virtual: int
+    table: Table
+
+    @property
+    def ticks(self) -> int:
+        return len(self.table)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.stages * self.virtual
+
+    @property
+    def has_backward(self) -> bool:
+        return self.kind is not ScheduleKind.FORWARD_ONLY
+
+    def orders(self) -> list[list[Op]]:
+        """Each stage's ops in execution order (the table without its idle ticks)."""
+        return [[row[s] for row in self.table if row[s] is not None] for s in range(self.stages)]
+
+    @cached_property
+    def peak_in_flight(self) -> int:
+        """Most micro-batch chunks any stage holds activations for (F done, backward not)."""
+        return max(in_flight_profile(self)) if self.has_backward else 0
+
+    def bubble_fraction(self, costs: dict = DEFAULT_COSTS) -> float:
+        """Idle share of stage-time when ops take ``costs`` (default F=1, B_in=W=1, B=2)."""
+        return cost_bubble(self.orders(), self.stages, self.num_chunks, costs)
+
+    def summary(self) -> dict:
+        return {"kind": self.kind.value, "stages": self.stages,
+                "microbatches": self.microbatches, "virtual": self.virtual,
+                "ticks": self.ticks, "bubble_fraction": self.bubble_fraction(),
+                "peak_in_flight": self.peak_in_flight,
+                "closed_form_bubble": closed_form_bubble(self.kind, self.stages,
+                                                         self.microbatches, self.virtual)}
+
+    def __str__(self) -> str:
+        cell = {OpKind.F: "F", OpKind.B: "B", OpKind.B_IN: "b", OpKind.W: "W"}
+        lines = []
+        for s in range(self.stages):
+            row = "".join(" ." if r[s] is None else f"{cell[r[s].kind]}{r[s].mb % 10}"
+                          for r in self.table)
+            lines.append(f"stage {s}:{row}")
+        return "\n".join(lines)
+
+
+def closed_form_bubble(kind: ScheduleKind, S: int, M: int, v: int = 1) -> Optional[float]:
+    """Textbook bubble fractions (None for ZB-H1, which has no simple closed form)."""
+    if kind is ScheduleKind.ZB_H1:
+        return None
+    if kind is ScheduleKind.INTERLEAVED or kind is ScheduleKind.FORWARD_ONLY:
+        return (S - 1) / (v * M + S - 1)
+    return (S - 1) / (M + S - 1)
+
+
+# ---- dependencies (shared by placement, validation and the cost model) -------------------
+
+def prerequisites(op: Op, num_chunks: int) -> list[Op]:
+    """Ops that must finish before ``op`` may start (the backward ones are B *or* B_in)."""
+    if op.kind is OpKind.F:
+        return [Op(OpKind.F, op.mb, op.chunk - 1)] if op.chunk > 0 else []
+    if op.kind is OpKind.W:
+        return [Op(OpKind.B_IN, op.mb, op.chunk)]
+    deps = [Op(OpKind.F, op.mb, op.chunk)]
+    if op.chunk < num_chunks - 1:
+        deps.append(Op(op.kind, op.mb, op.chunk + 1))
+    return deps
+
+
+def _find(done: dict, dep: Op):
+    """Finish time of ``dep``; a backward dep is met by either a B or a B_in."""
+    if dep in done:
+        return done[dep]
+    if dep.kind in (OpKind.B, OpKind.B_IN):
+        alt = Op(OpKind.B_IN if dep.kind is OpKind.B else OpKind.B, dep.mb, dep.chunk)
+        return done.get(alt)
+    return None
+
+
+def place(orders: Sequence[Sequence[Op]], num_chunks: int) -> Table:
+    """Put per-stage orders onto unit ticks, each op as early as its dependencies allow."""
+    S = len(orders)
+    pos = [0] * S
+    done: dict[Op, int] = {}
+    rows = []
+    while any(pos[s] < len(orders[s]) for s in range(S)):
+        row: list[Optional[Op]] = [None] * S
+        for s in range(S):
+            if pos[s] < len(orders[s]):
+                op = orders[s][pos[s]]
+                ready = [_find(done, d) for d in prerequisites(op, num_chunks)]
+                if all(t is not None and t < len(rows) for t in ready):
+                    row[s] = op
+        if not any(row):
+            stuck = [str(orders[s][pos[s]]) for s in range(S) if pos[s] < len(orders[s])]
+            raise ScheduleError(f"schedule deadlocks at tick {len(rows)}: next ops {stuck} "
+                                f"wait on each other")
+        for s, op in enumerate(row):
+            if op is not None:
+                done[op] = len(rows)
+                pos[s] += 1
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
+def cost_bubble(orders, S: int, num_chunks: int, costs: dict) -> float:
+    """Run the orders with real op durations; bubble = 1 - busy / (S * makespan)."""
+    pos, free, done = [0] * S, [0.0] * S, {}
+    remaining = sum(len(o) for o in orders)
+    while remaining:
+        progressed = False
+        for s in range(S):
+            while pos[s] < len(orders[s]):
+                op = orders[s][pos[s]]
+                ready = [_find(done, d) for d in prerequisites(op, num_chunks)]
+                if any(t is None for t in ready):
+                    break
+                start = max([free[s]] + ready)
+                free[s] = done[op] = start + costs[op.kind]
+                pos[s] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError("orders deadlock under the cost model")
+    busy = sum(costs[op.kind] for o in orders for op in o)
+    return 1.0 - busy / (S * max(free))
+
+
+def in_flight_profile(s: Schedule) -> list[int]:
+    """Per stage, the most chunks whose forward ran and whose last backward op has not."""
+    last = OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B
+    peaks = []
+    for st in range(s.stages):
+        live = peak = 0
+        for row in s.table:
+            op = row[st]
+            if op is None:
+                continue
+            live += 1 if op.kind is OpKind.F else -1 if op.kind is last else 0
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks

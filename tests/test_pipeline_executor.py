@@ -1,0 +1,97 @@
+"""The pipeline executor against the unpipelined single-device model: loss and every gradient
+(fp32, rtol 1e-5) for every schedule, uneven layer counts, a 3D mesh, and forward-only."""
+import jax
+import numpy as np
+import pytest
+from conftest import assert_trees_close
+
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.pipeline import ScheduleError
+from triax.pipeline.api import Pipeline, PipelineConfig, pipeline_forward
+from triax.training.step import Trainer
+
+B, T = 8, 16
+
+
+@pytest.fixture(autouse=True)
+def _allow_rank_promotion():
+    # models.layers.RMSNorm broadcasts scale[D] against x[B,T,D] (implicit rank promotion),
+    # which conftest's "raise" rejects; reported to the lead, scoped to this module until fixed.
+    with jax.numpy_rank_promotion("allow"):
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Per layer count: host params, batch, and the single-device loss and grads."""
+    cache = {}
+
+    def get(L):
+        if L not in cache:
+            cfg = config.TINY.replace(num_layers=L)
+            ref = Trainer(cfg, make_mesh(devices=jax.devices()[:1]), "dp")
+            params = jax.device_get(ref.init(0)["params"])
+            batch = ref.example_batch(B, T)
+            batch["weights"] = (np.arange(B * T).reshape(B, T) % 5 != 0).astype(np.float32)
+            (loss, _), grads = ref.grads(params, batch)
+            cache[L] = (cfg, params, batch, float(loss), jax.device_get(grads))
+        return cache[L]
+    return get
+
+
+CASES = [  # (schedule, S, M, v, L)
+    ("gpipe", 2, 2, 1, 2),
+    ("1f1b", 4, 8, 1, 4),
+    ("interleaved", 2, 4, 2, 4),
+    ("zb-h1", 4, 4, 1, 4),
+    ("1f1b", 2, 4, 1, 3),          # uneven: 3 layers on 2 stages (one identity pad)
+    ("interleaved", 2, 2, 2, 3),   # uneven chunks: 4 chunks for 3 layers
+]
+
+
+@pytest.mark.parametrize("kind,S,M,v,L", CASES)
+def test_loss_and_grads_match_unpipelined(reference, kind, S, M, v, L):
+    cfg, params, batch, loss0, grads0 = reference(L)
+    tr = Trainer(cfg, make_mesh(pipe=S, devices=jax.devices()[:S]), "dp",
+                 pipeline=PipelineConfig(kind, M, v))
+    assert tr.pipeline.schedule.microbatches == M
+    (loss, _), grads = tr.grads(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+    assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"{kind} grads")
+
+
+def test_3d_mesh_train_step(reference):
+    """data=2, tensor=2, pipe=2 under fsdp_tp: grads and one optimizer step match."""
+    cfg, params, batch, loss0, grads0 = reference(2)
+    mesh = make_mesh(data=2, tensor=2, pipe=2)
+    tr = Trainer(cfg, mesh, "fsdp_tp")           # pipe > 1: the pipeline is picked by itself
+    assert tr.pipeline is not None and tr.pipeline.schedule.kind.value == "1f1b"
+    (loss, _), grads = tr.grads(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+    assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what="3D grads")
+    _, m = tr.step(tr.init(0), batch)
+    np.testing.assert_allclose(float(m["loss"]), loss0, rtol=1e-5)
+    norm0 = np.sqrt(sum(np.sum(np.square(g)) for g in jax.tree.leaves(grads0)))
+    np.testing.assert_allclose(float(m["grad_norm"]), norm0, rtol=1e-5)
+
+
+def test_forward_only_matches(reference):
+    cfg, params, batch, loss0, _ = reference(4)
+    mesh = make_mesh(data=2, pipe=4)
+    fwd = pipeline_forward(cfg, mesh, "dp", PipelineConfig(microbatches=4))
+    loss, _ = jax.jit(fwd)(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+
+
+def test_bad_batch_and_moe_errors(reference):
+    cfg, params, batch, _, _ = reference(2)
+    pp = Pipeline(cfg, make_mesh(data=2, pipe=4), "dp", PipelineConfig(microbatches=8))
+    with pytest.raises(ScheduleError, match="batch 8 must split into 2 data shard.* x 8 micro"):
+        jax.eval_shape(pp.loss_and_grad, params, batch)
+    with pytest.raises(ScheduleError, match="M=6 is not a multiple of S=4"):
+        Pipeline(cfg, make_mesh(data=2, pipe=4), "dp", PipelineConfig("interleaved", 6, 2))
+    with pytest.raises(ScheduleError, match="pipe >= 2"):
+        Pipeline(cfg, make_mesh(data=8), "dp")
+    with pytest.raises(ScheduleError, match="MoE"):
+        Pipeline(config.TINY_MOE, make_mesh(data=2, pipe=4), "dp")

@@ -1,0 +1,158 @@
+"""Schedule tables: formulas, completeness, validator rejections, request errors (pure Python)."""
+import dataclasses
+
+import pytest
+
+from triax.pipeline import (Op, OpKind, ScheduleError, ScheduleKind, build, closed_form_bubble,
+                            validate)
+
+GRID = [(S, M) for S in (2, 3, 4, 8) for M in (1, 2, 4, 8, 16, 32) if M >= 1]
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b", "forward-only"])
+@pytest.mark.parametrize("S,M", GRID)
+def test_bubble_equals_closed_form(kind, S, M):
+    s = build(kind, S, M)
+    assert s.bubble_fraction() == pytest.approx((S - 1) / (M + S - 1), abs=1e-12)
+    assert s.ticks == (M + S - 1) * (1 if kind == "forward-only" else 2)
+
+
+@pytest.mark.parametrize("S,M,v", [(2, 2, 2), (2, 4, 2), (4, 4, 2), (4, 8, 2), (4, 16, 3),
+                                   (3, 6, 4)])
+def test_interleaved_bubble_and_forward_only(S, M, v):
+    for kind in ("interleaved", "forward-only"):
+        s = build(kind, S, M, v)
+        assert s.bubble_fraction() == pytest.approx((S - 1) / (v * M + S - 1), abs=1e-12)
+        assert s.bubble_fraction() == pytest.approx(closed_form_bubble(s.kind, S, M, v))
+
+
+@pytest.mark.parametrize("S,M", [(S, M) for S, M in GRID if M >= 2 * S])
+def test_peak_in_flight(S, M):
+    assert build("1f1b", S, M).peak_in_flight == S
+    assert build("gpipe", S, M).peak_in_flight == M
+    assert build("forward-only", S, M).peak_in_flight == 0
+    # ZB-H1 keeps residuals until W: at most S waiting for B_in plus S-1 deferred W's.
+    assert S <= build("zb-h1", S, M).peak_in_flight <= 2 * S - 1
+    # Megatron's interleaved warm-up: 2(S-1) + (v-1)S + 1 chunk-micro-batches on stage 0.
+    if M % S == 0:
+        assert build("interleaved", S, M, 2).peak_in_flight == 2 * (S - 1) + S + 1
+
+
+@pytest.mark.parametrize("S,M", [(4, 8), (4, 16), (4, 32), (8, 32)])
+def test_zb_h1_bubble_about_a_third_of_1f1b(S, M):
+    zb, ofob = build("zb-h1", S, M).bubble_fraction(), build("1f1b", S, M).bubble_fraction()
+    assert zb == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
+    assert 0.3 < zb / ofob < 0.5
+
+
+@pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                    ("zb-h1", 1), ("forward-only", 1), ("forward-only", 2)])
+def test_every_microbatch_once_per_chunk(kind, v):
+    s = build(kind, 4, 8, v)
+    ops = [op for row in s.table for op in row if op is not None]
+    assert len(ops) == len(set(ops))
+    kinds = {ScheduleKind.ZB_H1: {OpKind.F, OpKind.B_IN, OpKind.W},
+             ScheduleKind.FORWARD_ONLY: {OpKind.F}}.get(s.kind, {OpKind.F, OpKind.B})
+    assert {op.kind for op in ops} == kinds
+    assert len(ops) == len(kinds) * 8 * 4 * v
+    for op in ops:  # circular placement
+        stage = next(st for row in s.table for st, o in enumerate(row) if o == op)
+        assert stage == op.chunk % 4
+
+
+def _broken(sched, t, s, op):
+    rows = [list(r) for r in sched.table]
+    rows[t][s] = op
+    return dataclasses.replace(sched, table=tuple(tuple(r) for r in rows))
+
+
+def _where(sched, op):
+    return next((t, s) for t, row in enumerate(sched.table) for s, o in enumerate(row) if o == op)
+
+
+def test_validator_rejects_early_forward():
+    s = build("1f1b", 2, 2)
+    t, st = _where(s, Op(OpKind.F, 0, 1))
+    # move stage 1's F(0) to tick 0, before stage 0 has produced its activation
+    bad = _broken(_broken(s, t, st, None), 0, 1, Op(OpKind.F, 0, 1))
+    with pytest.raises(ScheduleError, match=r"tick 0, stage 1, op F\(mb=0, chunk=1\): needs "
+                                            r"F\(mb=0, chunk=0\)"):
+        validate(bad)
+
+
+def test_validator_rejects_backward_before_next_stage():
+    s = build("gpipe", 2, 2)
+    t, st = _where(s, Op(OpKind.B, 0, 0))
+    t1, _ = _where(s, Op(OpKind.B, 0, 1))
+    bad = _broken(_broken(s, t, st, None), t1, 0, Op(OpKind.B, 0, 0))
+    with pytest.raises(ScheduleError, match=rf"tick {t1}, stage 0, op B\(mb=0, chunk=0\): "
+                                            r"needs B\(mb=0, chunk=1\)"):
+        validate(bad)
+
+
+def test_validator_rejects_w_before_b_in_duplicates_missing_and_two_ops():
+    s = build("zb-h1", 2, 2)
+    t, st = _where(s, Op(OpKind.W, 1, 1))
+    tb, _ = _where(s, Op(OpKind.B_IN, 1, 1))
+    with pytest.raises(ScheduleError, match=r"W\(mb=1, chunk=1\): needs B_IN\(mb=1, chunk=1\)"):
+        validate(_broken(_broken(s, t, st, None), tb - 1 if s.table[tb - 1][1] is None else 0,
+                         1, Op(OpKind.W, 1, 1)))
+    with pytest.raises(ScheduleError, match=r"op W\(mb=1, chunk=1\) never runs"):
+        validate(_broken(s, t, st, None))
+    last = len(s.table) - 1
+    dup = dataclasses.replace(s, table=s.table + ((Op(OpKind.W, 1, 0), None),))
+    with pytest.raises(ScheduleError, match=rf"tick {last + 1}, stage 0, op W\(mb=1, chunk=0\): "
+                                            r"runs twice"):
+        validate(dup)
+    two = _broken(s, 0, 0, (Op(OpKind.F, 0, 0), Op(OpKind.F, 1, 0)))
+    with pytest.raises(ScheduleError, match="tick 0, stage 0: .* at most one op per tick"):
+        validate(two)
+    wrong_stage = _broken(s, 0, 1, Op(OpKind.F, 1, 0))
+    with pytest.raises(ScheduleError, match="tick 0, stage 1.*chunk 0 lives on stage 0"):
+        validate(wrong_stage)
+
+
+def test_request_errors_name_the_constraint():
+    with pytest.raises(ScheduleError, match="M=6 is not a multiple of S=4"):
+        build("interleaved", 4, 6, 2)
+    with pytest.raises(ScheduleError, match="needs --virtual v >= 2"):
+        build("interleaved", 4, 8, 1)
+    with pytest.raises(ScheduleError, match="needs --kind interleaved"):
+        build("1f1b", 4, 8, 2)
+    with pytest.raises(ScheduleError, match="unknown schedule 'pipedream'"):
+        build("pipedream", 4, 8)
+    with pytest.raises(ScheduleError, match="must be >= 1"):
+        build("gpipe", 0, 8)
+
+
+def test_schedule_cli_json_png_and_errors(tmp_path, capsys):
+    import json
+
+    from triax.cli.main import main
+    png = tmp_path / "t.png"
+    assert main(["schedule", "--kind", "gpipe", "--stages", "4", "--microbatches", "8",
+                 "--json", "--png", str(png)]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert facts["ticks"] == 22 and facts["peak_in_flight"] == 8
+    assert facts["bubble_fraction"] == pytest.approx(3 / 11)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["schedule", "--kind", "interleaved", "--stages", "4", "--microbatches", "6",
+                 "--virtual", "2"]) == 2
+    assert "M=6 is not a multiple of S=4" in capsys.readouterr().err
+    assert main(["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2",
+                 "--png", str(tmp_path / "t.jpg")]) == 2
+
+
+def test_timeline_svg(tmp_path):
+    from triax.pipeline.timeline import save
+    out = save(build("interleaved", 2, 4, 2), tmp_path / "il.svg")
+    assert out.read_text().lstrip().startswith("<?xml")
+
+
+def test_schedules_import_without_jax():
+    import subprocess
+    import sys
+    code = ("import sys, triax.pipeline, triax.pipeline.timeline, triax.pipeline.cli_args; "
+            "b = triax.pipeline.build('zb-h1', 4, 8); "
+            "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax'")
+    subprocess.run([sys.executable, "-c", code], check=True)
