@@ -19,6 +19,7 @@ BASE = RunConfig(model="tiny", num_layers=2, data="markov", batch_size=8, seq_le
                  mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
                  lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
 QUIET = dict(note=lambda *_: None)
+# The directory that holds the `triax` package (the repo root is the package itself).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -93,7 +94,7 @@ def test_corrupt_checkpoint_is_a_clear_error_and_kept(runs, tmp_path):
 
 def _child_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
-               PYTHONPATH=os.path.dirname(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return env
 
 
