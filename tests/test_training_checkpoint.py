@@ -45,8 +45,10 @@ def test_resharded_resume_on_another_mesh_and_strategy(runs, tmp_path):
     shutil.copytree(d / "at3", tmp_path / "c")
     run = BASE.replace(mesh="data=2,tensor=2,pipe=2", strategy="fsdp_tp",
                        checkpoint_dir=str(tmp_path / "c"), resume=True)
-    rest = train(run, **QUIET).losses
-    np.testing.assert_allclose(rest, straight[3:], rtol=1e-5)
+    res = train(run, **QUIET)
+    np.testing.assert_allclose(res.losses, straight[3:], rtol=1e-5)
+    assert res.summary["pipeline"] == {"schedule": "1f1b", "stages": 2, "microbatches": 4,
+                                       "virtual": 1}  # the pipelined step, restored
     meta = Checkpointer(str(tmp_path / "c"), read_only=True).read_meta(6)
     assert meta["mesh_sizes"] == {"data": 2, "pipe": 2, "expert": 1, "tensor": 2}
     assert (meta["strategy"], meta["data_position"]) == ("fsdp_tp", 6)
