@@ -71,7 +71,9 @@ def render(args, rows, peak, cmd) -> str:
     lines = [f"`{args.model}` with {args.num_layers} layers, global batch {args.batch_size} × "
              f"{args.seq_len} tokens, {args.steps} steps (compile and first step excluded), "
              f"8 simulated CPU devices. MFU-equivalent = model FLOP/s ÷ host fp32 matmul "
-             f"FLOP/s measured in the same run ({peak / 1e9:.1f} GFLOP/s). Regenerate: `{cmd}`",
+             f"FLOP/s measured in the same run ({peak / 1e9:.1f} GFLOP/s). Host load average "
+             f"at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs make "
+             f"the ratios noisy). Regenerate: `{cmd}`",
              "", "| strategy | mesh | step (s) | tokens/s | vs dp | MFU-equiv | compile (s) |",
              "|---|---|---|---|---|---|---|"]
     for strategy, mesh, step, tps, mfu, comp in rows:
