@@ -218,8 +218,9 @@ Reading the ratios:
      all-reduce over 2-rank `tensor` sub-groups, 2 · b·T·D floats instead of one all-reduce.
 * **Step time**: the 8 simulated devices share this host's 2 cores (with other jobs running,
   hence alternating steps and best-of-N), so "× 1-device" is a sanity check of partitioning
-  overhead on a CPU, not a scaling forecast. It can come out below 1: the eight per-device programs run on their own
-  threads and keep both cores busy, which the single-device program does not always do.
+  overhead on a CPU, not a scaling forecast. It can come out below 1: the eight per-device
+  programs run on their own threads and keep both cores busy, which the single-device program
+  does not always do.
 * **State memory 1.000 everywhere**: the placement accounts for every argument byte, i.e. nothing
   is silently replicated (zero1 holds whole parameters but 1/8 of the AdamW moments).
 """
