@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     exe = ExecConfig(compute_dtype=PRECISIONS[args.precision], remat=args.remat)
     trainer = Trainer(cfg, make_mesh(data=n), args.strategy if n > 1 else "dp", exe=exe,
                       total_steps=args.steps + 1)
-    print(f"{cfg.name}: {cfg.num_params / 1e9:.3f}B params, {n} × {jax.devices()[0].device_kind}, "
+    print(f"{cfg.name}: {cfg.num_params / 1e6:,.1f}M params, {n} × {jax.devices()[0].device_kind}, "
           f"B={args.batch_size} T={args.seq_len} {args.precision} remat={args.remat}")
     state = trainer.init(0)
     t = time.perf_counter()

@@ -71,13 +71,23 @@ def render(args, rows, peak, cmd) -> str:
     lines = [f"`{args.model}` with {args.num_layers} layers, global batch {args.batch_size} × "
              f"{args.seq_len} tokens, {args.steps} steps (compile and first step excluded), "
              f"8 simulated CPU devices. MFU-equivalent = model FLOP/s ÷ host fp32 matmul "
-             f"FLOP/s measured in the same run ({peak / 1e9:.1f} GFLOP/s). Regenerate: `{cmd}`",
+             f"FLOP/s measured in the same run ({peak / 1e9:.1f} GFLOP/s). Host load average "
+             f"at the end: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (other jobs make "
+             f"the ratios noisy). Regenerate: `{cmd}`",
              "", "| strategy | mesh | step (s) | tokens/s | vs dp | MFU-equiv | compile (s) |",
              "|---|---|---|---|---|---|---|"]
     for strategy, mesh, step, tps, mfu, comp in rows:
         lines.append(f"| {strategy} | {mesh} | {step:.3f} | {tps:,.0f} | {tps / dp:.2f} | "
                      f"{mfu:.1%} | {comp:.1f} |")
+    lines += ["", READING]
     return "\n".join(lines)
+
+
+READING = """Reading it: at small batches the step is dominated by per-parameter work, not
+matmuls. Under dp and zero1 every simulated device repeats the full AdamW update (zero1: the
+full parameter all-gather) on the same host cores, so sharding the parameter-sized work
+(fsdp, tp, fsdp_tp) wins. The pipe=2 row runs `triax.pipeline`'s 1F1B schedule with
+2 × pipe micro-batches; on CPU its per-tick overhead can outweigh the saved work."""
 
 
 def write_section(path: str, heading: str, body: str) -> None:

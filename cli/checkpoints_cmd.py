@@ -21,6 +21,8 @@ def list_checkpoints(directory: str) -> list[dict]:
     """One dict per committed step (partial saves are not listed)."""
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    import logging
+    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     from triax.training.checkpoint import CheckpointError, Checkpointer
     ckpt = Checkpointer(directory, read_only=True)
     rows = []

@@ -60,8 +60,10 @@ def test_same_losses_on_another_mesh_and_strategy(cli_run):
     run = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=16, seq_len=32,
                     lr=0.01, seed=0, steps=STEPS, mesh="data=2,tensor=4",
                     strategy="fsdp_tp", progress=False)
-    other = train(run, note=lambda *_: None).losses
-    ref = [r["loss"] for r in recs]
+    res = train(run, note=lambda *_: None)
+    other, ref = res.losses, [r["loss"] for r in recs]
+    kinds = {(c["kind"], tuple(c["axes"])) for c in res.summary["collectives"]}
+    assert ("all-reduce", ("tensor",)) in kinds and res.summary["pipeline"] is None
     np.testing.assert_allclose(other[:10], ref[:10], rtol=1e-5)
     np.testing.assert_allclose(other, ref, rtol=1e-3)
 

@@ -14,7 +14,7 @@ from triax.training.loop import train
 
 BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
                  mesh="data=4,tensor=2", strategy="fsdp_tp", steps=4, lr=1e-2,
-                 lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=1, progress=False)
+                 lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0, progress=False)
 
 WORKER = textwrap.dedent("""
     import json, sys

@@ -39,7 +39,8 @@ class Checkpointer:
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             raise CheckpointError(f"checkpoint path {directory!r} exists and is not a directory")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=not read_only, read_only=read_only,
+            max_to_keep=None if read_only else keep, save_interval_steps=0 if read_only else 1,
+            create=not read_only, read_only=read_only,
             cleanup_tmp_directories=not read_only, enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "meta"))

@@ -42,7 +42,7 @@ class RunConfig:
     precision: str = "fp32"             # fp32 | bf16 (bf16 compute, fp32 master weights)
     remat: str = "none"
     grad_accum: int = 1
-    schedule: str = "1f1b"              # pipeline schedule (used when pipe > 1)
+    schedule: str = "1f1b"              # triax.pipeline schedule (used when pipe > 1)
     microbatches: int = 0               # pipeline micro-batches (0: 2 × pipe)
     virtual: int = 1                    # pipeline chunks per stage (interleaved schedules)
     data: str = "pydoc"

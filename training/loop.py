@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import signal
 import time
@@ -86,13 +85,15 @@ def check_batch(run: RunConfig, mesh) -> None:
 
 
 def build_trainer(run: RunConfig, cfg: ModelConfig, mesh) -> Trainer:
-    """The run's Trainer; with ``pipe > 1`` it runs triax.pipeline's schedule where the
-    Trainer supports one (its ``pipeline=`` argument). Without it, ``layers -> pipe`` still
-    splits the stacked layers over ``pipe`` and XLA gathers each layer where it runs."""
+    """The run's Trainer; with ``pipe > 1`` it runs triax.pipeline's schedule (dense models;
+    MoE keeps ``layers -> pipe`` sharding, where XLA gathers each layer where it runs)."""
     kw = {}
-    if mesh_sizes(mesh)["pipe"] > 1 and "pipeline" in inspect.signature(Trainer).parameters:
+    stages = mesh_sizes(mesh)["pipe"]
+    if stages > 1 and cfg.moe is None:
         from triax.pipeline.api import PipelineConfig
-        kw["pipeline"] = PipelineConfig(run.schedule, run.microbatches, run.virtual)
+        pc = PipelineConfig(run.schedule, run.microbatches, run.virtual)
+        pc.build(stages)  # a bad schedule/micro-batch combination fails here, before compiling
+        kw["pipeline"] = pc
     return Trainer(cfg, mesh, run.strategy, optim=run.optim_config(), exe=run.exec_config(),
                    total_steps=run.steps, accum_steps=run.grad_accum, **kw)
 

@@ -46,8 +46,27 @@ def summary(loop, result, start: int) -> dict:
         "mean_step_s": mean_step, "tokens_per_s": tokens / mean_step if mean_step else None,
         "mfu": M.mfu(loop.flops_per_step, mean_step, jax.device_count(), loop.peak),
         "time": {k: round(v, 3) for k, v in times.items()},
+        "pipeline": _pipeline(tr), "collectives": _collectives(loop.compiled),
     }
     return out
+
+
+def _pipeline(trainer):
+    p = getattr(trainer, "pipeline", None)
+    if p is None:
+        return None
+    s = p.schedule
+    return {"schedule": s.kind.value, "stages": s.stages, "microbatches": s.microbatches,
+            "virtual": s.virtual}
+
+
+def _collectives(compiled) -> list[dict]:
+    """Per (kind, mesh axes): ops and bytes per device per step, from the compiled HLO."""
+    from triax.sharding.introspect.hlo import collectives_from_compiled, summarize
+    if not compiled.is_step_compiled:
+        return []
+    totals = summarize(collectives_from_compiled(compiled.step, compiled.trainer.mesh))
+    return [{"kind": k, "axes": list(axes), **v} for (k, axes), v in sorted(totals.items())]
 
 
 def _mb(b: int) -> str:
@@ -68,8 +87,17 @@ def format_summary(s: dict) -> str:
         f"  optimizer:  {_mb(s['opt_bytes_per_device'])} per device of "
         f"{_mb(s['opt_bytes_total'])} total "
         f"({s['opt_bytes_total'] / max(s['opt_bytes_per_device'], 1):.1f}× split)",
-        "── where time went " + "─" * 40,
     ]
+    if s.get("pipeline"):
+        p = s["pipeline"]
+        lines.append(f"  pipeline:   {p['schedule']} over {p['stages']} stages, "
+                     f"{p['microbatches']} micro-batches" +
+                     (f", {p['virtual']} chunks per stage" if p["virtual"] > 1 else ""))
+    for c in s.get("collectives", []):
+        axes = "×".join(c["axes"]) or "-"
+        lines.append(f"  {c['kind']:18s} over {axes:18s} {c['count']:5d} per step, "
+                     f"{_mb(c['bytes'])} per device")
+    lines.append("── where time went " + "─" * 40)
     labels = {"setup_s": "setup (data, init/restore)", "compile_s": "compile (excluded)",
               "first_step_s": "first step (warm-up, excluded)", "steps_s": "training steps",
               "eval_s": "evaluation", "ckpt_s": "checkpoint saves (blocking part)"}
