@@ -134,10 +134,10 @@ def table(rows, args) -> str:
             "after a warm-up. Simulated devices share the same CPU cores, so a ratio measures "
             "total work plus overhead: bubble ticks that compute (the vmap baseline) cost "
             "real time here, skipped ones (triax) do not.", "",
-            "| schedule | M | bubble | step time / unpipelined | peak MB/device | temp MB | "
-            "compile s |", "|---|---|---|---|---|---|---|"]
+            "| schedule | M | bubble | step s | step time / unpipelined | peak MB/device | "
+            "temp MB | compile s |", "|---|---|---|---|---|---|---|---|"]
     body = [f"| {r['kind']}{' v=2' if r['v'] > 1 else ''} | {r['M']} | {r['bubble']:.3f} | "
-            f"{r['ratio']:.2f} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['compile_s']:.1f} |"
+            f"{r['step_s']:.1f} | {r['ratio']:.2f} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['compile_s']:.1f} |"
             for r in rows]
     return "\n".join(head + body) + "\n"
 

@@ -50,41 +50,49 @@ def _put(buf, x, i):
     return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
 
 
-def _branches(spec: StepSpec, res: Residuals | None):
-    """Branch functions ``(ops) -> ops'`` for idle, F, B, B_in, W (only those the schedule uses)."""
+def _branches(spec: StepSpec, res: Residuals | None, zeros_out):
+    """Branches ``(inp, acc) -> (acc', out)`` for idle, F, B, B_in, W.
+
+    ``inp`` is read-only (never returned, so XLA does not copy it per tick); ``out`` holds
+    what the op produced (zeros where it produced nothing), ``acc`` the gradient sums.
+    """
     apply = spec.apply
 
-    def idle(o):
-        return o
+    def chunk_of(i):
+        return jax.tree.map(lambda a: _take(a, i["j"]), i["blocks"])
 
-    def fwd(o):
+    def idle(i, acc):
+        return acc, zeros_out
+
+    def fwd(i, acc):
+        chunk = chunk_of(i)
         if res is None:
-            (y, loss) = apply(o["chunk"], o["pieces"], o["x_in"], o["extras"])
-            stored = o["res"]
+            (y, loss), stored = apply(chunk, i["pieces"], i["x_in"], i["extras"]), []
         else:
-            (y, loss), stored = res.forward(apply, o["chunk"], o["pieces"], o["x_in"], o["extras"])
-        return {**o, "res": stored, "msg_f": y.astype(spec.dtype), "loss": o["loss"] + loss}
+            (y, loss), stored = res.forward(apply, chunk, i["pieces"], i["x_in"], i["extras"])
+        return acc, {**zeros_out, "res": stored, "msg_f": y.astype(spec.dtype), "loss": loss}
 
-    def grads(o):
-        pb = res.pullback(o["res"], o["chunk"], o["pieces"])
-        return pb((o["dy"], o["last"].astype(jnp.float32)))
+    def grads(i, dy):
+        chunk = chunk_of(i)
+        pb = res.pullback(i["res"], chunk, i["pieces"])
+        return pb((dy, i["last"].astype(jnp.float32)))
 
-    def accumulate(o, d_chunk, d_pieces):
-        acc_b = jax.tree.map(lambda a, d: a.at[o["j"]].add(d), o["acc_blocks"], d_chunk)
-        acc_p = jax.tree.map(jnp.add, o["acc_pieces"], d_pieces)
-        return {**o, "acc_blocks": acc_b, "acc_pieces": acc_p}
+    def accumulate(i, acc, d_chunk, d_pieces):
+        return {"blocks": jax.tree.map(lambda a, d: a.at[i["j"]].add(d), acc["blocks"], d_chunk),
+                "pieces": jax.tree.map(jnp.add, acc["pieces"], d_pieces)}
 
-    def bwd(o):
-        d_chunk, d_pieces, dx, _ = grads(o)
-        return {**accumulate(o, d_chunk, d_pieces), "msg_b": dx.astype(spec.dtype)}
+    def bwd(i, acc):
+        d_chunk, d_pieces, dx, _ = grads(i, i["dy"])
+        return accumulate(i, acc, d_chunk, d_pieces), {**zeros_out,
+                                                       "msg_b": dx.astype(spec.dtype)}
 
-    def bwd_in(o):
-        _, _, dx, _ = grads(o)
-        return {**o, "msg_b": dx.astype(spec.dtype), "ct": o["dy"]}
+    def bwd_in(i, acc):
+        _, _, dx, _ = grads(i, i["dy"])
+        return acc, {**zeros_out, "msg_b": dx.astype(spec.dtype), "ct": i["dy"]}
 
-    def wgt(o):
-        d_chunk, d_pieces, _, _ = grads({**o, "dy": o["ct"]})
-        return accumulate(o, d_chunk, d_pieces)
+    def wgt(i, acc):
+        d_chunk, d_pieces, _, _ = grads(i, i["ct"])
+        return accumulate(i, acc, d_chunk, d_pieces), zeros_out
 
     return {0: idle, int(OpKind.F): fwd, int(OpKind.B): bwd, int(OpKind.B_IN): bwd_in,
             int(OpKind.W): wgt}
@@ -113,8 +121,8 @@ def _init_carry(prog: TickProgram, res, blocks, pieces, x0):
             "stash": [jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
                       for s in (res.shapes if res else ())],
             "recv_f": x0, "recv_b": x0, "loss": jnp.zeros((), jnp.float32),
-            "acc_blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
-            "acc_pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}
+            "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
+                    "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
@@ -131,7 +139,9 @@ def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
         extras0 = (tokens[0], targets[0], weights[0], jnp.bool_(True), jnp.bool_(True), inv_w)
         res = Residuals.trace(spec.apply, jax.tree.map(lambda a: a[0], blocks), pieces, x0,
                               extras0)
-    table = _branches(spec, res)
+    zeros_out = {"res": [jnp.zeros(r.shape, r.dtype) for r in (res.shapes if res else ())],
+                 "msg_f": x0, "msg_b": x0, "ct": x0, "loss": jnp.zeros((), jnp.float32)}
+    table = _branches(spec, res, zeros_out)
     kinds, rows = _remap_kinds(prog.rows)
     branches = [table[k] for k in kinds]
     fperm, bperm = _perms(spec.stages, spec.virtual > 1)
@@ -140,24 +150,23 @@ def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
         r = {name: _take(row_all, stage)[i] for name, i in COL.items()}
         fin = _put(c["fin"], c["recv_f"], _slot(r["recv_f"], prog.fwd_slots))
         bin_ = _put(c["bin"], c["recv_b"], _slot(r["recv_b"], prog.bwd_slots))
-        mb, j = jnp.maximum(r["mb"], 0), jnp.maximum(r["local_chunk"], 0)
-        s_slot, ct_slot = _slot(r["stash"], prog.stash_slots), _slot(r["ct"], prog.ct_slots)
+        mb = jnp.maximum(r["mb"], 0)
         last = r["last"] > 0
         dy = _take(bin_, _slot(r["bin"], prog.bwd_slots))
-        ops = {"chunk": jax.tree.map(lambda a: _take(a, j), blocks), "pieces": pieces, "j": j,
+        s_slot = _slot(r["stash"], prog.stash_slots)
+        inp = {"blocks": blocks, "pieces": pieces, "j": jnp.maximum(r["local_chunk"], 0),
                "x_in": _take(fin, _slot(r["fin"], prog.fwd_slots)),
                "dy": jnp.where(last, jnp.zeros_like(dy), dy), "last": last,
-               "ct": _take(c["ctb"], ct_slot),
+               "ct": _take(c["ctb"], _slot(r["ct"], prog.ct_slots)),
                "extras": (tokens[mb], targets[mb], weights[mb], r["first"] > 0, last, inv_w),
-               "res": [_take(s, s_slot) for s in c["stash"]], "loss": c["loss"],
-               "acc_blocks": c["acc_blocks"], "acc_pieces": c["acc_pieces"],
-               "msg_f": x0, "msg_b": x0}
-        o = jax.lax.switch(r["kind"], branches, ops)
-        return {"fin": fin, "bin": bin_, "ctb": _put(c["ctb"], o["ct"], ct_slot),
-                "stash": [_put(s, x, s_slot) for s, x in zip(c["stash"], o["res"])],
-                "loss": o["loss"], "acc_blocks": o["acc_blocks"], "acc_pieces": o["acc_pieces"],
+               "res": [_take(s, s_slot) for s in c["stash"]]}
+        acc, o = jax.lax.switch(r["kind"], branches, inp, c["acc"])
+        s_write = _slot(r["stash_w"], prog.stash_slots)
+        return {"fin": fin, "bin": bin_, "acc": acc, "loss": c["loss"] + o["loss"],
+                "ctb": _put(c["ctb"], o["ct"], _slot(r["ct_w"], prog.ct_slots)),
+                "stash": [_put(s, x, s_write) for s, x in zip(c["stash"], o["res"])],
                 "recv_f": jax.lax.ppermute(o["msg_f"], PIPE, fperm),
                 "recv_b": jax.lax.ppermute(o["msg_b"], PIPE, bperm)}, None
 
     out, _ = jax.lax.scan(tick, _init_carry(prog, res, blocks, pieces, x0), jnp.asarray(rows))
-    return out["loss"], out["acc_blocks"], out["acc_pieces"]
+    return out["loss"], out["acc"]["blocks"], out["acc"]["pieces"]

@@ -9,7 +9,7 @@ scratch slot that absorbs writes of idle ticks).
     >>> from triax.pipeline import build
     >>> p = compile_program(build("1f1b", stages=2, microbatches=4))
     >>> p.rows.shape, p.stash_slots
-    ((10, 2, 11), 2)
+    ((10, 2, 13), 2)
 """
 from __future__ import annotations
 
@@ -21,13 +21,17 @@ from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleKind
 
 # Column layout of one (tick, stage) row.
 FIELDS = ("kind", "mb", "local_chunk", "first", "last", "stash", "fin", "bin", "ct",
-          "recv_f", "recv_b")
+          "recv_f", "recv_b", "stash_w", "ct_w")
 COL = {name: i for i, name in enumerate(FIELDS)}
 
 
 @dataclass(frozen=True, eq=False)
 class TickProgram:
-    """``rows[tick, stage, field]`` (int32) plus buffer sizes; -1 slots mean the scratch slot."""
+    """``rows[tick, stage, field]`` (int32) plus buffer sizes; -1 slots mean the scratch slot.
+
+    ``stash``/``ct`` are the slots an op reads; ``stash_w``/``ct_w`` the slots it writes
+    (only F writes residuals, only B_in writes a cotangent; other ops write to scratch).
+    """
 
     schedule: Schedule
     rows: np.ndarray
@@ -90,13 +94,13 @@ def _fill(r, op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> None:
         if op.chunk > 0:
             r[COL["fin"]] = fin.free(key)
         if final_kind is not None:  # forward-only keeps no residuals
-            r[COL["stash"]] = stash.take(key)
+            r[COL["stash"]] = r[COL["stash_w"]] = stash.take(key)
         return
     if op.kind in (OpKind.B, OpKind.B_IN):
         if op.chunk < C - 1:
             r[COL["bin"]] = bin_.free(key)
         if op.kind is OpKind.B_IN:
-            r[COL["ct"]] = ct.take(key)
+            r[COL["ct"]] = r[COL["ct_w"]] = ct.take(key)
     if op.kind is OpKind.W:
         r[COL["ct"]] = ct.free(key)
     r[COL["stash"]] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
