@@ -29,10 +29,12 @@ from triax.sharding.rules import REPLICABLE, Rules, ShardingError, get_strategy
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
 FP32 = 4
-# triax.pipeline's executor keeps each in-flight micro-batch's per-stage jax.vjp residuals;
-# on tiny (pipeline branch, 1F1B and GPipe, M = 4..8) they measured ≈2.25× what the layer
-# scan's autodiff saves for the same tokens. Re-measure when the executor changes.
-PIPELINE_STASH_FACTOR = 2.25
+# triax.pipeline's executor keeps each in-flight micro-batch's per-stage jax.vjp residuals,
+# plus its stash and cotangent slots. Fitted on tiny (data=2 × pipe=4; 1F1B and GPipe, M = 4
+# and 8; 4 and 8 layers) against the executor with explicit stash/cotangent write slots: the
+# fit leaves predicted/compiled peak at 0.93–1.11. Re-measure when the executor changes
+# (planner.verify.compile_figures against memory.estimate on those layouts).
+PIPELINE_STASH_FACTOR = 2.6
 
 
 @dataclass(frozen=True)
