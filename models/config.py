@@ -30,6 +30,19 @@ class MoEConfig:
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.0
 
+    def __post_init__(self):
+        if self.num_experts < 1 or self.top_k < 1:
+            raise ValueError(f"MoEConfig: num_experts={self.num_experts} and top_k={self.top_k} "
+                             f"must both be at least 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"MoEConfig: top_k={self.top_k} exceeds num_experts="
+                             f"{self.num_experts}; choose top_k <= num_experts")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"MoEConfig: capacity_factor={self.capacity_factor} must be > 0 "
+                             f"(or None for dropless routing)")
+        if self.mlp_dim < 0:
+            raise ValueError(f"MoEConfig: mlp_dim={self.mlp_dim} must be >= 0 (0: the model's)")
+
     def replace(self, **kw) -> "MoEConfig":
         return dataclasses.replace(self, **kw)
 
@@ -120,8 +133,10 @@ BYTE_VOCAB = 256 + 8  # byte-level tokenizer: 256 bytes plus specials (padded to
 
 TINY = ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, embed_dim=64, num_layers=4, num_heads=8,
                    num_kv_heads=2, head_dim=8, mlp_dim=128, max_seq_len=256)
+# 16 query heads (not GPT-2's 12) so that tensor=8 divides them; 4 KV heads, so tensor=8
+# also exercises KV-head replication while tensor=4 shards them.
 SMALL = ModelConfig(name="small", vocab_size=BYTE_VOCAB, embed_dim=768, num_layers=12,
-                    num_heads=12, num_kv_heads=4, head_dim=64, mlp_dim=3840,
+                    num_heads=16, num_kv_heads=4, head_dim=48, mlp_dim=3840,
                     max_seq_len=1024)
 LLAMA3_1B = _llama("llama3-1b", 128256, 2048, 16, 32, 8, 8192, tie=True)
 LLAMA3_8B = _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336)

@@ -47,14 +47,15 @@ class RMSNorm(nnx.Module):
     def __call__(self, x_BTD):
         x32 = x_BTD.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x_BTD.dtype)
+        scale = self.scale[...].astype(jnp.float32).reshape((1,) * (x32.ndim - 1) + (-1,))
+        return (y * scale).astype(x_BTD.dtype)
 
 
 def rope(x_BTNH, positions_BT, theta: float):
     """Rotary position embedding (half-split layout)."""
     H = x_BTNH.shape[-1]
     freq = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2.0 / H)
-    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq
+    angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq[None, None, :]
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

@@ -22,7 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
+from triax.models.moe import using_moe_runner
 from triax.models.transformer import Transformer
+from triax.sharding.experts import check_expert_mesh, expert_runner
 from triax.sharding.rules import Rules, ShardingError, Strategy, get_strategy
 
 PyTree = Any
@@ -82,6 +84,7 @@ def param_shardings(am: AbstractModel, mesh: Mesh, strategy: str | Strategy,
                     optimizer: bool = False) -> PyTree:
     """``NamedSharding`` per parameter (``optimizer=True``: the optimizer-state rules)."""
     st = get_strategy(strategy)
+    check_expert_mesh(am.cfg, mesh, st.rules)
     rules = st.optimizer_rules if optimizer else st.rules
     specs = specs_for(rules, am.logical, am.shapes, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -126,7 +129,9 @@ def activation_constraint(mesh: Mesh, rules: Rules) -> Callable:
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh, strategy: str | Strategy):
     """While tracing, resolve the model's logical activation axes through ``strategy``."""
-    with using_constraint(activation_constraint(mesh, get_strategy(strategy).rules)):
+    rules = get_strategy(strategy).rules
+    with using_constraint(activation_constraint(mesh, rules)), \
+            using_moe_runner(expert_runner(mesh, rules)):
         yield
 
 

@@ -143,7 +143,9 @@ class Strategy:
                                    optimizer_rules=self.optimizer_rules.replace(**updates))
 
 
-_BATCH = {"batch": "data"}
+# The expert axis is a data axis for everything but the experts (whose all-to-all needs the
+# tokens split over it); expert-major so each expert rank holds one contiguous batch block.
+_BATCH = {"batch": ("expert", "data")}
 _TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
        "expert_mlp": "tensor",
        "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor",

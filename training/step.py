@@ -66,8 +66,9 @@ class Trainer:
     def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp",
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
                  total_steps: int = 100, loss_and_grad: Optional[Callable] = None,
-                 pipeline: Optional[Any] = None):
+                 pipeline: Optional[Any] = None, accum_steps: int = 1):
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
+        self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
         # pipe > 1: the pipeline executor computes loss and grads (triax.pipeline).
         self.pipeline = _make_pipeline(cfg, mesh, self.strategy, pipeline, exe, loss_and_grad)
         if self.pipeline is not None:
@@ -128,9 +129,31 @@ class Trainer:
             return self._custom_loss_and_grad(params, batch)
         return jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
 
+    def accumulated_loss_and_grad(self, params, batch):
+        """``loss_and_grad`` averaged over ``accum_steps`` micro-batches (a scan in the step).
+
+        Micro-batch ``i`` takes rows ``i, i+M, i+2M, …`` so every micro-batch stays spread over
+        ``data`` (a contiguous split would put each micro-batch on a few data shards).
+        """
+        M = self.accum_steps
+        if M == 1:
+            return self.loss_and_grad(params, batch)
+        micro = jax.tree.map(lambda x: jnp.swapaxes(
+            x.reshape((x.shape[0] // M, M) + x.shape[1:]), 0, 1), batch)
+
+        def body(acc, mb):
+            mb = jax.lax.with_sharding_constraint(mb, self.batch_sharding())
+            out = self.loss_and_grad(params, mb)
+            return jax.tree.map(lambda a, o: a + o / M, acc, out), None
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(self.loss_and_grad, params,
+                                            jax.tree.map(lambda x: x[0], micro)))
+        out, _ = jax.lax.scan(body, zeros, micro)
+        return out
+
     def _step_fn(self, state, batch):
         with activation_sharding(self.mesh, self.strategy):
-            (loss, aux), grads = self.loss_and_grad(state["params"], batch)
+            (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
         grads = jax.lax.with_sharding_constraint(
@@ -138,7 +161,7 @@ class Trainer:
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads),
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 

@@ -1,0 +1,69 @@
+"""``triax checkpoints DIR``: list the checkpoints in a directory (step, size, mesh, config).
+
+    triax checkpoints ckpt/            # table
+    triax checkpoints ckpt/ --json     # one object per step
+"""
+from __future__ import annotations
+
+import json
+import os
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("checkpoints", help="list checkpoints: steps, sizes, mesh, config",
+                       description=__doc__)
+    p.add_argument("directory", help="a --checkpoint-dir of triax train")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def list_checkpoints(directory: str) -> list[dict]:
+    """One dict per committed step (partial saves are not listed)."""
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
+    from triax.training.checkpoint import CheckpointError, Checkpointer
+    ckpt = Checkpointer(directory, read_only=True)
+    rows = []
+    for step in ckpt.steps():
+        row = {"step": step, "bytes": ckpt.step_size_bytes(step)}
+        try:
+            meta = ckpt.read_meta(step)
+        except CheckpointError as e:
+            row["error"] = str(e)
+        else:
+            run = meta.get("run", {})
+            row.update(mesh=meta.get("mesh"), strategy=meta.get("strategy"),
+                       model=meta.get("model", {}).get("name"),
+                       num_layers=meta.get("model", {}).get("num_layers"),
+                       data=run.get("data"), batch_size=run.get("batch_size"),
+                       seq_len=run.get("seq_len"), data_position=meta.get("data_position"))
+        rows.append(row)
+    partial = [n for n in os.listdir(directory) if "tmp" in n]
+    if partial:
+        rows.append({"partial": sorted(partial)})
+    return rows
+
+
+def run(args) -> int:
+    rows = list_checkpoints(args.directory)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    steps = [r for r in rows if "step" in r]
+    if not steps:
+        print(f"no committed checkpoints in {args.directory}")
+    else:
+        print(f"{'step':>7}  {'size':>10}  {'model':14} {'mesh':28} {'strategy':8} "
+              f"{'batch×seq':10} data")
+    for r in steps:
+        size = f"{r['bytes'] / 2**20:.2f} MiB"
+        if "error" in r:
+            print(f"{r['step']:>7}  {size:>10}  unreadable: {r['error']}")
+            continue
+        model = f"{r['model']}/L{r['num_layers']}"
+        print(f"{r['step']:>7}  {size:>10}  {model:14} {r['mesh']:28} {r['strategy']:8} "
+              f"{str(r['batch_size']) + '×' + str(r['seq_len']):10} {r['data']}")
+    for r in rows:
+        if "partial" in r:
+            print(f"ignored partial saves: {', '.join(r['partial'])}")
+    return 0

@@ -1,0 +1,87 @@
+"""``triax plan``: will it fit, on how many GPUs, split how, at what cost; ``--verify``
+checks the top plans by compiling them on simulated CPU devices.
+
+    triax plan --model llama3-70b --inference --gpu h100-80gb --gpus-per-node 8 --nodes 1
+    triax plan --params 7e9 --train --gpu a100-40gb --gpus-per-node 8 --nodes 2 --json
+"""
+from __future__ import annotations
+
+import json
+
+from triax.mesh import parse_mesh
+from triax.sharding.rules import get_strategy
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="recommend a mesh and strategy; memory, comm and time")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", help="preset name (see triax.models.config.PRESETS)")
+    what.add_argument("--params", type=float, help="parameter count for a quick estimate")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    job = p.add_mutually_exclusive_group(required=True)
+    job.add_argument("--train", action="store_true")
+    job.add_argument("--inference", action="store_true")
+    p.add_argument("--gpu", required=True, help="device kind, e.g. h100-80gb")
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--num-layers", type=int, help="override the preset's layer count")
+    p.add_argument("--mesh", help="evaluate this mesh, e.g. data=2,tensor=4 (axes left out=1)")
+    p.add_argument("--strategy", help="strategy for --mesh (dp, fsdp, zero1, tp, fsdp_tp)")
+    p.add_argument("--schedule", help="pipeline schedule for --mesh with pipe > 1")
+    p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
+    p.add_argument("--remat", choices=("none", "full", "dots"), default="none",
+                   help="activation checkpointing for --mesh")
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--verify", action="store_true",
+                   help="compile the top plans on simulated CPU devices and compare")
+    p.add_argument("--hardware", help="TOML file of extra devices, links and clusters")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def _layout(args):
+    from triax.planner.spec import Layout, Schedule
+    if args.mesh is None:
+        if args.strategy or args.schedule:
+            raise ValueError("--strategy/--schedule go with --mesh (e.g. --mesh data=2,tensor=4)")
+        return None
+    if not args.strategy:
+        raise ValueError("--mesh needs --strategy (dp, fsdp, zero1, tp, fsdp_tp)")
+    get_strategy(args.strategy)
+    sizes = parse_mesh(args.mesh)
+    if any(v < 1 for v in sizes.values()):
+        raise ValueError(f"--mesh sizes must be ≥ 1 (no -1 fill in a plan): {args.mesh}")
+    try:
+        sched = Schedule(args.schedule) if args.schedule else Schedule.NONE
+    except ValueError:
+        raise ValueError(f"unknown --schedule {args.schedule!r}; choose one of "
+                         f"{', '.join(s.value for s in Schedule)}") from None
+    return Layout(**sizes, strategy=args.strategy, schedule=sched,
+                  microbatches=args.microbatches or 1,
+                  virtual=2 if sched is Schedule.INTERLEAVED else 1)
+
+
+def run(args) -> int:
+    from triax.models import config
+    from triax.planner import hardware
+    from triax.planner.decide import plan
+    from triax.planner.report import text_report
+    from triax.planner.spec import Workload
+
+    cat = hardware.load_catalog(args.hardware)
+    cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
+    cfg = config.get(args.model, args.num_layers) if args.model else None
+    w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
+                    dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
+                    remat=args.remat)
+    rec = plan(w, cluster, top=args.top, layout=_layout(args))
+    out = rec.to_json()
+    if args.verify:
+        from triax.planner.verify import pipelined_verify_available, verify
+        ok = pipelined_verify_available()
+        out["verify"] = [verify(p.workload, p.layout) for p in rec.plans
+                         if ok or p.layout.pipe == 1]
+    print(json.dumps(out, indent=2) if args.json else text_report(rec, out.get("verify")))
+    return 0

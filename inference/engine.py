@@ -1,0 +1,198 @@
+"""One model copy on one (sub-)mesh: a sharded KV cache, jitted prefill and decode.
+
+The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chosen slots
+and samples their first token; ``decode`` advances every slot by one token. Shapes are
+bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
+all slots), so each
+function compiles once per bucket, never per request. ``pipe > 1`` decodes through the
+pipeline (``triax.inference.forward``).
+
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> eng = Engine.from_seed(config.TINY, make_mesh(tensor=-1), seed=0,
+    ...                        ecfg=EngineConfig(max_batch=2, max_len=32))
+    >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])     # slot 0 <- prompt
+    >>> active = np.array([True, False])
+    >>> nxt = eng.decode(np.array([int(first[0]), 0]), active, seeds=np.zeros(2))
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
+from triax.inference.sampling import SamplingConfig, sample
+from triax.mesh.build import mesh_sizes
+from triax.models.config import ModelConfig
+from triax.models.decode import CACHE_AXES, cache_shape
+from triax.models.layers import ExecConfig
+from triax.sharding.partition import abstract_model, init_params, param_shardings
+from triax.sharding.rules import Strategy, get_strategy
+
+
+class InferenceError(ValueError):
+    """A request or engine setting that cannot be served; the message says the fix."""
+
+
+class CacheFullError(InferenceError):
+    """A decode slot has no cache position left."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Static serving shapes: decode slots, cache length, prompt buckets, micro-batches."""
+
+    max_batch: int = 8
+    max_len: int = 128           # cache positions per slot (prompt + generated tokens)
+    min_bucket: int = 16         # prompt buckets: min_bucket·2^k, capped at max_len
+    microbatches: int = 0        # pipeline decode: 0 means one per stage
+
+    def buckets(self) -> tuple[int, ...]:
+        out, b = [], self.min_bucket
+        while b < self.max_len:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (self.max_len,)
+
+
+class Engine:
+    """KV-cache generation for one model copy on ``mesh`` (see module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: Mesh, strategy: str | Strategy = "tp",
+                 ecfg: EngineConfig = EngineConfig(), sampling: SamplingConfig = SamplingConfig(),
+                 exe: ExecConfig = ExecConfig()):
+        if ecfg.max_len > cfg.max_seq_len:
+            raise InferenceError(f"cache length max_len={ecfg.max_len} exceeds the model's "
+                                 f"context max_seq_len={cfg.max_seq_len}; lower max_len")
+        self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
+        self.ecfg, self.sampling, self.exe = ecfg, sampling, exe
+        self.sizes = mesh_sizes(mesh)
+        self.am = abstract_model(cfg)
+        self.param_shardings = param_shardings(self.am, mesh, self.strategy)
+        self.params = jax.device_put(params, self.param_shardings)
+        B = ecfg.max_batch
+        self.pipelined = self.sizes["pipe"] > 1
+        self.microbatches = ecfg.microbatches or self.sizes["pipe"]
+        if self.pipelined:
+            check_pipeline(self.am, mesh, B, self.microbatches)
+            self._fwd = pipelined_forward(self.am, mesh, self.strategy, exe, self.microbatches)
+        else:
+            self._fwd = plain_forward(self.am, mesh, self.strategy, exe)
+        if B % self.sizes["data"]:
+            raise InferenceError(f"max_batch={B} decode slots must divide over "
+                                 f"data={self.sizes['data']}; choose a multiple")
+        self.cache_sharding = self._cache_sharding(B)
+        self.cache = self._zeros_cache(B, ecfg.max_len)
+        self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
+        # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(6,))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(5,))
+        self.compiles = {"prefill": set(), "decode": set()}
+
+    @classmethod
+    def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy="tp", **kw):
+        """An engine over a seeded random init, created already sharded."""
+        params = init_params(abstract_model(cfg), mesh, strategy, seed)
+        return cls(cfg, params, mesh, strategy, **kw)
+
+    # ---- placement -------------------------------------------------------------------------
+    def _cache_sharding(self, batch: int) -> NamedSharding:
+        shape = cache_shape(self.cfg, batch, self.ecfg.max_len)
+        spec = self.strategy.rules.spec(CACHE_AXES, shape, self.sizes, what="KV cache")
+        return NamedSharding(self.mesh, spec)
+
+    def _zeros_cache(self, batch: int, length: int):
+        shape = cache_shape(self.cfg, batch, length)
+        sh = self._cache_sharding(batch)
+        make = jax.jit(lambda: {"k": jnp.zeros(shape), "v": jnp.zeros(shape)},
+                       out_shardings={"k": sh, "v": sh})
+        return make()
+
+    def cache_bytes_per_device(self) -> int:
+        """Bytes of KV cache each device holds (its shard of k and v)."""
+        k = self.cache["k"]
+        return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
+
+    # ---- traced programs ---------------------------------------------------------------------
+    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
+        b, T = tokens_bT.shape
+        shape = cache_shape(self.cfg, b, T)
+        tmp = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+        logits_bTV, tmp = self._fwd(params, tokens_bT, positions, tmp)
+        last_bV = jnp.take_along_axis(logits_bTV, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+        tok = sample(last_bV, rule, seeds_b, lengths_b)
+        cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
+        cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+        return cache, tok, last_bV
+
+    def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule):
+        logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None], cache)
+        tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1)
+        return cache, tok, logits_B1V[:, 0]
+
+    def _rule(self) -> SamplingConfig:
+        return dataclasses.replace(self.sampling, stop_tokens=())
+
+    # ---- host API ------------------------------------------------------------------------------
+    def check_prompt(self, n_tokens: int, max_new_tokens: int) -> None:
+        """Raise if a prompt of ``n_tokens`` cannot generate ``max_new_tokens`` here."""
+        if n_tokens == 0:
+            raise InferenceError("empty prompt: give at least one token (e.g. a BOS token)")
+        if max_new_tokens < 1:
+            raise InferenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if n_tokens > self.cfg.max_seq_len:
+            raise InferenceError(f"prompt of {n_tokens} tokens is longer than the model's "
+                                 f"context ({self.cfg.max_seq_len}); shorten it")
+        # The last generated token is returned, never fed back, so it needs no position.
+        if n_tokens + max_new_tokens - 1 > self.ecfg.max_len:
+            raise InferenceError(
+                f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} does not "
+                f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
+                f"max_new_tokens, or raise max_len (at most {self.cfg.max_seq_len})")
+
+    def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
+                seeds: Sequence[int]) -> jax.Array:
+        """Write ``prompts`` into ``slots``; return their first sampled tokens (async array)."""
+        n = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        for L in lens:
+            self.check_prompt(int(L), 1)
+        T = next(b for b in self.ecfg.buckets() if b >= lens.max())
+        lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
+        b = lo if n <= lo else self.ecfg.max_batch  # two prefill batch buckets
+        tokens = np.zeros((b, T), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+        lengths = np.ones(b, np.int32)
+        lengths[:n] = lens
+        slot_arr = np.full(b, self.ecfg.max_batch, np.int32)  # out of range: dropped
+        slot_arr[:n] = slots
+        seed_arr = np.zeros(b, np.int32)
+        seed_arr[:n] = seeds
+        self.compiles["prefill"].add((b, T))
+        self.cache, tok, self.last_logits = self._prefill_jit(
+            self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule())
+        self.lengths[list(slots)] = lens
+        return tok[:n]
+
+    def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray) -> jax.Array:
+        """Feed one token per slot (``active`` rows advance); return the next tokens."""
+        full = active & (self.lengths >= self.ecfg.max_len)
+        if full.any():
+            raise CacheFullError(
+                f"KV cache full for slot(s) {np.flatnonzero(full).tolist()}: all "
+                f"{self.ecfg.max_len} positions used; finish or free the slot, or raise max_len")
+        positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
+        self.compiles["decode"].add(tokens.shape)
+        self.cache, tok, self.last_logits = self._decode_jit(
+            self.params, self.cache, np.asarray(tokens, np.int32), positions,
+            np.asarray(seeds, np.int32), self._rule())
+        self.lengths[active] += 1
+        return tok

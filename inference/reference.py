@@ -1,0 +1,48 @@
+"""The no-cache reference: greedy decoding that recomputes the full sequence every step.
+
+Slow by design (quadratic), on whatever single device holds ``params``; the KV-cache engine
+on every serving layout must reproduce its tokens exactly and its logits to fp32 tolerance.
+
+    >>> tokens, logits = greedy_reference(cfg, params, [[72, 105]], max_new_tokens=4)
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from triax.models.config import ModelConfig
+from triax.sharding.partition import abstract_model
+
+
+def greedy_reference(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[int]],
+                     max_new_tokens: int, forced: Sequence[Sequence[int]] | None = None):
+    """Greedy tokens ``[n][max_new_tokens]`` and the logits each was chosen from
+    (``[n, max_new_tokens, V]``). Rows are right-padded to one length; the causal mask
+    keeps padding invisible to the positions that are read. ``forced`` feeds given tokens
+    instead of the argmax (teacher forcing, to compare logits step by step)."""
+    graphdef = abstract_model(cfg).graphdef
+    params = jax.device_get(params)
+    n = len(prompts)
+    lens = np.array([len(p) for p in prompts])
+    T = int(lens.max()) + max_new_tokens
+    seq = np.zeros((n, T), np.int32)
+    for i, p in enumerate(prompts):
+        seq[i, :len(p)] = p
+
+    @jax.jit
+    def step_logits(params, seq_BT, last_B):
+        logits, _ = nnx.merge(graphdef, params)(seq_BT)
+        return jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
+
+    out_tokens, out_logits = np.zeros((n, max_new_tokens), np.int64), []
+    for t in range(max_new_tokens):
+        lg = np.asarray(step_logits(params, seq, lens + t - 1))
+        out_logits.append(lg)
+        nxt = lg.argmax(-1) if forced is None else np.array([f[t] for f in forced])
+        out_tokens[:, t] = nxt
+        seq[np.arange(n), lens + t] = nxt
+    return out_tokens.tolist(), np.stack(out_logits, 1)

@@ -1,0 +1,169 @@
+"""Communication per step, per device and per mesh axis, and where each axis runs.
+
+Two numbers per collective:
+  * ``payload``: bytes in the convention of ``triax.sharding.introspect`` (all-reduce: the
+    buffer; all-gather: the gathered output; reduce-scatter: the full input; all-to-all and
+    collective-permute: the buffer), which is what the compiled HLO is checked against;
+  * ``wire``: bytes a device actually sends with ring algorithms (all-reduce 2(n−1)/n of the
+    buffer, all-gather and reduce-scatter (n−1)/n, all-to-all (n−1)/n, permute 1×), which is
+    what the link time uses.
+
+    >>> from triax.models import config
+    >>> from triax.planner.spec import Layout, Workload
+    >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
+    >>> traffic(w, Layout(data=8))["data"].payload == config.get("tiny").num_params * 4
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from triax.planner.hardware import Cluster, Link
+from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
+from triax.planner.pipeline_math import schedule_table
+from triax.planner.spec import Layout, Workload, ceil_div
+from triax.sharding.rules import get_strategy
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+         "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+         "collective-permute": lambda n: 1.0}
+
+
+@dataclass
+class AxisTraffic:
+    """Collectives on one mesh axis: payload bytes by kind, ring wire bytes, messages."""
+
+    size: int
+    payload_by_kind: dict[str, float] = field(default_factory=dict)
+    messages: int = 0
+
+    def add(self, kind: str, payload: float, count: int = 1) -> None:
+        self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload * count
+        self.messages += count
+
+    @property
+    def payload(self) -> float:
+        return sum(self.payload_by_kind.values())
+
+    @property
+    def wire(self) -> float:
+        return sum(_WIRE[k](self.size) * b for k, b in self.payload_by_kind.items())
+
+
+def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
+    """Per-device collective bytes of one training step (or one forward) by mesh axis."""
+    out = {a: AxisTraffic(s) for a, s in lay.sizes.items() if s > 1}
+    if "data" in out and w.train:
+        _data_axis(w, lay, out["data"])
+    if w.cfg is None:
+        return out
+    # Tokens one replica runs: a training step's B·T, or one decode step's B new tokens.
+    tokens = w.batch / lay.data * (w.seq if w.train else 1)
+    act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
+    layers = ceil_div(w.cfg.num_layers, lay.pipe)
+    passes = 2 if w.train else 1                          # forward (+ backward)
+    if "tensor" in out and "heads" in get_strategy(lay.strategy).rules.as_dict():
+        # Megatron: per block, forward all-reduces the attention and MLP outputs; backward
+        # all-reduces the input gradients of q, k and v (three buffers: the projections are
+        # separate weights) and of the fused MLP input. Plus the vocab-parallel embedding
+        # (forward) and the head's input gradient (backward).
+        per_block = 2 + (4 if w.train else 0)
+        out["tensor"].add("all-reduce", act, per_block * layers + passes)
+    if "pipe" in out:
+        _pipe_axis(w, lay, out["pipe"], act, passes)
+    if "expert" in out and w.cfg.moe is not None:
+        moe = w.cfg.moe
+        routed = act * moe.top_k * (moe.capacity_factor or 1.0)
+        out["expert"].add("all-to-all", routed, 2 * layers * passes)   # dispatch + combine
+    return out
+
+
+def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int) -> None:
+    """Stage-to-stage permutes of one micro-batch's activations (forward) and their
+    gradients (backward). triax.pipeline's executor permutes every tick of its table, idle
+    or not; without the table, each micro-batch crosses each boundary once per pass
+    (v times when interleaved). Training also all-reduces the gradients of parameters
+    that every stage holds (embedding, head, final norm) over ``pipe``."""
+    M = max(lay.microbatches, 1)
+    table = schedule_table(lay.schedule, lay.pipe, M, lay.virtual)
+    sends = table.ticks if table is not None else M * lay.virtual
+    t.add("collective-permute", act / M, sends * passes)
+    if w.train:
+        rules = get_strategy(lay.strategy).rules
+        shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                     if not p.startswith("blocks/"))
+        t.add("all-reduce", shared * FP32)
+
+
+def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
+    """Gradient reduction (DP), plus parameter gathers (ZeRO-1 after the update; FSDP in
+    the forward and again in the backward)."""
+    st = get_strategy(lay.strategy)
+    sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
+    full = local_param_elements(w, unsharded_over_data(lay))   # this replica's params
+    if not sharded_opt:
+        t.add("all-reduce", full * FP32)
+    elif not st.fsdp or w.cfg is None:      # ZeRO-1 (or a --params estimate)
+        t.add("reduce-scatter", full * FP32)
+        t.add("all-gather", full * w.dtype_bytes, 2 if st.fsdp else 1)
+    else:
+        _fsdp(w, lay, t)
+
+
+def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
+    """FSDP by parameter: block weights are gathered in the forward and again in the
+    backward (the layer scan frees them), the head once; every gradient but the embedding
+    table's is reduce-scattered. The embedding table stays split over ``embed``: the
+    lookup's activations are exchanged instead (an all-to-all each way)."""
+    sharded = get_strategy(lay.strategy).rules
+    whole = get_strategy(unsharded_over_data(lay).strategy).rules
+    for path, shape, logical in param_leaves(w.cfg):
+        full = local_elements(shape, logical, whole, lay.sizes)
+        split = local_elements(shape, logical, sharded, lay.sizes) < full
+        if path.startswith("embed/"):
+            t.add("all-to-all", w.batch / lay.data * w.seq * w.cfg.embed_dim * w.dtype_bytes, 2)
+            continue
+        t.add("reduce-scatter" if split else "all-reduce", full * FP32)
+        if split:
+            t.add("all-gather", full * w.dtype_bytes, 2 if path.startswith("blocks/") else 1)
+
+
+def unsharded_over_data(lay: Layout) -> Layout:
+    """The same layout with the parameters not split over ``data`` (what a gather yields)."""
+    name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(lay.strategy, lay.strategy)
+    return Layout(1, lay.tensor, lay.pipe, lay.expert, name, lay.schedule, lay.microbatches,
+                  lay.virtual)
+
+
+# ---- placement on links ------------------------------------------------------------------
+INNER_TO_OUTER = ("tensor", "expert", "pipe", "data")
+
+
+def axis_links(lay: Layout, cluster: Cluster) -> dict[str, Link]:
+    """Which link each mesh axis runs on: an axis stays in a node when it and every axis
+    inside it fit in ``gpus_per_node`` (the mesh puts ``tensor`` innermost)."""
+    links, span = {}, 1
+    for a in INNER_TO_OUTER:
+        span *= lay.sizes[a]
+        inside = span <= cluster.gpus_per_node and cluster.gpus_per_node % span == 0
+        links[a] = cluster.intra if inside else cluster.inter
+    return links
+
+
+def comm_seconds(traffic_by_axis: dict[str, AxisTraffic], links: dict[str, Link],
+                 efficiency: float) -> dict[str, float]:
+    """Wire bytes over achieved bandwidth, plus a latency per message (ring: n−1 hops)."""
+    return {a: t.wire / (links[a].bandwidth * efficiency)
+            + t.messages * (t.size - 1) * links[a].latency
+            for a, t in traffic_by_axis.items()}
+
+
+def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:
+    links = axis_links(lay, cluster)
+    return [a for a in INNER_TO_OUTER if lay.sizes[a] > 1 and links[a] is cluster.inter
+            and cluster.nodes > 1]
+
+
+def total_payload(traffic_by_axis: dict[str, AxisTraffic]) -> float:
+    return sum(t.payload for t in traffic_by_axis.values())

@@ -1,0 +1,182 @@
+"""The decision procedure: search, apply the rules, and say why in plain sentences.
+
+Rules, in order:
+  1. If the weights fit on one device, one device (inference) or data parallelism
+     (training throughput) is enough; if not, never a single-device plan.
+  2. If they fit within one node with fast links, tensor parallelism within the node.
+  3. Otherwise pipeline stages across nodes, tensor parallelism within each node.
+  4. Training adds DP or FSDP on top.
+  5. Slow intra-node links (PCIe) keep TP at 2 at most when another plan fits.
+
+    >>> from triax.models import config
+    >>> from triax.planner import hardware
+    >>> from triax.planner.spec import Workload
+    >>> w = Workload.of(config.get("llama3-70b"), train=False, batch=8, seq=4096)
+    >>> rec = plan(w, hardware.cluster("h100-80gb", 8, 1))
+    >>> rec.plans[0].layout.tensor
+    8
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from triax.planner.comm import crossing_axes
+from triax.planner.evaluate import PlanResult, evaluate
+from triax.planner.hardware import Cluster
+from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
+from triax.planner.search import search
+from triax.planner.spec import Layout, Schedule, Workload
+
+SLOW_LINK_MAX_TP = 2
+
+
+@dataclass
+class Recommendation:
+    workload: Workload
+    cluster: Cluster
+    min_devices: int
+    plans: list[PlanResult]
+    reasoning: list[str]
+
+    def to_json(self) -> dict:
+        w = self.workload
+        return {"model": {"name": w.name, "params": w.params, "weight_bytes": int(w.weight_bytes)},
+                "cluster": self.cluster.describe(),
+                "min_devices_for_weights": self.min_devices,
+                "plans": [p.to_json() for p in self.plans],
+                "reasoning": self.reasoning}
+
+
+def state_bytes(w: Workload) -> float:
+    """Bytes of the whole training state (or of the weights, for inference)."""
+    if not w.train:
+        return w.weight_bytes
+    per_param = FP32 + FP32 + FP32 * ADAM_MOMENTS   # fp32 params (= master), grads, mu, nu
+    return w.params * per_param
+
+
+def _slow_intra(cluster: Cluster) -> bool:
+    return cluster.intra.name.startswith("pcie")
+
+
+def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
+                 why: list[str]) -> list[PlanResult]:
+    """Stable re-ranking by the rules above (each only when an alternative fits)."""
+    ranked = list(fitting)
+    if w.cfg is None:
+        ranked.sort(key=lambda p: (p.layout.tensor * p.layout.pipe, p.step_time_s))
+    node_bytes = cluster.device.memory * cluster.gpus_per_node
+    if cluster.nodes > 1 and state_bytes(w) > node_bytes:
+        piped = [p for p in ranked if "pipe" in crossing_axes(p.layout, cluster)]
+        if piped:
+            ranked = piped + [p for p in ranked if p not in piped]
+            why.append(f"The {'training state' if w.train else 'weights'} "
+                       f"({_gb(state_bytes(w))} GB) exceed{'s' if w.train else ''} one node "
+                       f"({node_bytes / 1e9:.0f} GB), so pipeline stages go across nodes "
+                       f"with tensor parallelism inside each node.")
+    if w.cfg is not None and w.cfg.moe is not None:
+        ep = [p for p in ranked if p.layout.expert > 1]
+        if ep:
+            ranked = ep + [p for p in ranked if p not in ep]
+            why.append(f"{w.cfg.moe.num_experts} experts: expert weights are split over the "
+                       f"'expert' axis (tokens travel by all-to-all) rather than cut by "
+                       f"tensor parallelism, which would all-reduce every expert's output.")
+    if _slow_intra(cluster):
+        low = [p for p in ranked if p.layout.tensor <= SLOW_LINK_MAX_TP]
+        if low and len(low) < len(ranked):
+            ranked = low + [p for p in ranked if p not in low]
+            why.append(f"Links inside a node are {cluster.intra.name} "
+                       f"({cluster.intra.bandwidth / 1e9:.0f} GB/s): tensor parallelism is "
+                       f"kept at {SLOW_LINK_MAX_TP} at most and pipeline stages are preferred.")
+    return ranked
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.0f}" if x >= 1e10 else f"{x / 1e9:.3g}"
+
+
+def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
+    dev = cluster.device
+    why = [f"{w.name}: {w.params:,} parameters, {_gb(w.weight_bytes)} GB of "
+           f"{w.dtype} weights; one {dev.name} holds {dev.memory / 1e9:.0f} GB."]
+    if min_dev == 1:
+        why.append("The weights fit on one device" + (
+            ", so data parallelism over the others adds throughput." if w.train
+            else "; more devices lower latency (TP) or add throughput (DP)."))
+    else:
+        why.append(f"The weights alone need at least {min_dev} devices, so no single-device "
+                   f"plan is considered.")
+    if w.train:
+        master = "; the fp32 weights are the master copy" if w.mixed else ""
+        why.append(f"Training keeps {_gb(state_bytes(w))} GB of state (weights, fp32 "
+                   f"gradients, AdamW moments{master}); DP, ZeRO-1 or FSDP go on top of TP/PP.")
+    need = state_bytes(w)
+    if min_dev > 1 and need <= dev.memory * cluster.gpus_per_node:
+        why.append(f"That fits within one node: tensor parallelism inside the node, over "
+                   f"{cluster.intra.name}.")
+    if w.cfg is None:
+        why.append("Without a model config (--params), activations and TP/PP traffic are not "
+                   "modelled, so plans are ranked by the least model parallelism that fits.")
+    return why
+
+
+def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] = None,
+         assume: Optional[Assumptions] = None) -> Recommendation:
+    """Search (or evaluate the given ``layout``) and explain the choice."""
+    min_dev = min_devices_for_weights(w, cluster.device.memory)
+    why = _opening(w, cluster, min_dev)
+    if layout is not None:
+        return _explicit(w, cluster, layout, min_dev, why, assume)
+    if cluster.devices < min_dev:
+        raise ValueError(f"{w.name} needs at least {min_dev} {cluster.device.name} devices "
+                         f"just for its weights ({w.weight_bytes / 1e9:.1f} GB), but the "
+                         f"cluster has {cluster.devices}; use --nodes/--gpus-per-node for "
+                         f"≥ {min_dev} devices")
+    res = search(w, cluster, assume)
+    if not res.fitting:
+        raise ValueError(_nothing_fits(w, cluster, res))
+    ranked = _apply_rules(w, cluster, res.fitting, why)
+    best = ranked[0]
+    why.append(f"Searched {res.considered} plans; {len(res.fitting)} fit. Best: "
+               f"{best.layout.describe()}"
+               + (f" (remat {best.workload.remat}), " if w.train else ", ") +
+               f"{best.step_time_s * 1e3:.1f} ms per step, MFU {best.mfu:.0%}, "
+               f"{best.memory.total / 1e9:.1f} GB per device.")
+    if best.bubble > 0:
+        why.append(f"Its pipeline bubble is {best.bubble:.1%} of the step.")
+    if any(best.comm_time_by_axis.values()):
+        axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
+        why.append(f"Most communication time is on '{axis}' "
+                   f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
+    return Recommendation(w, cluster, min_dev, ranked[:top], why)
+
+
+def _nothing_fits(w: Workload, cluster: Cluster, res) -> str:
+    if w.train and res.batch_rejected and not res.overflowing and not res.fitting:
+        return (f"batch size {w.batch} does not divide over any data-parallel size of "
+                f"{cluster.devices} devices; choose a batch divisible by the data axis")
+    smallest = res.overflowing[0] if res.overflowing else None
+    hint = f" (the smallest plan, {smallest.layout.describe()}, {smallest.overflow})" \
+        if smallest else ""
+    return (f"no plan for {w.name} fits on {cluster.describe()}{hint}; add devices, "
+            f"shorten --seq-len or lower --batch-size")
+
+
+def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
+    if layout.devices != cluster.devices:
+        raise ValueError(f"--mesh {layout.mesh_str} uses {layout.devices} devices but the "
+                         f"cluster has {cluster.devices}; axes must multiply to "
+                         f"{cluster.devices}")
+    if w.train and w.batch % layout.data:
+        raise ValueError(f"batch size {w.batch} does not divide over data={layout.data}; "
+                         f"choose a batch size divisible by {layout.data}")
+    if layout.pipe > 1 and layout.schedule is Schedule.NONE:
+        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
+        m = min(2 * layout.pipe, max(w.batch // layout.data, 1))
+        layout = dataclasses.replace(layout, schedule=kind, microbatches=m)
+    r = evaluate(w, layout, cluster, assume)
+    why.append(f"Evaluated the given plan {layout.describe()}: "
+               + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
+    return Recommendation(w, cluster, min_dev, [r], why)

@@ -1,0 +1,118 @@
+"""One plan, evaluated: memory, communication, compute, step time, MFU, fit.
+
+    >>> from triax.models import config
+    >>> from triax.planner import hardware
+    >>> from triax.planner.spec import Layout, Workload
+    >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=32, seq=4096)
+    >>> p = evaluate(w, Layout(data=8, strategy="fsdp"), hardware.cluster("h100-80gb", 8, 1))
+    >>> p.fits
+    True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from triax.planner import comm
+from triax.planner.hardware import Cluster
+from triax.planner.memory import Assumptions, Memory, estimate
+from triax.planner.pipeline_math import bubble_fraction
+from triax.planner.spec import Layout, Workload, ceil_div
+
+# Exposed comm: TP/PP/EP collectives sit on the critical path; DP/FSDP traffic overlaps
+# with this fraction of the compute (bucketed gradient reduction, prefetched gathers).
+DATA_OVERLAP = 0.5
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    workload: Workload
+    layout: Layout
+    memory: Memory
+    traffic: dict
+    comm_time_by_axis: dict
+    compute_time_s: float
+    comm_time_s: float
+    bubble: float
+    step_time_s: float
+    mfu: float
+    tokens_per_s: float
+    fits: bool
+    device_memory: float
+
+    @property
+    def overflow(self) -> str:
+        """Which term overflows and by how much (empty when it fits)."""
+        if self.fits:
+            return ""
+        m, cap = self.memory, self.device_memory
+        terms = {k: v for k, v in m.as_dict().items() if k != "total"}
+        big = max(terms, key=terms.get)
+        return (f"needs {m.total / 1e9:.1f} GB per device but a device has {cap / 1e9:.1f} GB "
+                f"(over by {(m.total - cap) / 1e9:.1f} GB; largest term: {big} "
+                f"{terms[big] / 1e9:.1f} GB)")
+
+    def to_json(self) -> dict:
+        lay = self.layout
+        return {"mesh": lay.mesh_str, "strategy": lay.strategy,
+                "schedule": lay.schedule.value if lay.pipe > 1 else None,
+                "microbatches": lay.microbatches if lay.pipe > 1 else None,
+                "virtual": lay.virtual if lay.pipe > 1 else None,
+                "devices": lay.devices,
+                "memory_per_device": self.memory.as_dict(),
+                "comm_bytes_per_device": {a: int(t.wire) for a, t in self.traffic.items()},
+                "comm_payload_bytes_per_device": {a: int(t.payload)
+                                                  for a, t in self.traffic.items()},
+                "comm_time_s": self.comm_time_s, "compute_time_s": self.compute_time_s,
+                "bubble": self.bubble, "step_time_s": self.step_time_s, "mfu": self.mfu,
+                "tokens_per_s": self.tokens_per_s, "fits": self.fits,
+                "overflow": self.overflow or None}
+
+
+def step_flops(w: Workload) -> float:
+    """Model FLOPs of one step: training is B·T tokens at 6·N_active + attention each;
+    inference is one decode step, B tokens at a third of that."""
+    per_token = w.cfg.flops_per_token(w.seq) if w.cfg is not None else 6.0 * w.params
+    return w.batch * w.seq * per_token if w.train else w.batch * per_token / 3.0
+
+
+def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
+                  assume: Assumptions) -> tuple[float, float, float]:
+    """(compute seconds, bubble, busy seconds incl. bubble) on the busiest device."""
+    flops = step_flops(w)
+    peak = cluster.device.peak_flops(w.dtype)
+    uneven = 1.0
+    if w.cfg is not None and lay.pipe > 1:   # the largest stage sets the pace
+        uneven = ceil_div(w.cfg.num_layers, lay.pipe) * lay.pipe / w.cfg.num_layers
+    compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
+    if w.train:
+        compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
+        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
+        return compute, bubble, compute / (1.0 - bubble)
+    # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.
+    M = max(lay.microbatches, 1)
+    read = (mem.params + mem.kv_cache) / cluster.device.hbm_bandwidth
+    per_mb = max(compute / M, read)
+    ticks = M + lay.pipe - 1
+    busy = ticks * per_mb
+    return compute, 1.0 - M * per_mb / busy, busy
+
+
+def evaluate(w: Workload, lay: Layout, cluster: Cluster,
+             assume: Optional[Assumptions] = None) -> PlanResult:
+    """Evaluate ``lay`` for ``w`` on ``cluster`` (raises ShardingError if it cannot split)."""
+    assume = assume or Assumptions()
+    mem = estimate(w, lay, assume)
+    traffic = comm.traffic(w, lay)
+    seconds = comm.comm_seconds(traffic, comm.axis_links(lay, cluster), assume.comm_efficiency)
+    compute, bubble, busy = _busy_seconds(w, lay, mem, cluster, assume)
+    data_t = seconds.get("data", 0.0)
+    exposed = sum(t for a, t in seconds.items() if a != "data") \
+        + max(0.0, data_t - DATA_OVERLAP * compute)
+    step = busy + exposed
+    peak = cluster.device.peak_flops(w.dtype)
+    mfu = step_flops(w) / (step * lay.devices * peak)
+    tokens = w.batch * (w.seq if w.train else 1)
+    return PlanResult(w, lay, mem, traffic, seconds, compute, sum(seconds.values()), bubble,
+                      step, mfu, tokens / step, mem.total <= cluster.device.memory,
+                      cluster.device.memory)

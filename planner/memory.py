@@ -1,0 +1,264 @@
+"""Per-device memory, term by term: parameters, gradients, optimizer, activations, KV cache.
+
+Parameter-shaped terms are exact: they walk the model's real parameter tree
+(``sharding.partition.abstract_model``: shapes and logical axes, no allocation) and resolve
+every leaf through the strategy's rules for the given mesh sizes, as ``param_shardings``
+does, without needing that many devices. A ``--params N`` estimate (no config) shards the
+whole count over the axes that would hold it.
+
+    >>> from triax.models import config
+    >>> from triax.planner.spec import Layout, Workload
+    >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
+    >>> m = estimate(w, Layout(data=8))
+    >>> m.params == config.get("tiny").num_params * 4
+    True
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import jax
+
+from triax.models.config import ModelConfig
+from triax.planner.pipeline_math import peak_in_flight
+from triax.planner.spec import Layout, Workload, ceil_div, prod
+from triax.sharding.rules import REPLICABLE, Rules, ShardingError, get_strategy
+
+ADAM_MOMENTS = 2        # mu and nu, fp32
+FP32 = 4
+# triax.pipeline's executor keeps each in-flight micro-batch's per-stage jax.vjp residuals;
+# on tiny (pipeline branch, 1F1B and GPipe, M = 4..8) they measured ≈2.25× what the layer
+# scan's autodiff saves for the same tokens. Re-measure when the executor changes.
+PIPELINE_STASH_FACTOR = 2.25
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Stated constants of the model (printed with every plan)."""
+
+    overhead_bytes: float = 2e9        # CUDA/NCCL context, allocator slack, per device
+    overhead_frac: float = 0.05        # fragmentation, as a fraction of the modelled terms
+    compute_efficiency: float = 0.45   # achieved / peak FLOP/s for the matmuls
+    comm_efficiency: float = 0.8       # achieved / nominal link bandwidth
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per device, by term. ``total`` includes ``overhead``."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    kv_cache: float
+    overhead: float
+    block_weights: float = 0.0  # one block's weights made ready for compute (see estimate)
+
+    @property
+    def modelled(self) -> float:
+        """Everything but the overhead: what XLA's memory_analysis sees."""
+        return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
+                + self.block_weights)
+
+    @property
+    def total(self) -> float:
+        return self.modelled + self.overhead
+
+    def as_dict(self) -> dict:
+        return {**{k: int(v) for k, v in asdict(self).items()}, "total": int(self.total)}
+
+
+# ---- the parameter tree -------------------------------------------------------------------
+Leaf = tuple[str, tuple[int, ...], tuple]   # (path, shape, logical axes)
+
+
+@functools.lru_cache(maxsize=32)
+def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
+    """(path, shape, logical axes) for every parameter of the real model."""
+    try:
+        from triax.sharding.partition import abstract_model, path_str
+        am = abstract_model(cfg)
+    except ImportError:          # a model piece (e.g. the MoE layer) not present yet
+        return analytic_leaves(cfg)
+    flat = jax.tree_util.tree_flatten_with_path(am.shapes)[0]
+    logical = jax.tree.leaves(am.logical, is_leaf=lambda x: isinstance(x, tuple))
+    return tuple((path_str(p), tuple(s.shape), tuple(l)) for (p, s), l in zip(flat, logical))
+
+
+def analytic_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
+    """The same tree written from the config (used when the model cannot be built)."""
+    D, N, K, H, F, V, L = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                           cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
+    out = [("blocks/attn/wq_DNH", (L, D, N, H), ("layers", "embed", "heads", "head_dim")),
+           ("blocks/attn/wk_DKH", (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+           ("blocks/attn/wv_DKH", (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
+           ("blocks/attn/wo_NHD", (L, N, H, D), ("layers", "heads", "head_dim", "embed")),
+           ("blocks/attn_norm/scale", (L, D), ("layers", "norm")),
+           ("blocks/mlp_norm/scale", (L, D), ("layers", "norm")),
+           ("embed/table_VD", (V, D), ("vocab", "embed")), ("final_norm/scale", (D,), ("norm",))]
+    if cfg.moe is None:
+        out += [("blocks/mlp/w_in_D2F", (L, D, 2, F), ("layers", "embed", None, "mlp")),
+                ("blocks/mlp/w_down_FD", (L, F, D), ("layers", "mlp", "embed"))]
+    else:
+        E, Fe = cfg.moe.num_experts, cfg.moe.mlp_dim or F
+        out += [("blocks/mlp/router_DE", (L, D, E), ("layers", "embed", None))]
+        out += [(f"blocks/mlp/w_{n}", s, a) for n, s, a in (
+            ("gate_EDF", (L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp")),
+            ("up_EDF", (L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp")),
+            ("down_EFD", (L, E, Fe, D), ("layers", "experts", "expert_mlp", "embed")))]
+    if not cfg.tie_embeddings:
+        out.append(("head_DV", (D, V), ("embed", "vocab")))
+    return tuple(out)
+
+
+def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
+    """Elements of one parameter on one device (``layers`` over ``pipe`` rounds up)."""
+    n = 1
+    for dim, name in zip(shape, logical):
+        axes = [a for a in rules.mesh_axes(name) if sizes.get(a, 1) > 1]
+        k = prod(sizes[a] for a in axes)
+        if dim % k == 0:
+            n *= dim // k
+        elif name == "layers":
+            n *= ceil_div(dim, k)       # uneven stages: the largest holds ceil(L/S)
+        elif name in REPLICABLE:
+            n *= dim
+        else:
+            raise ShardingError(f"{name!r} (size {dim}) does not divide over "
+                                f"{'×'.join(axes)}={k}")
+    return n
+
+
+def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> int:
+    """Per-device parameter elements under the strategy's (or optimizer's) rules."""
+    st = get_strategy(lay.strategy)
+    rules = st.optimizer_rules if optimizer else st.rules
+    if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
+        shards = lay.pipe * lay.expert
+        if any(rules.mesh_axes(n) == ("tensor",) for n in ("mlp",)):
+            shards *= lay.tensor
+        if "data" in rules.mesh_axes("embed"):
+            shards *= lay.data
+        return ceil_div(w.params, shards)
+    return sum(local_elements(s, l, rules, lay.sizes) for _, s, l in param_leaves(w.cfg))
+
+
+# ---- activations --------------------------------------------------------------------------
+def _tp_div(n: int, t: int) -> float:
+    return n / t if n % t == 0 else n   # a head count that does not divide is replicated
+
+
+def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: int,
+                              remat: str) -> float:
+    """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
+
+    No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
+    GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
+    gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
+    (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
+    ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
+    """
+    D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    F = cfg.mlp_dim if cfg.moe is None else (cfg.moe.mlp_dim or cfg.mlp_dim) * cfg.moe.top_k
+    nh, kh, f = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H, F / tensor
+    scores = 2 * _tp_div(N, tensor) * seq
+    if remat == "full":
+        per_token = D
+    elif remat in ("dots", "dots_no_batch"):
+        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + 3 * f
+    else:
+        per_token = 6 * D + 5 * nh + 3 * kh + scores + 5 * f
+    return per_token * tokens
+
+
+def activation_bytes(w: Workload, lay: Layout) -> float:
+    """Saved activations on the busiest device: its layers × micro-batches in flight, plus
+    one block's backward working set (its recomputed or saved internals and their
+    gradients), plus the fp32 logits, log-probabilities and their gradient.
+    """
+    cfg = w.cfg
+    if cfg is None or not w.train:
+        return 0.0 if cfg is None else _inference_activations(w, lay)
+    local_batch = w.batch / lay.data
+    mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
+    layers = ceil_div(cfg.num_layers, lay.pipe)
+    in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
+    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat)
+    saved = layers * per_layer * in_flight * (PIPELINE_STASH_FACTOR if lay.pipe > 1 else 1.0)
+    saved += layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
+    logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
+    return (saved + logits) * w.dtype_bytes
+
+
+def _inference_activations(w: Workload, lay: Layout) -> float:
+    """Forward only: one block's working set and the last position's logits."""
+    cfg = w.cfg
+    tokens = w.batch / lay.data * w.seq / max(lay.microbatches, 1)
+    one = layer_activation_elements(cfg, tokens, w.seq, lay.tensor, "none")
+    return (one + w.batch / lay.data * cfg.vocab_size / lay.tensor) * w.dtype_bytes
+
+
+def kv_cache_bytes(w: Workload, lay: Layout) -> float:
+    """Layers × 2 (K and V) × kv_heads × head_dim × sequence × batch × bytes, per device."""
+    cfg = w.cfg
+    if cfg is None or w.train:
+        return 0.0
+    layers = ceil_div(cfg.num_layers, lay.pipe)
+    kv = _tp_div(cfg.num_kv_heads, lay.tensor) * cfg.head_dim
+    return layers * 2 * kv * w.seq * (w.batch / lay.data) * w.dtype_bytes
+
+
+# ---- the whole picture ---------------------------------------------------------------------
+def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> Memory:
+    """Per-device memory for the workload on the layout (raises ShardingError if the
+    strategy's rules cannot split the model over the mesh)."""
+    assume = assume or Assumptions()
+    p_local = local_param_elements(w, lay)
+    if w.train:
+        o_local = local_param_elements(w, lay, optimizer=True)
+        # triax trains fp32 parameters; under mixed precision they *are* the fp32 master
+        # weights and each block is cast to bf16/fp16 as it runs (block_weights below).
+        # Gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them), plus
+        # one block's gradient before its reduction. AdamW: mu and nu in fp32.
+        params = p_local * FP32
+        grads = o_local * FP32 + _block_grad_elements(w, lay) * FP32
+        optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
+    else:
+        params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
+    acts = activation_bytes(w, lay)
+    kv = kv_cache_bytes(w, lay)
+    block = _block_weights(w, lay, p_local)
+    modelled = params + grads + optimizer + acts + kv + block
+    overhead = assume.overhead_bytes + assume.overhead_frac * modelled
+    return Memory(params, grads, optimizer, acts, kv, overhead, block)
+
+
+def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
+    """FSDP: one block's weights gathered over ``data``; mixed precision: one block's
+    compute-dtype copy of the local fp32 weights."""
+    if not w.train or w.cfg is None:
+        return 0.0
+    if get_strategy(lay.strategy).fsdp and lay.data > 1:
+        return _block_grad_elements(w, lay) * w.dtype_bytes
+    if w.mixed:
+        return p_local / w.cfg.num_layers * w.dtype_bytes
+    return 0.0
+
+
+def _block_grad_elements(w: Workload, lay: Layout) -> int:
+    """One block's parameters, whole over ``data``: its gradient before the reduction (the
+    backward's working set) and, under FSDP, its gathered weights."""
+    if w.cfg is None:
+        return 0
+    from triax.planner.comm import unsharded_over_data
+    rules = get_strategy(unsharded_over_data(lay).strategy).rules
+    blocks = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                 if p.startswith("blocks/"))
+    return blocks // ceil_div(w.cfg.num_layers, lay.pipe)
+
+
+def min_devices_for_weights(w: Workload, device_memory: float) -> int:
+    """Devices of this kind needed just to hold the weights (in the workload's dtype)."""
+    return max(1, ceil_div(int(w.weight_bytes), int(device_memory)))

@@ -1,0 +1,100 @@
+"""Exhaustive search: every (data, tensor, pipe[, expert]) factorization of the devices,
+every strategy, schedule and micro-batch count; drop what cannot split or does not fit;
+rank the rest by estimated step time.
+
+    >>> from triax.models import config
+    >>> from triax.planner import hardware
+    >>> from triax.planner.spec import Workload
+    >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=64, seq=4096)
+    >>> res = search(w, hardware.cluster("h100-80gb", 8, 1))
+    >>> res.fitting[0].fits
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from triax.planner.evaluate import PlanResult, evaluate
+from triax.planner.hardware import Cluster
+from triax.planner.memory import Assumptions
+from triax.planner.pipeline_math import microbatch_constraint
+from triax.planner.spec import Layout, Schedule, Workload, divisors
+from triax.sharding.rules import ShardingError
+
+TRAIN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1)
+
+
+@dataclass
+class SearchResult:
+    fitting: list[PlanResult] = field(default_factory=list)     # best first
+    overflowing: list[PlanResult] = field(default_factory=list)  # smallest total first
+    unsplittable: list[tuple[Layout, str]] = field(default_factory=list)
+    batch_rejected: int = 0
+
+    @property
+    def considered(self) -> int:
+        return len(self.fitting) + len(self.overflowing) + len(self.unsplittable)
+
+
+def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
+    if not w.train:
+        return ("tp",) if tensor > 1 else ("dp",)
+    if tensor > 1:
+        return ("tp", "fsdp_tp") if data > 1 else ("tp",)
+    return ("dp", "fsdp", "zero1") if data > 1 else ("dp",)
+
+
+def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Schedule, int, int]]:
+    if pipe == 1:
+        yield Schedule.NONE, 1, 1
+        return
+    counts = sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe, local_batch)
+                     if m <= local_batch and local_batch % m == 0} or {local_batch})
+    kinds = TRAIN_SCHEDULES if w.train else (Schedule.FORWARD_ONLY,)
+    for kind in kinds:
+        v = 2 if kind is Schedule.INTERLEAVED else 1
+        for m in counts:
+            if microbatch_constraint(kind, pipe, m, v) is None:
+                yield kind, m, v
+
+
+def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
+    """Every layout of the cluster's devices (tensor stays within a node)."""
+    n = cluster.devices
+    experts = w.cfg.moe.num_experts if (w.cfg is not None and w.cfg.moe) else 1
+    for e in (d for d in divisors(n) if experts % d == 0):
+        for t in divisors(n // e):
+            if cluster.gpus_per_node % t:
+                continue
+            for p in divisors(n // (e * t)):
+                d = n // (e * t * p)
+                if w.train and w.batch % d:
+                    continue
+                if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
+                    continue
+                for st in _strategies(w, d, t):
+                    for kind, m, v in _schedules(w, p, max(w.batch // d, 1)):
+                        yield Layout(d, t, p, e, st, kind, m, v)
+
+
+def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
+           remats: tuple[str, ...] = ("none", "full")) -> SearchResult:
+    """Evaluate every layout (training also tries full remat) and sort the outcomes."""
+    res = SearchResult()
+    if w.train:
+        res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
+    workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
+        and w.cfg is not None else [w]
+    for lay in layouts(w, cluster):
+        for wr in workloads:
+            try:
+                r = evaluate(wr, lay, cluster, assume)
+            except ShardingError as e:
+                res.unsplittable.append((lay, str(e)))
+                break
+            (res.fitting if r.fits else res.overflowing).append(r)
+    res.fitting.sort(key=lambda r: (r.step_time_s, r.memory.total))
+    res.overflowing.sort(key=lambda r: r.memory.total)
+    return res

@@ -1,0 +1,136 @@
+"""``--verify``: compile a plan ahead of time on simulated CPU devices and set the compiled
+figures beside the predicted ones.
+
+The step is lowered on abstract inputs (``Trainer.lower``: ShapeDtypeStructs, nothing is
+allocated) and compiled; ``memory_analysis`` gives per-device bytes and the HLO gives the
+collectives (``triax.sharding.introspect``). JAX fixes its device count at start-up, so a
+plan needing another count runs in a subprocess with ``JAX_NUM_CPU_DEVICES`` set.
+
+    >>> from triax.models import config
+    >>> from triax.planner.spec import Layout, Workload
+    >>> w = Workload.of(config.get("tiny", num_layers=2), train=True, dtype="fp32",
+    ...                 batch=8, seq=16)
+    >>> row = verify(w, Layout(data=8))          # doctest: +SKIP
+    >>> row["memory"]["compiled"] > 0           # doctest: +SKIP
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from typing import Optional
+
+from triax.planner.comm import traffic
+from triax.planner.memory import estimate
+from triax.planner.spec import Layout, Schedule, Workload
+
+_COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def compile_figures(w: Workload, lay: Layout) -> dict:
+    """Compile the plan's train step in this process (needs exactly ``lay.devices`` JAX
+    devices) and return {"memory": MemoryReport json, "collectives": {axis: payload}}."""
+    import jax
+    from triax.mesh import make_mesh
+    from triax.models.layers import ExecConfig
+    from triax.sharding.introspect import collectives_from_compiled, memory_from_compiled
+    from triax.training.step import Trainer
+
+    if len(jax.devices()) != lay.devices:
+        raise ValueError(f"plan needs {lay.devices} devices, JAX has {len(jax.devices())}; "
+                         f"use verify() (it starts a subprocess with the right count)")
+    mesh = make_mesh(**lay.sizes)
+    exe = ExecConfig(compute_dtype=_COMPUTE_DTYPE[w.dtype], remat=w.remat)
+    extra = {"pipeline": _pipeline_config(lay)} if lay.pipe > 1 else {}
+    trainer = Trainer(w.cfg, mesh, lay.strategy, exe=exe, **extra)
+    compiled = trainer.lower(w.batch, w.seq).compile()
+    by_axis: dict[str, int] = {}
+    for c in collectives_from_compiled(compiled, mesh):
+        for a in c.axes:   # a collective over several axes counts toward each
+            by_axis[a] = by_axis.get(a, 0) + c.bytes_per_device * c.count
+    return {"memory": memory_from_compiled(compiled).to_json(), "collectives": by_axis}
+
+
+def pipelined_verify_available() -> bool:
+    try:
+        from triax.pipeline.api import PipelineConfig  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pipeline_config(lay: Layout):
+    if not pipelined_verify_available():
+        raise ValueError("--verify compiles pipelined plans once triax.pipeline's executor "
+                         "is installed; choose a plan with pipe=1")
+    from triax.pipeline.api import PipelineConfig
+    return PipelineConfig(lay.schedule.value, lay.microbatches, lay.virtual)
+
+
+def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(lay.devices), JAX_PLATFORMS="cpu",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers, "dtype": w.dtype,
+                      "batch": w.batch, "seq": w.seq, "remat": w.remat,
+                      "sizes": lay.sizes, "strategy": lay.strategy,
+                      "schedule": lay.schedule.value, "microbatches": lay.microbatches,
+                      "virtual": lay.virtual})
+    proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        raise ValueError(f"verify of {lay.describe()} failed: {proc.stderr.strip()[-800:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
+    """Predicted beside compiled, for memory (modelled terms, no overhead) and per-axis
+    collective payload bytes. Mixed-precision plans are compiled and predicted as fp32."""
+    if w.cfg is None:
+        raise ValueError("--verify needs a model (--model NAME), not only --params")
+    if not w.train:
+        raise ValueError("--verify compiles the train step; use it with --train")
+    # XLA's CPU backend runs bf16/fp16 arithmetic and collectives in fp32, so a CPU compile
+    # of a mixed-precision plan is checked as the fp32 plan it actually compiles to.
+    w = dataclasses.replace(w, dtype="fp32")
+    got = _in_process_or_subprocess(w, lay, timeout)
+    mem = estimate(w, lay)
+    predicted_comm = {a: t.payload for a, t in traffic(w, lay).items()}
+    axes = sorted(set(predicted_comm) | set(got["collectives"]))
+    batch_bytes = 2 * (w.batch // lay.data) * w.seq * 4    # int32 inputs and targets
+    state = got["memory"]["argument_bytes"] - batch_bytes
+    return {"plan": f"{lay.describe()} remat={w.remat}", "compiled_as": "fp32 on simulated CPU devices",
+            "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],
+                       "predicted_state": mem.params + mem.optimizer,
+                       "compiled_state": state,
+                       "compiled_temp": got["memory"]["temp_bytes"]},
+            "comm": {a: {"predicted": predicted_comm.get(a, 0.0),
+                         "compiled": got["collectives"].get(a, 0)} for a in axes}}
+
+
+def _in_process_or_subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
+    if "jax" in sys.modules:
+        import jax
+        if len(jax.devices()) == lay.devices:
+            return compile_figures(w, lay)
+    return _subprocess(w, lay, timeout)
+
+
+def ratio(pred: float, got: float) -> Optional[float]:
+    return None if not got else pred / got
+
+
+def _main(arg: str) -> None:
+    from triax.models import config
+    a = json.loads(arg)
+    w = Workload.of(config.get(a["model"], num_layers=a["layers"]), train=True,
+                    dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"])
+    lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=Schedule(a["schedule"]),
+                 microbatches=a["microbatches"], virtual=a["virtual"])
+    print(json.dumps(compile_figures(w, lay)))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

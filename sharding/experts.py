@@ -1,0 +1,127 @@
+"""Expert parallelism: the MoE expert computation as an all-to-all over the ``expert`` axis.
+
+The model (``triax.models.moe``) fills per-sequence capacity buffers ``buf_BECD`` and asks
+``run_experts`` to apply the experts. Here that becomes a partial-manual ``shard_map``, manual
+over the expert mesh axis only (``data``/``tensor``, and ``pipe`` from an enclosing
+pipeline, stay automatic):
+
+    local buf [b, E, C, D]   (b = this rank's sequences; batch is split over expert × data)
+      → [b, EP, E/EP, C, D] → all-to-all: send expert block j to rank j
+      → [b, EP(src), E/EP, C, D]: every rank now holds its own experts' slots of all ranks
+      → SwiGLU with the local expert weights [E/EP, D, F] (F may be split over ``tensor``)
+      → all-to-all back → [b, E, C, D]
+
+Per layer and device, each all-to-all moves a buffer of b·E·C·D elements; a training step
+runs 4 per layer (dispatch and combine, forward and backward).
+
+    >>> with activation_sharding(make_mesh(data=2, expert=4), "dp"):   # installs this
+    ...     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable, Optional
+
+import jax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from triax.mesh.build import mesh_sizes
+from triax.models.axes import using_constraint
+from triax.models.config import ModelConfig
+from triax.models.moe import capacity, expert_ffn
+from triax.sharding.rules import Rules, ShardingError
+
+
+def expert_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    """The mesh axes (size > 1) that experts are split over."""
+    sizes = mesh_sizes(mesh)
+    return tuple(a for a in rules.mesh_axes("experts") if sizes.get(a, 1) > 1)
+
+
+def expert_parallel_size(mesh: Mesh, rules: Rules) -> int:
+    sizes, n = mesh_sizes(mesh), 1
+    for a in expert_axes(mesh, rules):
+        n *= sizes[a]
+    return n
+
+
+def check_expert_mesh(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> None:
+    """``num_experts`` must split evenly over the expert axis; the error says how to fix it."""
+    if cfg.moe is None:
+        return
+    ep, E = expert_parallel_size(mesh, rules), cfg.moe.num_experts
+    if E % ep:
+        g = math.gcd(E, ep)
+        raise ShardingError(
+            f"model {cfg.name!r}: num_experts={E} is not divisible by the expert mesh axis "
+            f"{expert_axes(mesh, rules)} of size {ep}; choose an expert axis size dividing {E} "
+            f"(e.g. expert={g}, giving the other factor {ep // g} to data) or make num_experts "
+            f"a multiple of {ep}")
+
+
+def _token_axes(mesh: Mesh, rules: Rules, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """Mesh axes the token buffer's batch dimension is split over: the expert axes, then the
+    rest of the batch axes (manual too, so XLA cannot regather the batch over ``data``)."""
+    sizes = mesh_sizes(mesh)
+    batch = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1 and a not in axes)
+    order = rules.mesh_axes("batch")
+    if all(a in order for a in axes):  # follow the rules' order: no reshuffle at the boundary
+        return tuple(a for a in order if a in axes or a in batch)
+    return axes + batch
+
+
+def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Callable:
+    token_axes = _token_axes(mesh, rules, axes)
+    x_spec, w_spec = P(token_axes), P(axes)
+
+    def experts(buf_BECD, weights):
+        b, E, C, D = buf_BECD.shape
+        x = buf_BECD.reshape(b, ep, E // ep, C, D)
+        x = jax.lax.all_to_all(x, axes, 1, 1, tiled=True)   # [b, src rank, local experts, C, D]
+        y = expert_ffn(x, weights)
+        y = jax.lax.all_to_all(y, axes, 1, 1, tiled=True)   # back to [b, dst rank, ...]
+        return y.reshape(b, E, C, D)
+
+    def local(token_fn, x_BTD, router_DE, weights):
+        with using_constraint(None):   # activation constraints name the full mesh: not here
+            y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
+        return y_BTD, jax.lax.psum(stats, token_axes)
+
+    def run(token_fn, x_BTD, router_DE, weights):
+        context = jax.sharding.get_abstract_mesh()
+        # Inside an enclosing shard_map (the pipeline's) the context mesh carries its manual
+        # axes; nest in it. Otherwise use the concrete mesh.
+        m = context if not context.empty and context.manual_axes else mesh
+        return jax.shard_map(
+            functools.partial(local, token_fn), mesh=m, axis_names=set(token_axes),
+            in_specs=(x_spec, P(), (w_spec,) * len(weights)), out_specs=(x_spec, P()),
+        )(x_BTD, router_DE, tuple(weights))
+    return run
+
+
+def expert_runner(mesh: Mesh, rules: Rules) -> Optional[Callable]:
+    """The MoE runner for ``mesh`` (None: the MoE runs on whole arrays, no expert axis)."""
+    axes = expert_axes(mesh, rules)
+    if not axes:
+        return None
+    return _all_to_all_runner(mesh, rules, axes, expert_parallel_size(mesh, rules))
+
+
+def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rules: Rules,
+                     itemsize: int = 4, forward_only: bool = False) -> dict:
+    """Predicted all-to-all traffic of one step (per device, matching the compiled HLO).
+
+    ``buffer`` is the per-device payload of one all-to-all: (B / (EP·DP))·E·C·D·itemsize;
+    ``count`` = 2·L per forward (dispatch + combine), doubled for a training step.
+    """
+    if cfg.moe is None or not expert_axes(mesh, rules):
+        return {"buffer_bytes": 0, "count": 0, "bytes_per_step": 0}
+    sizes = mesh_sizes(mesh)
+    shards = 1
+    for a in set(rules.mesh_axes("batch")):
+        shards *= sizes.get(a, 1)
+    C = capacity(cfg.moe, seq_len)
+    buffer = (batch // shards) * cfg.moe.num_experts * C * cfg.embed_dim * itemsize
+    count = 2 * cfg.num_layers * (1 if forward_only else 2)
+    return {"buffer_bytes": buffer, "count": count, "bytes_per_step": buffer * count}

@@ -1,0 +1,57 @@
+"""`triax inspect` contract, and the CLI's simulated-device start-up (in subprocesses, since
+the device count is fixed when JAX starts)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from triax.cli.main import main
+
+
+def test_inspect_json_contract(capsys, devices):
+    assert main(["inspect", "--model", "tiny", "--num-layers", "1", "--mesh",
+                 "data=2,tensor=4", "--strategy", "tp", "--batch-size", "8", "--seq-len", "16",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report) >= {"collectives", "memory", "params"}
+    assert {"kind", "axes", "bytes_per_device", "count"} == set(report["collectives"][0])
+    assert any(c["kind"] == "all-reduce" and c["axes"] == ["tensor"] for c in report["collectives"])
+    assert set(report["params"][0]) == {"path", "logical_axes", "spec", "global_shape",
+                                        "shard_shape", "bytes_per_device"}
+
+
+def test_inspect_text_tables(capsys, devices):
+    assert main(["inspect", "--num-layers", "1", "--mesh", "tensor=8", "--strategy", "tp",
+                 "--batch-size", "8", "--seq-len", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "communication per step" in out and "placement" in out and "memory per device" in out
+
+
+def test_bad_mesh_says_device_count(capsys, devices):
+    assert main(["inspect", "--mesh", "data=3", "--num-layers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "triax inspect: error:" in err and "JAX sees 8 device(s)" in err
+
+
+def _run_cli(args, env_extra):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-m", "triax", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_cli_simulates_8_devices_and_says_so():
+    r = _run_cli(["inspect", "--num-layers", "1", "--mesh", "data=8", "--seq-len", "8",
+                  "--json"], {"JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    assert "simulating 8 CPU devices" in r.stderr
+
+
+def test_cli_respects_user_device_count():
+    r = _run_cli(["inspect", "--num-layers", "1", "--mesh", "data=8"],
+                 {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"})
+    assert r.returncode == 2
+    assert "simulating" not in r.stderr and "JAX sees 4 device(s)" in r.stderr

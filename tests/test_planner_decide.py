@@ -1,0 +1,126 @@
+"""The planner's decision rules, its CLI contract and its errors (no compiles: fast)."""
+import json
+
+import pytest
+
+from triax.cli.main import main
+from triax.models import config
+from triax.planner import hardware
+from triax.planner.decide import plan
+from triax.planner.memory import estimate, min_devices_for_weights
+from triax.planner.spec import Layout, Workload
+
+
+def _w(name, train, batch=8, seq=4096, **kw):
+    return Workload.of(config.get(name), train=train, batch=batch, seq=seq, **kw)
+
+
+def test_weights_bigger_than_a_device_never_get_one_device():
+    w = _w("llama3-70b", train=False)
+    h100 = hardware.cluster("h100-80gb", 8, 1)
+    assert min_devices_for_weights(w, h100.device.memory) == 2
+    for p in plan(w, h100, top=50).plans:
+        assert p.layout.devices > 1 and p.fits
+    with pytest.raises(ValueError, match="at least 2 h100-80gb"):
+        plan(w, hardware.cluster("h100-80gb", 1, 1))
+
+
+def test_70b_inference_on_one_nvlink_node_is_tp8():
+    rec = plan(_w("llama3-70b", train=False), hardware.cluster("h100-80gb", 8, 1))
+    best = rec.plans[0].layout
+    assert (best.tensor, best.pipe, best.data) == (8, 1, 1)
+    assert any("tensor parallelism" in s for s in rec.reasoning)
+
+
+@pytest.mark.parametrize("name,train", [("llama3-8b", True), ("llama3-70b", False)])
+def test_pcie_keeps_tp_at_most_two(name, train):
+    rec = plan(_w(name, train, batch=64), hardware.cluster("h100-pcie", 8, 1))
+    assert rec.plans[0].layout.tensor <= 2
+    assert any("pcie5" in s for s in rec.reasoning)
+    # The same job on NVLink is free to use wider TP (the rule is about the link).
+    nv = plan(_w(name, train, batch=64), hardware.cluster("h100-80gb", 8, 1), top=100)
+    assert any(p.layout.tensor > 2 for p in nv.plans)
+
+
+@pytest.mark.parametrize("name,train,nodes", [("llama3-405b", False, 2),
+                                              ("llama3-70b", True, 4)])
+def test_bigger_than_a_node_pipelines_across_nodes(name, train, nodes):
+    cluster = hardware.cluster("h100-80gb", 8, nodes)
+    best = plan(_w(name, train, batch=64), cluster).plans[0].layout
+    assert best.pipe > 1 and best.tensor <= 8
+    assert best.pipe * best.data >= nodes        # pipe (with data) spans the nodes
+    assert best.tensor * best.expert <= cluster.gpus_per_node
+
+
+def test_moe_prefers_expert_parallelism_with_all_to_all():
+    w = _w("mixtral-8x7b", train=False, batch=8)
+    ep = estimate(w, Layout(expert=8, strategy="dp"))
+    replicated = estimate(w, Layout(data=8, strategy="dp"))
+    assert ep.params < replicated.params / 3          # experts split, attention replicated
+    rec = plan(w, hardware.cluster("h100-80gb", 8, 1))
+    best = rec.plans[0]
+    assert best.layout.expert > 1
+    assert "all-to-all" in best.traffic["expert"].payload_by_kind
+    assert any("'expert' axis" in s for s in rec.reasoning)
+
+
+def test_params_quick_estimate():
+    w = Workload.of(None, params=7_000_000_000, train=True, dtype="bf16", batch=8, seq=2048)
+    m = estimate(w, Layout(data=8, strategy="fsdp"))
+    assert m.params == pytest.approx(7e9 * 4 / 8, rel=1e-6)       # fp32 master = params
+    assert m.optimizer == pytest.approx(7e9 * 8 / 8, abs=64)       # mu and nu
+    assert m.activations == 0
+
+
+def _cli(capsys, *args):
+    rc = main(["plan", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_json_contract(capsys):
+    rc, out, _ = _cli(capsys, "--model", "llama3-8b", "--train", "--gpu", "h100-80gb",
+                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "16",
+                      "--seq-len", "2048", "--top", "2", "--json")
+    d = json.loads(out)
+    assert rc == 0 and set(d) >= {"model", "min_devices_for_weights", "plans", "reasoning"}
+    assert set(d["model"]) >= {"params", "weight_bytes"}
+    p = d["plans"][0]
+    assert set(p) >= {"mesh", "strategy", "schedule", "devices", "memory_per_device",
+                      "comm_bytes_per_device", "comm_time_s", "compute_time_s",
+                      "step_time_s", "mfu", "fits"}
+    assert set(p["memory_per_device"]) >= {"params", "grads", "optimizer", "activations",
+                                           "kv_cache", "total"}
+
+
+def test_cli_explicit_plan_reports_overflow(capsys):
+    rc, out, _ = _cli(capsys, "--model", "llama3-70b", "--train", "--gpu", "a100-40gb",
+                      "--gpus-per-node", "8", "--nodes", "1", "--mesh", "tensor=8",
+                      "--strategy", "tp", "--json")
+    p = json.loads(out)["plans"][0]
+    assert rc == 0 and p["fits"] is False and p["mesh"] == "tensor=8"
+    assert "over by" in p["overflow"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--model", "llama3-8b", "--gpu", "h900"], "unknown GPU 'h900'"),
+    (["--model", "llama9", "--gpu", "h100-80gb"], "unknown model 'llama9'"),
+    (["--model", "llama3-405b", "--gpu", "h100-80gb"], "at least 11 h100-80gb"),
+    (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "6", "--mesh", "data=8",
+      "--strategy", "dp"], "batch size 6 does not divide over data=8"),
+])
+def test_cli_bad_input(capsys, args, msg):
+    rc, _, err = _cli(capsys, *args, "--train", "--gpus-per-node", "8", "--nodes", "1")
+    assert rc == 2 and msg in err and err.startswith("triax plan: error:")
+
+
+def test_hardware_toml(tmp_path):
+    f = tmp_path / "hw.toml"
+    f.write_text('[devices.lab-gpu]\nmemory_gb = 32\nbf16_tflops = 100\nfp32_tflops = 20\n'
+                 'hbm_gbps = 900\nform_factor = "pcie"\npcie = "pcie4"\n'
+                 '[clusters.lab]\ngpu = "lab-gpu"\ngpus_per_node = 4\nnodes = 2\n')
+    cat = hardware.load_catalog(f)
+    c = cat.clusters["lab"]
+    assert c.devices == 8 and c.intra.name == "pcie4" and c.device.memory == 32e9
+    assert hardware.cluster("h100-80gb").intra.name == "nvlink4"
+    assert hardware.cluster("l40s").intra.name == "pcie4"

@@ -1,0 +1,157 @@
+"""Checkpoints: bit-identical resume, resharded resume, bad checkpoint dirs, SIGTERM, SIGKILL."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from triax.cli.main import main
+from triax.training.checkpoint import CheckpointError, Checkpointer
+from triax.training.config import RunConfig
+from triax.training.loop import train
+
+BASE = RunConfig(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
+                 mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
+                 lr_decay_steps=6, seed=3, eval_batches=1, progress=False)
+QUIET = dict(note=lambda *_: None)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A: 6 steps straight. B: 3 steps, saved (copied aside). C: B resumed to 6."""
+    d = tmp_path_factory.mktemp("ck")
+    straight = train(BASE, **QUIET).losses
+    first = train(BASE.replace(steps=3, checkpoint_dir=str(d / "run")), **QUIET).losses
+    shutil.copytree(d / "run", d / "at3")
+    rest = train(BASE.replace(checkpoint_dir=str(d / "run"), resume=True), **QUIET).losses
+    return d, straight, first, rest
+
+
+def test_resume_is_bit_identical(runs):
+    _, straight, first, rest = runs
+    assert len(first) == 3 and len(rest) == 3
+    assert first + rest == straight  # exact float equality, step by step
+
+
+def test_resharded_resume_on_another_mesh_and_strategy(runs, tmp_path):
+    d, straight, _, _ = runs
+    shutil.copytree(d / "at3", tmp_path / "c")
+    run = BASE.replace(mesh="data=2,tensor=2,pipe=2", strategy="fsdp_tp",
+                       checkpoint_dir=str(tmp_path / "c"), resume=True)
+    rest = train(run, **QUIET).losses
+    np.testing.assert_allclose(rest, straight[3:], rtol=1e-5)
+    meta = Checkpointer(str(tmp_path / "c"), read_only=True).read_meta(6)
+    assert meta["mesh_sizes"] == {"data": 2, "pipe": 2, "expert": 1, "tensor": 2}
+    assert (meta["strategy"], meta["data_position"]) == ("fsdp_tp", 6)
+
+
+def test_checkpoints_command_lists_steps_sizes_mesh(runs, capsys):
+    d, *_ = runs
+    assert main(["checkpoints", str(d / "run")]) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()[1:]]
+    assert [int(line[0]) for line in lines] == [3, 6]
+    assert all("data=8" in line and "dp" in line and "tiny/L2" in line for line in lines)
+
+
+def test_model_config_mismatch_names_the_fields(runs, tmp_path):
+    d, *_ = runs
+    shutil.copytree(d / "at3", tmp_path / "c")
+    run = BASE.replace(num_layers=1, checkpoint_dir=str(tmp_path / "c"), resume=True)
+    with pytest.raises(CheckpointError, match=r"different model \(num_layers: checkpoint 2 vs "
+                                              r"requested 1\)"):
+        train(run, **QUIET)
+    assert Checkpointer(str(tmp_path / "c"), read_only=True).steps() == [3]
+
+
+def test_existing_checkpoints_without_resume_are_not_overwritten(runs):
+    d, *_ = runs
+    with pytest.raises(CheckpointError, match=r"already holds checkpoints \(steps \[3\]\); pass "
+                                              r"--resume"):
+        train(BASE.replace(checkpoint_dir=str(d / "at3")), **QUIET)
+
+
+def test_corrupt_checkpoint_is_a_clear_error_and_kept(runs, tmp_path):
+    d, *_ = runs
+    shutil.copytree(d / "at3", tmp_path / "c")
+    state_dir = tmp_path / "c" / "3" / "state"
+    for name in os.listdir(state_dir):
+        if name != "_METADATA":
+            p = state_dir / name
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    run = BASE.replace(checkpoint_dir=str(tmp_path / "c"), resume=True)
+    with pytest.raises(CheckpointError, match=r"checkpoint step 3 in .* is corrupt or incomplete"):
+        train(run, **QUIET)
+    assert (tmp_path / "c" / "3").is_dir()  # nothing deleted
+
+
+def _child_env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+               PYTHONPATH=os.path.dirname(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return env
+
+
+def test_sigterm_saves_commits_and_exits_cleanly(tmp_path):
+    cmd = [sys.executable, "-m", "triax", "train", "--model", "tiny", "--num-layers", "1",
+           "--data", "markov", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "8",
+           "--seq-len", "16", "--steps", "100000", "--no-progress",
+           "--checkpoint-dir", str(tmp_path / "c"), "--log-json", str(tmp_path / "m.jsonl")]
+    proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and not (tmp_path / "m.jsonl").exists():
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    steps = Checkpointer(str(tmp_path / "c"), read_only=True).steps()
+    assert len(steps) == 1 and f"received SIGTERM at step {steps[0]}; saved checkpoint step " \
+                               f"{steps[0]}" in err and "(committed)" in err
+
+
+KILL_CHILD = textwrap.dedent("""
+    import asyncio, sys, time
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.path import atomicity
+    from triax.training.checkpoint import Checkpointer
+    ck = Checkpointer(sys.argv[1])
+    ck.save(1, {"w": jnp.arange(4096.0)}, {"step": 1}, wait=True)
+    async def stalled_commit(self):  # the data is written; the commit never comes
+        open(sys.argv[2], "w").close()
+        await asyncio.sleep(600)
+    atomicity.AtomicRenameTemporaryPath.finalize = stalled_commit
+    ck.save(2, {"w": jnp.arange(4096.0) + 1}, {"step": 2})
+    time.sleep(600)
+""")
+
+
+def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path):
+    marker = tmp_path / "saving"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(tmp_path / "c"), str(marker)],
+                            env=_child_env())
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    assert marker.exists(), "child never reached the save"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    leftovers = [n for n in os.listdir(tmp_path / "c") if "tmp" in n]
+    assert leftovers, "expected a partial save directory"
+    assert "2" not in os.listdir(tmp_path / "c")
+    import jax
+    import jax.numpy as jnp
+    ck = Checkpointer(str(tmp_path / "c"))  # opening for writing cleans partial saves up
+    assert ck.steps() == [1]
+    target = {"w": jax.ShapeDtypeStruct((4096,), jnp.float32,
+                                        sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+    state, meta = ck.restore(1, target)
+    np.testing.assert_array_equal(np.asarray(state["w"]), np.arange(4096.0))
+    assert meta == {"step": 1}
+    assert not [n for n in os.listdir(tmp_path / "c") if "tmp" in n]
+    ck.close()
