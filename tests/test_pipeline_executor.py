@@ -14,14 +14,6 @@ from triax.training.step import Trainer
 B, T = 8, 16
 
 
-@pytest.fixture(autouse=True)
-def _allow_rank_promotion():
-    # models.layers.RMSNorm broadcasts scale[D] against x[B,T,D] (implicit rank promotion),
-    # which conftest's "raise" rejects; reported to the lead, scoped to this module until fixed.
-    with jax.numpy_rank_promotion("allow"):
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference():
     """Per layer count: host params, batch, and the single-device loss and grads."""

@@ -15,12 +15,6 @@ CFG = config.TINY.replace(num_layers=2)
 b, T = 2, 16  # micro-batch size fixed, so the global batch grows with M
 
 
-@pytest.fixture(autouse=True)
-def _allow_rank_promotion():
-    with jax.numpy_rank_promotion("allow"):  # see test_pipeline_executor.py
-        yield
-
-
 def compile_step(kind, M, mesh):
     pp = Pipeline(CFG, mesh, "dp", PipelineConfig(kind, M))
     params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), pp.abstract.shapes)
@@ -32,9 +26,8 @@ def compile_step(kind, M, mesh):
 @pytest.fixture(scope="module")
 def temps():
     mesh = make_mesh(pipe=2, devices=jax.devices()[:2])
-    with jax.numpy_rank_promotion("allow"):
-        return {(k, M): memory_from_compiled(compile_step(k, M, mesh)[1]).temp_bytes
-                for k in ("1f1b", "gpipe") for M in (4, 16)}
+    return {(k, M): memory_from_compiled(compile_step(k, M, mesh)[1]).temp_bytes
+            for k in ("1f1b", "gpipe") for M in (4, 16)}
 
 
 def test_1f1b_temporaries_below_gpipe(temps):
