@@ -83,11 +83,15 @@ class Trainer:
 
     # ---- shardings -------------------------------------------------------------------------
     @cached_property
+    def grad_shardings(self) -> PyTree:
+        """Per-parameter shardings under the optimizer rules (gradients and Adam moments)."""
+        return param_shardings(self.abstract, self.mesh, self.strategy, optimizer=True)
+
+    @cached_property
     def opt_shardings(self) -> PyTree:
-        opt_param_sh = param_shardings(self.abstract, self.mesh, self.strategy, optimizer=True)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract.shapes)
         replicated = NamedSharding(self.mesh, P())
-        return optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, opt_param_sh,
+        return optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.grad_shardings,
                                      transform_non_params=lambda _: replicated)
 
     @cached_property
@@ -156,8 +160,7 @@ class Trainer:
             (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
-        grads = jax.lax.with_sharding_constraint(
-            grads, param_shardings(self.abstract, self.mesh, self.strategy, optimizer=True))
+        grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
         updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
