@@ -29,8 +29,8 @@ from triax.models.axes import using_constraint  # noqa: E402
 from triax.models.layers import causal_mask  # noqa: E402
 from triax.models.transformer import cross_entropy  # noqa: E402
 from triax.pipeline import build  # noqa: E402
-from triax.pipeline.api import PipelineConfig  # noqa: E402
-from triax.pipeline.layout import LayerLayout  # noqa: E402
+from triax.pipeline.runner import PipelineConfig  # noqa: E402
+from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
 
@@ -41,7 +41,7 @@ def vmapped_gpipe(trainer: Trainer, M: int):
     """MaxText-style GPipe: all S stages compute every tick (vmap), autodiff through the loop."""
     cfg, mesh, am = trainer.cfg, trainer.mesh, trainer.abstract
     S = dict(zip(mesh.axis_names, mesh.devices.shape))["pipe"]
-    layout = LayerLayout(cfg.num_layers, S, 1)
+    layout = StageLayers(cfg.num_layers, S, 1)
     state_sh = NamedSharding(mesh, P("pipe", "data"))
 
     def loss(params, batch):

@@ -12,7 +12,7 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from triax.models import config  # noqa: E402
-from triax.planner.spec import Layout, Schedule, Workload  # noqa: E402
+from triax.planner.workload import Layout, Schedule, Workload  # noqa: E402
 from triax.planner.verify import pipelined_verify_available, verify  # noqa: E402
 
 CASES = [

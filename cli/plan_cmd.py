@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 
 def _layout(args):
-    from triax.planner.spec import Layout, Schedule
+    from triax.planner.workload import Layout, Schedule
     if args.mesh is None:
         if args.strategy or args.schedule:
             raise ValueError("--strategy/--schedule go with --mesh (e.g. --mesh data=2,tensor=4)")
@@ -67,8 +67,8 @@ def run(args) -> int:
     from triax.models import config
     from triax.planner import hardware
     from triax.planner.decide import plan
-    from triax.planner.report import text_report
-    from triax.planner.spec import Workload
+    from triax.planner.plan_table import text_report
+    from triax.planner.workload import Workload
 
     cat = hardware.load_catalog(args.hardware)
     cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)

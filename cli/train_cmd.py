@@ -79,7 +79,7 @@ def run(args) -> int:
     from triax.training import distributed
     how = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     from triax.training.loop import Interrupted, train
-    from triax.training.report import format_summary
+    from triax.training.run_summary import format_summary
     main = distributed.is_main_process()
     if main and how != "single process":
         print(f"triax train: multi-process ({how})", file=sys.stderr)

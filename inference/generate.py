@@ -13,7 +13,7 @@ from triax.inference.checkpoint import load_params
 from triax.inference.engine import EngineConfig, InferenceError
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server, replica_meshes
-from triax.training.tokenizer import ByteTokenizer
+from triax.text.byte_tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()  # the presets' 264-token byte vocabulary (BOS 256, EOS 257)
 

@@ -18,6 +18,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.text.byte_tokenizer import BYTE_VOCAB
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -129,7 +131,6 @@ def _llama(name, V, D, L, N, K, F, theta=500000.0, tie=False, seq=8192):
                        rope_theta=theta, tie_embeddings=tie)
 
 
-BYTE_VOCAB = 256 + 8  # byte-level tokenizer: 256 bytes plus specials (padded to a multiple of 8)
 
 TINY = ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, embed_dim=64, num_layers=4, num_heads=8,
                    num_kv_heads=2, head_dim=8, mlp_dim=128, max_seq_len=256)

@@ -31,7 +31,7 @@ def pipeline_config_from_args(args, mesh) -> Optional["PipelineConfig"]:  # noqa
     the schedule's own message (e.g. interleaved needs M divisible by S).
     """
     from triax.mesh.build import mesh_sizes
-    from triax.pipeline.api import PipelineConfig
+    from triax.pipeline.runner import PipelineConfig
     stages = mesh_sizes(mesh).get("pipe", 1)
     if stages < 2:
         return None

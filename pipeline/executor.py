@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.pipeline.program import COL, TickProgram
+from triax.pipeline.tick_program import COL, TickProgram
 from triax.pipeline.schedules import OpKind
 from triax.pipeline.stage import Residuals
 

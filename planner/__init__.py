@@ -14,7 +14,7 @@ from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Catalog, Cluster, Device, Link, cluster, load_catalog
 from triax.planner.memory import Assumptions, Memory, estimate, min_devices_for_weights
 from triax.planner.search import search
-from triax.planner.spec import Layout, Schedule, Workload
+from triax.planner.workload import Layout, Schedule, Workload
 
 __all__ = ["Assumptions", "Catalog", "Cluster", "Device", "Layout", "Link", "Memory",
            "PlanResult", "Recommendation", "Schedule", "Workload", "cluster", "estimate",

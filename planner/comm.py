@@ -9,7 +9,7 @@ Two numbers per collective:
     what the link time uses.
 
     >>> from triax.models import config
-    >>> from triax.planner.spec import Layout, Workload
+    >>> from triax.planner.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> traffic(w, Layout(data=8))["data"].payload == config.get("tiny").num_params * 4
     True
@@ -22,7 +22,7 @@ from triax.planner.hardware import Cluster, Link
 from triax.planner.memory import (FP32, expert_capacity, local_elements, local_param_elements,
                                   param_leaves)
 from triax.planner.pipeline_math import schedule_table
-from triax.planner.spec import Layout, Workload, ceil_div
+from triax.planner.workload import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")

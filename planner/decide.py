@@ -10,7 +10,7 @@ Rules, in order:
 
     >>> from triax.models import config
     >>> from triax.planner import hardware
-    >>> from triax.planner.spec import Workload
+    >>> from triax.planner.workload import Workload
     >>> w = Workload.of(config.get("llama3-70b"), train=False, batch=8, seq=4096)
     >>> rec = plan(w, hardware.cluster("h100-80gb", 8, 1))
     >>> rec.plans[0].layout.tensor
@@ -28,7 +28,7 @@ from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
-from triax.planner.spec import Layout, Schedule, Workload
+from triax.planner.workload import Layout, Schedule, Workload
 from triax.sharding.rules import get_strategy
 
 SLOW_LINK_MAX_TP = 2

@@ -2,7 +2,7 @@
 
     >>> from triax.models import config
     >>> from triax.planner import hardware
-    >>> from triax.planner.spec import Layout, Workload
+    >>> from triax.planner.workload import Layout, Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=8, seq=4096, remat="full")
     >>> p = evaluate(w, Layout(data=8, strategy="fsdp"), hardware.cluster("h100-80gb", 8, 1))
     >>> p.fits, round(p.memory.total / 1e9)
@@ -17,7 +17,7 @@ from triax.planner import comm
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions, Memory, estimate
 from triax.planner.pipeline_math import bubble_fraction
-from triax.planner.spec import Layout, Workload, ceil_div
+from triax.planner.workload import Layout, Workload, ceil_div
 
 
 

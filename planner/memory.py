@@ -7,7 +7,7 @@ does, without needing that many devices. A ``--params N`` estimate (no config) s
 whole count over the axes that would hold it.
 
     >>> from triax.models import config
-    >>> from triax.planner.spec import Layout, Workload
+    >>> from triax.planner.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> m = estimate(w, Layout(data=8))
     >>> m.params == config.get("tiny").num_params * 4
@@ -24,7 +24,7 @@ import jax
 
 from triax.models.config import ModelConfig
 from triax.planner.pipeline_math import peak_in_flight
-from triax.planner.spec import Layout, Workload, ceil_div, prod
+from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.rules import REPLICABLE, Rules, ShardingError, get_strategy
 
 ADAM_MOMENTS = 2        # mu and nu, fp32

@@ -5,7 +5,7 @@ weighted bubble, peak in-flight); otherwise the closed forms they reproduce are 
 (GPipe and 1F1B: (S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1); ZB-H1 about a third of
 1F1B's).
 
-    >>> from triax.planner.spec import Schedule
+    >>> from triax.planner.workload import Schedule
     >>> round(bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12), 6)
     0.2
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from triax.planner.spec import Schedule
+from triax.planner.workload import Schedule
 
 
 @functools.lru_cache(maxsize=4096)

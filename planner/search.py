@@ -4,7 +4,7 @@ rank the rest by estimated step time.
 
     >>> from triax.models import config
     >>> from triax.planner import hardware
-    >>> from triax.planner.spec import Workload
+    >>> from triax.planner.workload import Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=64, seq=4096)
     >>> res = search(w, hardware.cluster("h100-80gb", 8, 1))
     >>> res.fitting[0].fits
@@ -20,7 +20,7 @@ from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
 from triax.planner.pipeline_math import microbatch_constraint
-from triax.planner.spec import Layout, Schedule, Workload, divisors
+from triax.planner.workload import Layout, Schedule, Workload, divisors
 from triax.sharding.rules import ShardingError
 
 TRAIN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1)

@@ -7,7 +7,7 @@ collectives (``triax.sharding.introspect``). JAX fixes its device count at start
 plan needing another count runs in a subprocess with ``JAX_NUM_CPU_DEVICES`` set.
 
     >>> from triax.models import config
-    >>> from triax.planner.spec import Layout, Workload
+    >>> from triax.planner.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny", num_layers=2), train=True, dtype="fp32",
     ...                 batch=8, seq=16)
     >>> row = verify(w, Layout(data=8))          # doctest: +SKIP
@@ -25,7 +25,7 @@ from typing import Optional
 
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
-from triax.planner.spec import Layout, Schedule, Workload
+from triax.planner.workload import Layout, Schedule, Workload
 
 _COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -56,7 +56,7 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
 
 def pipelined_verify_available() -> bool:
     try:
-        from triax.pipeline.api import PipelineConfig  # noqa: F401
+        from triax.pipeline.runner import PipelineConfig  # noqa: F401
     except ImportError:
         return False
     return True
@@ -66,7 +66,7 @@ def _pipeline_config(lay: Layout):
     if not pipelined_verify_available():
         raise ValueError("--verify compiles pipelined plans once triax.pipeline's executor "
                          "is installed; choose a plan with pipe=1")
-    from triax.pipeline.api import PipelineConfig
+    from triax.pipeline.runner import PipelineConfig
     return PipelineConfig(lay.schedule.value, lay.microbatches, lay.virtual)
 
 

@@ -8,7 +8,7 @@ from triax.models import config
 from triax.planner import hardware
 from triax.planner.decide import plan
 from triax.planner.memory import estimate, min_devices_for_weights
-from triax.planner.spec import Layout, Workload
+from triax.planner.workload import Layout, Workload
 
 
 def _w(name, train, batch=8, seq=4096, **kw):

@@ -9,7 +9,7 @@ from triax.models import config
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
 from triax.planner.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
-from triax.planner.spec import Layout, Schedule, Workload
+from triax.planner.workload import Layout, Schedule, Workload
 from triax.planner.verify import compile_figures, pipelined_verify_available
 
 # model, layers, batch, seq, layout: few layers keep compiles short.

@@ -12,7 +12,7 @@ from triax.training.config import RunConfig, load_config_file
 from triax.training.data import (Batches, DataError, load_corpus, markov_chain, process_rows,
                                  unigram_loss)
 from triax.training.loop import build_mesh, check_batch, default_mesh
-from triax.training.tokenizer import ByteTokenizer
+from triax.text.byte_tokenizer import ByteTokenizer
 
 
 def test_byte_tokenizer_round_trip_and_vocab():

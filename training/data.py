@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import jax
 import numpy as np
 
-from triax.training.tokenizer import ByteTokenizer
+from triax.text.byte_tokenizer import ByteTokenizer
 
 
 class DataError(ValueError):

@@ -22,7 +22,7 @@ import numpy as np
 from triax.mesh import describe, make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
 from triax.training import metrics as M
-from triax.training.compiled import compiled_for
+from triax.training.step_cache import compiled_for
 from triax.training.checkpoint import CheckpointError, Checkpointer, check_compatible, rng_json
 from triax.training.config import RunConfig
 from triax.training.data import Batches, check_vocab, load_corpus
@@ -90,7 +90,7 @@ def build_trainer(run: RunConfig, cfg: ModelConfig, mesh) -> Trainer:
     kw = {}
     stages = mesh_sizes(mesh)["pipe"]
     if stages > 1 and cfg.moe is None:
-        from triax.pipeline.api import PipelineConfig
+        from triax.pipeline.runner import PipelineConfig
         pc = PipelineConfig(run.schedule, run.microbatches, run.virtual)
         pc.build(stages)  # a bad schedule/micro-batch combination fails here, before compiling
         kw["pipeline"] = pc
@@ -320,5 +320,5 @@ def json_safe(obj):
 
 def summarize(loop: _Loop, result: TrainResult, start: int) -> dict:
     """How the run was split and where the time went (printed by the CLI)."""
-    from triax.training.report import summary
+    from triax.training.run_summary import summary
     return summary(loop, result, start)

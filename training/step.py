@@ -52,7 +52,7 @@ def _make_pipeline(cfg, mesh, strategy, pipeline, exe, loss_and_grad):
     if loss_and_grad is not None or (pipeline is None and (
             mesh_sizes(mesh).get("pipe", 1) < 2 or cfg.moe is not None)):
         return None
-    from triax.pipeline.api import Pipeline, PipelineConfig
+    from triax.pipeline.runner import Pipeline, PipelineConfig
     return Pipeline(cfg, mesh, strategy, pipeline or PipelineConfig(), exe)
 
 

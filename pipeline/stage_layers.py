@@ -4,13 +4,13 @@ Chunk ``c`` (``c = j*S + s``: local chunk j of stage s, circular placement) hold
 ``[c*Lc, (c+1)*Lc)`` with ``Lc = ceil(L / (S*v))``. When ``S*v`` does not divide ``L`` the
 stack is padded with zero blocks, which are exact identities (a zero attention output
 projection and a zero MLP down projection leave the residual stream unchanged); their
-gradients are dropped again by :meth:`LayerLayout.from_stages`.
+gradients are dropped again by :meth:`StageLayers.from_stages`.
 
 Storage stays the model's ``[L, ...]`` (checkpoints do not depend on the schedule). With
 ``L % S == 0`` and ``v == 1`` the reshape is local to each device; otherwise XLA moves the
 weights once per step (see :func:`pipeline_strategy` for uneven L).
 
-    >>> LayerLayout(num_layers=5, stages=2, virtual=1).per_chunk
+    >>> StageLayers(num_layers=5, stages=2, virtual=1).per_chunk
     3
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from triax.sharding.rules import Strategy
 
 
 @dataclass(frozen=True)
-class LayerLayout:
+class StageLayers:
     num_layers: int
     stages: int
     virtual: int = 1

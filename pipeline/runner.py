@@ -23,8 +23,8 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import DATA, PIPE, StepSpec, run_ticks
 from triax.pipeline.generators import build
-from triax.pipeline.layout import LayerLayout, pipeline_strategy
-from triax.pipeline.program import compile_program
+from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
+from triax.pipeline.tick_program import compile_program
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.stage import make_stage_apply
 from triax.sharding.partition import abstract_model, specs_for
@@ -75,7 +75,7 @@ class Pipeline:
         self.cfg, self.mesh, self.exe, self.config = cfg, mesh, exe, config
         self.strategy = pipeline_strategy(get_strategy(strategy), cfg.num_layers, self.stages)
         self.schedule = config.build(self.stages)
-        self.layout = LayerLayout(cfg.num_layers, self.stages, self.schedule.virtual)
+        self.layout = StageLayers(cfg.num_layers, self.stages, self.schedule.virtual)
         self.abstract = abstract_model(cfg)
         self.data = sizes.get(DATA, 1)
 

@@ -1,7 +1,7 @@
 """Byte-level tokenizer: ids 0..255 are raw bytes, then a few specials.
 
-The model presets use ``vocab_size = 264`` (256 bytes + 8 ids reserved for specials), so any
-UTF-8 text round-trips exactly and no vocabulary file is needed.
+The byte presets use ``vocab_size = BYTE_VOCAB`` (256 bytes + 8 ids reserved for specials), so
+any UTF-8 text round-trips exactly and no vocabulary file is needed.
 
     >>> tok = ByteTokenizer()
     >>> tok.decode(tok.encode("héllo"))
@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 NUM_BYTES = 256
+NUM_SPECIALS = 8  # BOS, EOS, PAD and reserved ids, padded so the vocabulary is a multiple of 8
+BYTE_VOCAB = NUM_BYTES + NUM_SPECIALS  # the one home of the byte vocabulary size
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class ByteTokenizer:
     bos_id: int = NUM_BYTES
     eos_id: int = NUM_BYTES + 1
     pad_id: int = NUM_BYTES + 2
-    vocab_size: int = NUM_BYTES + 8  # specials padded to a multiple of 8 (matches the presets)
+    vocab_size: int = BYTE_VOCAB
 
     def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> np.ndarray:
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
