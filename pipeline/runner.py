@@ -31,17 +31,33 @@ from triax.sharding.partition import abstract_model, specs_for
 from triax.sharding.rules import Strategy, get_strategy
 
 
+def default_microbatches(stages: int) -> int:
+    """Micro-batches per step when none are asked for: two per stage keeps 1F1B's bubble
+    at (S-1)/(3S-1) while the stash stays at S micro-batches."""
+    return 2 * stages
+
+
+def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
+    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact."""
+    if cfg.moe is not None:
+        return (f"model {cfg.name!r} is MoE: the pipeline executor runs dense models only; "
+                f"train it without pipe (use expert/data axes)")
+    return None
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Which schedule to run. ``microbatches=0`` means ``2 * stages``."""
+    """Which schedule to run. ``microbatches=0`` means :func:`default_microbatches`."""
 
     schedule: str = "1f1b"
     microbatches: int = 0
     virtual: int = 1
 
+    def num_microbatches(self, stages: int) -> int:
+        return self.microbatches or default_microbatches(stages)
+
     def build(self, stages: int, kind: Optional[str] = None) -> Schedule:
-        M = self.microbatches or 2 * stages
-        return build(kind or self.schedule, stages, M, self.virtual)
+        return build(kind or self.schedule, stages, self.num_microbatches(stages), self.virtual)
 
 
 def _manual_spec(spec: P, lead: tuple = ()) -> P:
@@ -69,9 +85,9 @@ class Pipeline:
         self.stages = sizes.get(PIPE, 1)
         if self.stages < 2:
             raise ScheduleError(f"a pipeline needs a mesh with pipe >= 2, got {sizes}")
-        if cfg.moe is not None:
-            raise ScheduleError(f"model {cfg.name!r} is MoE: the pipeline executor runs dense "
-                                f"models only; train it without pipe (use expert/data axes)")
+        reason = unpipelinable_reason(cfg)
+        if reason is not None:
+            raise ScheduleError(reason)
         self.cfg, self.mesh, self.exe, self.config = cfg, mesh, exe, config
         self.strategy = pipeline_strategy(get_strategy(strategy), cfg.num_layers, self.stages)
         self.schedule = config.build(self.stages)
