@@ -10,11 +10,11 @@ The journey of one parameter:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any, Callable
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -40,23 +40,96 @@ def path_str(path) -> str:
 
 @dataclass(frozen=True)
 class AbstractModel:
-    """Everything known about a model before any memory is spent."""
+    """Everything known about a model before any memory is spent.
 
-    cfg: ModelConfig
-    graphdef: Any                 # nnx.GraphDef of the Transformer
+    ``make`` builds the real module from ``nnx.Rngs`` (under ``jit(out_shardings=…)`` in
+    :func:`init_params`); ``cfg`` is the built-in model's config, None for a user's model.
+    """
+
+    graphdef: Any                 # nnx.GraphDef of the module
     shapes: PyTree                # pure dict of jax.ShapeDtypeStruct
     logical: PyTree               # pure dict of logical-axis tuples (same structure)
+    make: Callable[[nnx.Rngs], nnx.Module] = field(compare=False, repr=False, default=None)
+    cfg: Optional[ModelConfig] = None
+
+
+def abstract_module(make_model: Callable[[nnx.Rngs], nnx.Module], seed: int = 0,
+                    default: Optional[str] = None, cfg: Optional[ModelConfig] = None
+                    ) -> AbstractModel:
+    """Describe any Flax NNX model abstractly: shapes, dtypes and logical axes, no memory.
+
+    ``make_model(rngs)`` builds the module; its ``nnx.Param``s carry logical axis names the
+    standard Flax way (``nnx.with_partitioning(init, names)`` or
+    ``nnx.Param(..., out_sharding=names)``). Eager sharding is off while it is traced, so
+    the names are resolved by triax's rules, never read as mesh axes. A parameter without
+    names is an error, or replicated when ``default="replicate"``.
+
+        >>> import jax.numpy as jnp
+        >>> from flax import nnx
+        >>> class Scale(nnx.Module):
+        ...     def __init__(self, rngs):
+        ...         self.w = nnx.Param(jnp.ones((4, 8)), out_sharding=("embed", "hidden"))
+        >>> abstract_module(Scale).logical
+        {'w': ('embed', 'hidden')}
+    """
+    if default not in (None, "replicate"):
+        raise ShardingError(f"default={default!r}: use None (every parameter must name its "
+                            f"logical axes) or 'replicate'")
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: make_model(nnx.Rngs(seed)))
+    if not isinstance(model, nnx.Module):
+        raise ShardingError(f"make_model returned {type(model).__name__}; it must build an "
+                            f"nnx.Module from nnx.Rngs")
+    graphdef, state = nnx.split(model)
+    others = [path_str(p) for p, v in _variables(state) if not isinstance(v, nnx.Param)]
+    if others:
+        raise ShardingError(f"model state {others[:5]} is not nnx.Param; triax shards and "
+                            f"trains parameters only (make them nnx.Param, or keep RNG and "
+                            f"statistics state outside the module)")
+    shapes = nnx.to_pure_dict(jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state))
+    logical = {}
+    for path, v in _variables(state):
+        axes = _logical_axes(v, path_str(path), default)
+        node = logical
+        keys = [_key(k) for k in path]
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = axes
+    return AbstractModel(graphdef, shapes, logical, make_model, cfg)
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0) -> AbstractModel:
-    model = nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(seed)))
-    graphdef, state = nnx.split(model)
-    shapes = nnx.to_pure_dict(jax.tree.map(
-        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype), state))
-    logical = jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state,
-                           is_leaf=lambda x: isinstance(x, nnx.Variable))
-    logical = nnx.to_pure_dict(logical) if not isinstance(logical, dict) else logical
-    return AbstractModel(cfg, graphdef, shapes, _to_plain(logical))
+    """The built-in decoder: one user of :func:`abstract_module`."""
+    return abstract_module(functools.partial(Transformer, cfg), seed, cfg=cfg)
+
+
+def _variables(state):
+    return jax.tree_util.tree_flatten_with_path(
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+
+
+def _key(k):
+    return getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
+
+
+def _logical_axes(v: nnx.Variable, where: str, default: Optional[str]) -> tuple:
+    names = v.get_metadata().get("out_sharding")
+    if names is None:
+        names = v.get_metadata().get("sharding_names")
+    if names is None:
+        if default == "replicate":
+            return (None,) * len(v.shape)
+        raise ShardingError(
+            f"parameter {where!r} {tuple(v.shape)} has no logical axis names; annotate it "
+            f"(nnx.with_partitioning(init, (\"embed\", ...)) on its initializer, or "
+            f"nnx.Param(value, out_sharding=(...))), or pass default=\"replicate\"")
+    names = tuple(names)
+    if len(names) != len(v.shape):
+        raise ShardingError(f"parameter {where!r} has shape {tuple(v.shape)} but "
+                            f"{len(names)} logical names {names}; give one name (or None) "
+                            f"per dimension")
+    return names
 
 
 def _to_plain(tree):
@@ -84,7 +157,8 @@ def param_shardings(am: AbstractModel, mesh: Mesh, strategy: str | Strategy,
                     optimizer: bool = False) -> PyTree:
     """``NamedSharding`` per parameter (``optimizer=True``: the optimizer-state rules)."""
     st = get_strategy(strategy)
-    check_expert_mesh(am.cfg, mesh, st.rules)
+    if am.cfg is not None:
+        check_expert_mesh(am.cfg, mesh, st.rules)
     rules = st.optimizer_rules if optimizer else st.rules
     specs = specs_for(rules, am.logical, am.shapes, mesh)
     shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -136,15 +210,20 @@ def activation_sharding(mesh: Mesh, strategy: str | Strategy):
 
 
 def init_params(am: AbstractModel, mesh: Mesh, strategy: str | Strategy, seed: int = 0,
-                dtype=jnp.float32) -> PyTree:
+                dtype=None) -> PyTree:
     """Create parameters already sharded: each device only materialises its shard."""
     shardings = param_shardings(am, mesh, strategy)
-    cfg = am.cfg
+    return jax.jit(init_fn(am, seed, dtype), out_shardings=shardings)()
 
+
+def init_fn(am: AbstractModel, seed: int = 0, dtype=None) -> Callable[[], PyTree]:
+    """``() -> params`` (a plain dict): build the module from ``am.make``, keep its params.
+    Jit it with ``out_shardings`` so each device materialises only its own shard."""
     def init():
-        state = nnx.state(Transformer(cfg, nnx.Rngs(seed)))
-        return jax.tree.map(lambda x: x.astype(dtype), _to_plain(state))
-    return jax.jit(init, out_shardings=shardings)()
+        with nnx.use_eager_sharding(False):
+            params = _to_plain(nnx.state(am.make(nnx.Rngs(seed))))
+        return params if dtype is None else jax.tree.map(lambda x: x.astype(dtype), params)
+    return init
 
 
 def batch_sharding(mesh: Mesh, strategy: str | Strategy, ndim: int = 2) -> NamedSharding:

@@ -20,6 +20,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Union
 
 from jax.sharding import PartitionSpec as P
 
+from triax.mesh.build import AXES as MESH_AXES
+
 MeshAxes = Union[None, str, tuple[str, ...]]
 
 PARAM_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
@@ -48,6 +50,7 @@ class Rules:
     """An immutable logical-name → mesh-axes table (hashable, so jit caches stay stable)."""
 
     table: tuple[tuple[str, tuple[str, ...]], ...]
+    user_names: frozenset = frozenset()   # logical names a user's model added (see extend)
 
     @classmethod
     def of(cls, mapping: Mapping[str, MeshAxes]) -> "Rules":
@@ -57,21 +60,67 @@ class Rules:
                                 f"{', '.join(LOGICAL_AXES)}")
         return cls(tuple(sorted((k, _as_tuple(v)) for k, v in mapping.items())))
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every logical name this table resolves: triax's own plus the user's."""
+        return LOGICAL_AXES + tuple(sorted(self.user_names))
+
     def as_dict(self) -> dict[str, tuple[str, ...]]:
         return dict(self.table)
 
     def mesh_axes(self, logical: Optional[str]) -> tuple[str, ...]:
         if logical is None:
             return ()
-        if logical not in LOGICAL_AXES:
-            raise ShardingError(f"unknown logical axis name {logical!r}; known names: "
-                                f"{', '.join(LOGICAL_AXES)} (add it to sharding.rules)")
+        if logical not in LOGICAL_AXES and logical not in self.user_names:
+            raise ShardingError(
+                f"unknown logical axis name {logical!r}; known names: {', '.join(self.names)}. "
+                f"Add a rule for it, e.g. rules={{{logical!r}: 'tensor'}} (a mesh axis), "
+                f"{{{logical!r}: 'embed'}} (follow a known name) or {{{logical!r}: None}} "
+                f"(replicate)")
         return self.as_dict().get(logical, ())
 
     def replace(self, **updates: MeshAxes) -> "Rules":
+        unknown = sorted(set(updates) - set(self.names))
+        if unknown:
+            raise ShardingError(f"unknown logical axis name(s) {unknown} in rules; known names: "
+                                f"{', '.join(self.names)} (new names go through extend)")
         d = self.as_dict()
         d.update({k: _as_tuple(v) for k, v in updates.items()})
-        return Rules.of(d)
+        return Rules(tuple(sorted(d.items())), self.user_names)
+
+    def extend(self, mapping: Mapping[str, MeshAxes]) -> "Rules":
+        """Add or override rules, new logical names allowed (a user's own model).
+
+        A value is ``None`` (replicate), mesh axes (``"tensor"``, ``("expert", "data")``), or
+        a logical name this table already resolves, which the new name then follows — so
+        ``{"channels": "embed"}`` shards like ``embed`` under every preset (over ``data`` for
+        FSDP, not at all for DP).
+
+            >>> from triax.sharding.rules import get_strategy
+            >>> r = get_strategy("fsdp").rules.extend({"channels": "embed", "patch": None})
+            >>> r.mesh_axes("channels"), r.mesh_axes("patch")
+            (('data',), ())
+        """
+        d = self.as_dict()
+        new = set()
+        for name, value in mapping.items():
+            if not isinstance(name, str) or not name:
+                raise ShardingError(f"rule key {name!r}: logical names are non-empty strings")
+            if isinstance(value, str) and value not in MESH_AXES:
+                if value not in self.names:
+                    raise ShardingError(
+                        f"rule {name!r}: {value!r} is neither a mesh axis ({', '.join(MESH_AXES)}) "
+                        f"nor a known logical name ({', '.join(self.names)})")
+                d[name] = self.mesh_axes(value)
+            else:
+                bad = [a for a in _as_tuple(value) if a not in MESH_AXES]
+                if bad:
+                    raise ShardingError(f"rule {name!r}: {bad} are not mesh axes; use "
+                                        f"{', '.join(MESH_AXES)}, a logical name, or None")
+                d[name] = _as_tuple(value)
+            if name not in LOGICAL_AXES:
+                new.add(name)
+        return Rules(tuple(sorted(d.items())), self.user_names | new)
 
     def spec(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int] | None = None,
              mesh_shape: Mapping[str, int] | None = None, what: str = "array") -> P:
@@ -141,6 +190,13 @@ class Strategy:
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
         return dataclasses.replace(self, rules=self.rules.replace(**updates),
                                    optimizer_rules=self.optimizer_rules.replace(**updates))
+
+    def with_rules(self, mapping: Optional[Mapping[str, MeshAxes]]) -> "Strategy":
+        """This preset plus a user's rules (new logical names allowed; see ``Rules.extend``)."""
+        if not mapping:
+            return self
+        return dataclasses.replace(self, rules=self.rules.extend(mapping),
+                                   optimizer_rules=self.optimizer_rules.extend(mapping))
 
 
 # The expert axis is a data axis for everything but the experts (whose all-to-all needs the
