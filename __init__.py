@@ -3,5 +3,42 @@
 A JAX/XLA SPMD framework: parameters and activations carry logical axis names, one rules
 table maps them onto a ``data × tensor × pipe (× expert)`` mesh, and XLA inserts the
 collectives. See README.md for the tour.
+
+The public API is named here and loaded on first use, so ``import triax`` does not start JAX
+(a command line must set the simulated device count first)::
+
+    import triax
+    mesh = triax.make_mesh(data=2, tensor=4)
+    trainer = triax.Trainer.for_model(make_model, loss_fn, mesh, "fsdp_tp", rules={...})
+    report = triax.inspect(trainer, batch)
 """
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+_PUBLIC = {
+    "make_mesh": "triax.mesh",
+    "Trainer": "triax.training.step",
+    "PipelineConfig": "triax.pipeline.runner",
+    "abstract_module": "triax.sharding.partition",
+    "get_strategy": "triax.sharding.rules",
+    "inspect": "triax.sharding.introspect.step_report",
+    "verify": "triax.planner.verify",
+    "plan": "triax.planner",
+    "generate": "triax.inference",
+}
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'triax' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

@@ -1,0 +1,178 @@
+"""Your model, sharded: a ViT and an MLP-Mixer that are not triax's own, through triax's rules,
+strategies, pipeline, inspect and the compile check — each equal to its single-device self."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close
+from flax import nnx
+from user_models import (MIXER_RULES, Mixer, MixerConfig, ViT, VitConfig, image_batch,
+                         mixer_batch, mixer_loss, vit_loss)
+
+import triax
+from triax.mesh import make_mesh
+from triax.pipeline.runner import PipelineConfig
+from triax.sharding import ShardingError
+from triax.sharding.introspect import collectives_from_compiled
+
+VIT = VitConfig()
+VIT_RULES = {"pixels": None, "classes": None}
+MIXER = MixerConfig()
+B = 8
+
+
+def vit_trainer(mesh, strategy="dp", config=VIT, **kw):
+    return triax.Trainer.for_model(lambda rngs: ViT(config, rngs), vit_loss, mesh, strategy,
+                                   rules=VIT_RULES, **kw)
+
+
+def mixer_trainer(mesh, strategy="dp", **kw):
+    return triax.Trainer.for_model(lambda rngs: Mixer(MIXER, rngs), mixer_loss, mesh, strategy,
+                                   rules=MIXER_RULES, **kw)
+
+
+def run(trainer, batches, n_steps=3):
+    state = trainer.init(seed=0)
+    (loss, _), grads = trainer.grads(state["params"], batches[0])
+    losses = []
+    for b in batches[:n_steps]:
+        state, metrics = trainer.step(state, b)
+        losses.append(float(metrics["loss"]))
+    return float(loss), jax.device_get(grads), losses, jax.device_get(state["params"])
+
+
+def check_same(got, ref, what):
+    loss, grads, losses, params = got
+    np.testing.assert_allclose(loss, ref[0], rtol=1e-5, err_msg=f"{what} loss")
+    assert_trees_close(grads, ref[1], rtol=1e-5, atol=1e-6, what=f"{what} grads")
+    np.testing.assert_allclose(losses, ref[2], rtol=1e-5, err_msg=f"{what} losses")
+    assert_trees_close(params, ref[3], rtol=1e-5, atol=1e-6, what=f"{what} params after 3 steps")
+
+
+VIT_BATCHES = [image_batch(VIT, B, seed=i) for i in range(3)]
+MIXER_BATCHES = [mixer_batch(MIXER, B, seed=i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def vit_reference(devices):
+    return run(vit_trainer(make_mesh(devices=devices[:1])), VIT_BATCHES)
+
+
+@pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8),
+                                                  ("fsdp_tp", 2, 4)])
+def test_vit_strategy_matches_single_device(vit_reference, strategy, data, tensor):
+    trainer = vit_trainer(make_mesh(data=data, tensor=tensor), strategy)
+    check_same(run(trainer, VIT_BATCHES), vit_reference, f"vit {strategy} ({data}x{tensor})")
+
+
+def test_vit_parameters_are_placed_by_the_rules(devices):
+    """fsdp_tp: `embed` over data, `heads`/`mlp` over tensor, the user's `pixels` replicated."""
+    trainer = vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp")
+    specs = {r.path: r.spec for r in triax.inspect(trainer, VIT_BATCHES[0]).params}
+    assert specs["blocks/qkv_D3NH"] == (None, "data", None, "tensor")
+    assert specs["blocks/up/kernel"] == (None, "data", "tensor")
+    assert specs["blocks/down/kernel"] == (None, "tensor", "data")
+    assert specs["patch_CD"] == (None, "data")
+    assert specs["head_DK"] == ("data",)
+
+
+@pytest.mark.parametrize("strategy,data,tensor", [("fsdp", 8, 1), ("fsdp_tp", 2, 4)])
+def test_mixer_with_its_own_names_matches_single_device(devices, strategy, data, tensor):
+    ref = run(mixer_trainer(make_mesh(devices=devices[:1])), MIXER_BATCHES)
+    got = run(mixer_trainer(make_mesh(data=data, tensor=tensor), strategy), MIXER_BATCHES)
+    check_same(got, ref, f"mixer {strategy}")
+
+
+def test_mixer_channels_follow_embed(devices):
+    """`channels: embed` shards the Mixer's channels like the preset's embed, per strategy."""
+    mesh = make_mesh(data=8)
+    dp = {r.path: r.spec for r in triax.inspect(mixer_trainer(mesh, "dp"), MIXER_BATCHES[0]).params}
+    fsdp = {r.path: r.spec
+            for r in triax.inspect(mixer_trainer(mesh, "fsdp"), MIXER_BATCHES[0]).params}
+    assert dp["blocks/ch_in"] == ()
+    assert fsdp["blocks/ch_in"] == (None, "data")
+    assert fsdp["blocks/tok_in"] == ()          # tokens: None (replicated) in MIXER_RULES
+
+
+def _tensor_all_reduces(layers):
+    trainer = vit_trainer(make_mesh(tensor=2, devices=jax.devices()[:2]), "tp",
+                          config=VitConfig(layers=layers))
+    compiled = trainer.lower(VIT_BATCHES[0]).compile()
+    return sum(c.count for c in collectives_from_compiled(compiled, trainer.mesh)
+               if c.kind == "all-reduce" and "tensor" in c.axes)
+
+
+def test_vit_tp_all_reduce_per_row_parallel_matmul(devices):
+    """Each block has two row-parallel matmuls (attention out, MLP down): one all-reduce over
+    tensor each in the forward, and their transposes (qkv, MLP up input gradients) backward."""
+    assert _tensor_all_reduces(3) - _tensor_all_reduces(2) == 4
+
+
+@pytest.mark.parametrize("kind,M", [("1f1b", 4), ("gpipe", 2)])
+def test_vit_pipeline_matches_unpipelined(vit_reference, kind, M):
+    trainer = vit_trainer(make_mesh(data=2, pipe=2, tensor=2), "fsdp_tp",
+                          pipeline=PipelineConfig(kind, M))
+    loss, grads, _, _ = run(trainer, VIT_BATCHES, n_steps=0)
+    np.testing.assert_allclose(loss, vit_reference[0], rtol=1e-5)
+    assert_trees_close(grads, vit_reference[1], rtol=1e-5, atol=1e-6, what=f"vit {kind} grads")
+
+
+def test_inspect_reports_collectives_and_memory(devices):
+    report = triax.inspect(vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp"), VIT_BATCHES[0])
+    kinds = {(c.kind, c.axes) for c in report.collectives}
+    assert ("all-reduce", ("tensor",)) in kinds
+    assert any(k == "all-gather" and "data" in axes for k, axes in kinds)   # FSDP gathers
+    assert report.memory.peak_bytes > 0
+    assert "blocks/qkv_D3NH" in report.to_text()
+
+
+def test_verify_says_whether_it_fits(devices):
+    trainer = vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp")
+    big = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**40)
+    small = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**10)
+    assert big["fits"] and not small["fits"]
+    assert big["peak_bytes_per_device"] == small["peak_bytes_per_device"] > 0
+    assert "does not fit" in small["verdict"]
+
+
+# ---- bad input -----------------------------------------------------------------------------
+def test_unknown_logical_name_lists_known_names_and_the_fix(devices):
+    with pytest.raises(ShardingError, match=r"unknown logical axis name 'pixels'.*known names.*"
+                                            r"embed.*rules=\{'pixels'"):
+        triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), vit_loss, make_mesh(data=8), "dp",
+                                rules={"classes": None})
+
+
+class Unannotated(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(4, 4, rngs=rngs)     # no logical names on kernel or bias
+
+    def __call__(self, x):
+        return self.lin(x)
+
+
+def _sq_loss(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
+
+
+def test_parameter_without_names_is_an_error_or_replicated_on_request(devices):
+    mesh = make_mesh(data=8)
+    with pytest.raises(ShardingError, match=r"parameter 'lin/bias' \(4,\) has no logical axis "
+                                            r"names.*with_partitioning.*default=\"replicate\""):
+        triax.Trainer.for_model(Unannotated, _sq_loss, mesh, "dp")
+    trainer = triax.Trainer.for_model(Unannotated, _sq_loss, mesh, "dp", default="replicate")
+    batch = {"x": np.ones((8, 4), np.float32), "y": np.zeros((8, 4), np.float32)}
+    state, metrics = trainer.step(trainer.init(0), batch)
+    assert np.isfinite(float(metrics["loss"]))
+
+
+def test_bad_rule_values_are_refused(devices):
+    for rules, match in (({"pixels": "tensr"}, "neither a mesh axis"),
+                         ({"pixels": ("data", "gpu")}, "not mesh axes")):
+        with pytest.raises(ShardingError, match=match):
+            vit_trainer(make_mesh(data=8), "dp").strategy.with_rules(rules)
+
+
+def test_make_model_must_build_a_module(devices):
+    with pytest.raises(ShardingError, match="must build an nnx.Module"):
+        triax.Trainer.for_model(lambda rngs: {"w": 1}, _sq_loss, make_mesh(data=8), "dp")
