@@ -2,9 +2,12 @@
 
     >>> from triax.inference import Server, SamplingConfig
     >>> from triax.models import config
-    >>> server = Server.from_seed(config.TINY, replicas=4, mesh_sizes={"tensor": 2})
+    >>> import jax
+    >>> server = Server.from_seed(config.TINY, replicas=1, mesh_sizes={"tensor": 2},
+    ...                           devices=jax.devices()[:2])
     >>> rid = server.submit([72, 105], max_new_tokens=8)
-    >>> server.run()[rid].tokens
+    >>> len(server.run()[rid].tokens)
+    8
 
 See docs/inference.md.
 """

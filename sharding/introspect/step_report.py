@@ -1,7 +1,14 @@
 """One report per compiled step: communication, memory and placement, as JSON or tables.
 
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.training.step import Trainer
     >>> trainer = Trainer(config.TINY, make_mesh(data=2, tensor=4), "fsdp_tp")
-    >>> print(inspect_trainer(trainer, batch_size=8, seq_len=32).to_text())
+    >>> report = inspect_trainer(trainer, batch_size=8, seq_len=32)
+    >>> print(report.to_text().splitlines()[0])
+    mesh data=2 × tensor=4   strategy fsdp_tp
+    >>> report.memory.peak_bytes > 0
+    True
 """
 from __future__ import annotations
 
