@@ -34,7 +34,7 @@ from triax.inference.engine import Engine, EngineConfig  # noqa: E402
 from triax.inference.server import replica_meshes  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
-from triax.planner import Layout, Schedule, Workload, cluster, evaluate  # noqa: E402
+from triax.planner import Layout, ScheduleKind, Workload, cluster, evaluate  # noqa: E402
 from triax.sharding.partition import abstract_model, init_params  # noqa: E402
 
 LAYOUTS = {  # name: (one replica's mesh, replicas)
@@ -79,7 +79,7 @@ def predict(cfg, sizes, replicas, batch, context, node, dtype):
     per = math.ceil(batch / used)
     pipe = sizes.get("pipe", 1)
     lay = Layout(tensor=sizes.get("tensor", 1), pipe=pipe, strategy="tp",
-                 schedule=Schedule.FORWARD_ONLY if pipe > 1 else Schedule.NONE,
+                 schedule=ScheduleKind.FORWARD_ONLY if pipe > 1 else None,
                  microbatches=min(pipe, per) if pipe > 1 else 1)
     r = evaluate(Workload.of(cfg, train=False, dtype=dtype, batch=per, seq=context), lay, node)
     return r.tokens_per_s * used, r.step_time_s * 1e3, r.memory

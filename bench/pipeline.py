@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
+from tables import BENCHMARKS_MD, write_section  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.axes import using_constraint  # noqa: E402
@@ -33,6 +34,7 @@ from triax.pipeline.runner import PipelineConfig  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
+from triax.units import mib  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "allow")
 
@@ -93,8 +95,8 @@ def measure(trainer: Trainer, batch, steps: int) -> dict:
         jax.block_until_ready(m)
         times.append(time.perf_counter() - t0)
     peak = mem.argument_bytes + mem.output_bytes + mem.temp_bytes - mem.alias_bytes
-    return {"step_s": float(np.min(times)), "compile_s": compile_s, "peak_mb": peak / 2**20,
-            "temp_mb": mem.temp_bytes / 2**20, "loss": float(m["loss"])}
+    return {"step_s": float(np.min(times)), "compile_s": compile_s, "peak_mb": mib(peak),
+            "temp_mb": mib(mem.temp_bytes), "loss": float(m["loss"])}
 
 
 def run(args) -> list[dict]:
@@ -142,19 +144,6 @@ def table(rows, args) -> str:
     return "\n".join(head + body) + "\n"
 
 
-def write_section(md: str, path: str = "docs/benchmarks.md") -> None:
-    """Replace (or append) the ``## Pipeline`` section, leaving other sections alone."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n\n"
-    start = text.find("## Pipeline")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[:start] + md + ("" if end < 0 else text[end + 1:])
-    else:
-        text = text.rstrip("\n") + "\n\n" + md
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
@@ -170,7 +159,7 @@ def main(argv=None):
     md = table(run(args), args)
     print(md)
     if args.write:
-        write_section(md)
+        write_section(BENCHMARKS_MD, "## Pipeline", md)
 
 
 if __name__ == "__main__":

@@ -27,16 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 
 from ideal import ideal_collectives, ideal_state_bytes, qkv_three_buffer_bytes  # noqa: E402
+from tables import write_section  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.sharding.introspect import (collectives_from_compiled,  # noqa: E402
                                        memory_from_compiled, summarize)
 from triax.training.step import Trainer  # noqa: E402
+from triax.units import mib  # noqa: E402
 
 CASES = (("dp", {"data": 8}), ("fsdp", {"data": 8}), ("zero1", {"data": 8}),
          ("tp", {"tensor": 8}), ("fsdp_tp", {"data": 2, "tensor": 4}))
 SECTION = "## Strategies"
-MiB = 2.0 ** 20
 
 
 @dataclass
@@ -135,10 +136,10 @@ def summary_table(results: list[Result], single: float | None) -> list[str]:
         m, s = r.memory, r.state_ideal["total"]
         arg = m["argument_bytes"]
         lines.append(
-            f"| {r.strategy} | {r.mesh} | {t} | {x} | {r.comm / MiB:.2f} "
-            f"| {r.comm_ideal / MiB:.2f} | {_ratio(r.comm, r.comm_ideal)} "
-            f"| {arg / MiB:.2f} | {s / MiB:.2f} | {_ratio(arg, s)} "
-            f"| {m['temp_bytes'] / MiB:.2f} | {m['peak_bytes'] / MiB:.2f} |")
+            f"| {r.strategy} | {r.mesh} | {t} | {x} | {mib(r.comm):.2f} "
+            f"| {mib(r.comm_ideal):.2f} | {_ratio(r.comm, r.comm_ideal)} "
+            f"| {mib(arg):.2f} | {mib(s):.2f} | {_ratio(arg, s)} "
+            f"| {mib(m['temp_bytes']):.2f} | {mib(m['peak_bytes']):.2f} |")
     return lines
 
 
@@ -150,7 +151,7 @@ def breakdown_table(results: list[Result]) -> list[str]:
             kind, axes = key
             got = r.measured.get(key, {"count": 0, "bytes": 0})
             lines.append(f"| {r.strategy} | {kind} | {','.join(axes)} | {got['count']} "
-                         f"| {got['bytes'] / MiB:.3f} | {r.ideal.get(key, 0) / MiB:.3f} |")
+                         f"| {mib(got['bytes']):.3f} | {mib(r.ideal.get(key, 0)):.3f} |")
     return lines
 
 
@@ -247,21 +248,6 @@ def notes(results, cfg, args) -> str:
     return text
 
 
-def write_section(path: Path, text: str) -> None:
-    """Replace the ``## Strategies`` section (up to the next ``## ``), keep the rest."""
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    lines = old.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.strip() == SECTION), None)
-    if start is None:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
-        new = "\n".join(lines[:start] + text.splitlines() + [""] + lines[end:])
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(new.rstrip("\n") + "\n")
-
-
 def measure_all(cfg, args) -> tuple[list[Result], float | None]:
     wanted = args.strategies.split(",")
     single = None
@@ -308,7 +294,7 @@ def main(argv=None) -> int:
     text = render(results, single, cfg, args)
     print(text)
     if not args.no_write:
-        write_section(Path(args.out), text)
+        write_section(args.out, SECTION, text)
         print(f"wrote {SECTION!r} into {args.out}")
     return 0
 

@@ -19,6 +19,8 @@ import time
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tables import write_section  # noqa: E402  (bench/ is the script's directory)
+
 CASES = (("dp", "data=8"), ("fsdp", "data=8"), ("zero1", "data=8"), ("tp", "data=2,tensor=4"),
          ("fsdp_tp", "data=2,tensor=4"), ("fsdp_tp", "data=2,tensor=2,pipe=2"))
 
@@ -88,20 +90,6 @@ matmuls. Under dp and zero1 every simulated device repeats the full AdamW update
 full parameter all-gather) on the same host cores, so sharding the parameter-sized work
 (fsdp, tp, fsdp_tp) wins. The pipe=2 row runs `triax.pipeline`'s 1F1B schedule with
 2 × pipe micro-batches; on CPU its per-tick overhead can outweigh the saved work."""
-
-
-def write_section(path: str, heading: str, body: str) -> None:
-    """Replace (or append) the ``heading`` section of a markdown file."""
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    start = text.find(heading + "\n")
-    section = f"{heading}\n\n{body}\n"
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = text.find("\n## ", start + len(heading))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    with open(path, "w") as f:
-        f.write(text)
 
 
 if __name__ == "__main__":

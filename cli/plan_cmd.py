@@ -42,7 +42,8 @@ def add_parser(sub) -> None:
 
 
 def _layout(args):
-    from triax.planner.workload import Layout, Schedule
+    from triax.pipeline import ScheduleKind
+    from triax.planner.workload import Layout
     if args.mesh is None:
         if args.strategy or args.schedule:
             raise ValueError("--strategy/--schedule go with --mesh (e.g. --mesh data=2,tensor=4)")
@@ -53,14 +54,10 @@ def _layout(args):
     sizes = parse_mesh(args.mesh)
     if any(v < 1 for v in sizes.values()):
         raise ValueError(f"--mesh sizes must be ≥ 1 (no -1 fill in a plan): {args.mesh}")
-    try:
-        sched = Schedule(args.schedule) if args.schedule else Schedule.NONE
-    except ValueError:
-        raise ValueError(f"unknown --schedule {args.schedule!r}; choose one of "
-                         f"{', '.join(s.value for s in Schedule)}") from None
+    sched = ScheduleKind.parse(args.schedule) if args.schedule else None
     return Layout(**sizes, strategy=args.strategy, schedule=sched,
                   microbatches=args.microbatches or 1,
-                  virtual=2 if sched is Schedule.INTERLEAVED else 1)
+                  virtual=2 if sched is ScheduleKind.INTERLEAVED else 1)
 
 
 def run(args) -> int:

@@ -1,12 +1,11 @@
 """Generation with a KV cache on any mesh: tensor parallel, replicas, pipeline decode.
 
-    >>> from triax.inference import Server, SamplingConfig
-    >>> from triax.models import config
-    >>> server = Server.from_seed(config.TINY, replicas=4, mesh_sizes={"tensor": 2})
-    >>> rid = server.submit([72, 105], max_new_tokens=8)
-    >>> server.run()[rid].tokens
+    >>> from triax.inference import replica_meshes
+    >>> [dict(m.shape)["tensor"] for m in replica_meshes({"tensor": 2}, replicas=4)]
+    [2, 2, 2, 2]
 
-See docs/inference.md.
+``Server`` serves requests on such replicas (see ``inference.server`` for an example that
+runs), ``Engine`` is one replica, ``generate`` the one-call form. See docs/inference.md.
 """
 from triax.inference.checkpoint import CheckpointLoadError, load_params, save_params
 from triax.inference.engine import CacheFullError, Engine, EngineConfig, InferenceError

@@ -10,6 +10,7 @@ from typing import Mapping, Sequence
 
 import jax
 import numpy as np
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 AXES: tuple[str, ...] = ("data", "pipe", "expert", "tensor")
@@ -57,7 +58,6 @@ def make_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
     sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert), len(devices))
     shape = tuple(sizes[a] for a in AXES)
     try:
-        from jax.experimental import mesh_utils
         arr = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
     except (ValueError, NotImplementedError, AssertionError):
         arr = np.asarray(devices, dtype=object).reshape(shape)

@@ -5,6 +5,7 @@ only when the backend starts, so this must run before anything touches ``jax.dev
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -47,7 +48,6 @@ def _has_accelerator() -> bool:
     """Cheap check that does not start a JAX backend (that would freeze the device count)."""
     if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
         return False
-    import importlib.util
     for plugin in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm_plugin", "libtpu"):
         if importlib.util.find_spec(plugin) is not None:
             return True

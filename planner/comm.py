@@ -19,8 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
-from triax.planner.memory import (FP32, expert_capacity, local_elements, local_param_elements,
-                                  param_leaves)
+from triax.models.moe import capacity
+from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.workload import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
@@ -80,7 +80,7 @@ def _moe_buffer(w: Workload, lay: Layout) -> float:
     """Bytes of one device's MoE capacity buffers (E·C slots of D per sequence), as
     models.moe / sharding.experts build them."""
     seq = w.seq if w.train else 1
-    slots = w.cfg.moe.num_experts * expert_capacity(w.cfg, seq)
+    slots = w.cfg.moe.num_experts * capacity(w.cfg.moe, seq)
     return w.batch / lay.batch_shards * slots * w.cfg.embed_dim * w.dtype_bytes
 
 
@@ -133,7 +133,7 @@ def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     the forward and again in the backward)."""
     st = get_strategy(lay.strategy)
     sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
-    full = local_param_elements(w, unsharded_over_data(lay))   # this replica's params
+    full = local_param_elements(w, lay.unsharded_over_data())   # this replica's params
     if not sharded_opt:
         t.add("all-reduce", full * FP32)
     elif not st.fsdp or w.cfg is None:      # ZeRO-1 (or a --params estimate)
@@ -149,7 +149,7 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     table's is reduce-scattered. The embedding table stays split over ``embed``: the
     lookup's activations are exchanged instead (an all-to-all each way)."""
     sharded = get_strategy(lay.strategy).rules
-    whole = get_strategy(unsharded_over_data(lay).strategy).rules
+    whole = get_strategy(lay.unsharded_over_data().strategy).rules
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
@@ -160,13 +160,6 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
         t.add("reduce-scatter" if split else "all-reduce", full * FP32)
         if split:
             t.add("all-gather", full * w.dtype_bytes, 2 if path.startswith("blocks/") else 1)
-
-
-def unsharded_over_data(lay: Layout) -> Layout:
-    """The same layout with the parameters not split over ``data`` (what a gather yields)."""
-    name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(lay.strategy, lay.strategy)
-    return Layout(1, lay.tensor, lay.pipe, lay.expert, name, lay.schedule, lay.microbatches,
-                  lay.virtual)
 
 
 # ---- placement on links ------------------------------------------------------------------
@@ -196,7 +189,3 @@ def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:
     links = axis_links(lay, cluster)
     return [a for a in INNER_TO_OUTER if lay.sizes[a] > 1 and links[a] is cluster.inter
             and cluster.nodes > 1]
-
-
-def total_payload(traffic_by_axis: dict[str, AxisTraffic]) -> float:
-    return sum(t.payload for t in traffic_by_axis.values())

@@ -22,13 +22,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.pipeline import ScheduleKind
+from triax.pipeline.runner import default_microbatches, unpipelinable_reason
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
-from triax.planner.workload import Layout, Schedule, Workload
+from triax.planner.workload import Layout, Workload
 from triax.sharding.rules import get_strategy
 
 SLOW_LINK_MAX_TP = 2
@@ -120,6 +122,8 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     if min_dev > 1 and need <= dev.memory * cluster.gpus_per_node:
         why.append(f"That fits within one node: tensor parallelism inside the node, over "
                    f"{cluster.intra.name}.")
+    if w.cfg is not None and unpipelinable_reason(w.cfg) is not None:
+        why.append(f"No pipeline stages: {unpipelinable_reason(w.cfg)}.")
     if w.cfg is None:
         why.append("Without a model config (--params), activations and TP/PP traffic are not "
                    "modelled, so plans are ranked by the least model parallelism that fits.")
@@ -188,13 +192,18 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
 
 
 def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
-    """pipe > 1: 1F1B (forward-only for inference) and M = 2·pipe unless given; check M."""
+    """pipe > 1: 1F1B (forward-only for inference) and the pipeline's default micro-batch
+    count (capped at the local batch) unless given; check M."""
+    reason = w.cfg is not None and unpipelinable_reason(w.cfg)
+    if reason:
+        raise ValueError(f"--mesh pipe={layout.pipe}: {reason}")
     local = max(w.batch // layout.batch_shards, 1)
-    if layout.schedule is Schedule.NONE:
-        kind = Schedule.ONE_F_ONE_B if w.train else Schedule.FORWARD_ONLY
+    if layout.schedule is None:
+        kind = ScheduleKind.ONE_F_ONE_B if w.train else ScheduleKind.FORWARD_ONLY
         layout = dataclasses.replace(layout, schedule=kind)
     if layout.microbatches <= 1:
-        layout = dataclasses.replace(layout, microbatches=min(2 * layout.pipe, local))
+        layout = dataclasses.replace(
+            layout, microbatches=min(default_microbatches(layout.pipe), local))
     if local % layout.microbatches:
         raise ValueError(f"--microbatches {layout.microbatches} does not divide the "
                          f"{local} sequences each data replica runs; choose a divisor of {local}")

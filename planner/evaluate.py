@@ -20,7 +20,6 @@ from triax.planner.pipeline_math import bubble_fraction
 from triax.planner.workload import Layout, Workload, ceil_div
 
 
-
 @dataclass(frozen=True)
 class PlanResult:
     workload: Workload
@@ -52,7 +51,7 @@ class PlanResult:
     def to_json(self) -> dict:
         lay = self.layout
         return {"mesh": lay.mesh_str, "strategy": lay.strategy,
-                "schedule": lay.schedule.value if lay.pipe > 1 else None,
+                "schedule": lay.schedule.value if lay.pipe > 1 and lay.schedule else None,
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,
                 "devices": lay.devices,

@@ -16,15 +16,16 @@ whole count over the axes that would hold it.
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import jax
 
 from triax.models.config import ModelConfig
+from triax.models.moe import capacity
 from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
+from triax.sharding.partition import abstract_model, path_str
 from triax.sharding.rules import REPLICABLE, Rules, ShardingError, get_strategy
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
@@ -87,40 +88,10 @@ Leaf = tuple[str, tuple[int, ...], tuple]   # (path, shape, logical axes)
 @functools.lru_cache(maxsize=32)
 def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
     """(path, shape, logical axes) for every parameter of the real model."""
-    try:
-        from triax.sharding.partition import abstract_model, path_str
-        am = abstract_model(cfg)
-    except ImportError:          # a model piece (e.g. the MoE layer) not present yet
-        return analytic_leaves(cfg)
+    am = abstract_model(cfg)
     flat = jax.tree_util.tree_flatten_with_path(am.shapes)[0]
     logical = jax.tree.leaves(am.logical, is_leaf=lambda x: isinstance(x, tuple))
     return tuple((path_str(p), tuple(s.shape), tuple(l)) for (p, s), l in zip(flat, logical))
-
-
-def analytic_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
-    """The same tree written from the config (used when the model cannot be built)."""
-    D, N, K, H, F, V, L = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                           cfg.mlp_dim, cfg.vocab_size, cfg.num_layers)
-    out = [("blocks/attn/wq_DNH", (L, D, N, H), ("layers", "embed", "heads", "head_dim")),
-           ("blocks/attn/wk_DKH", (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-           ("blocks/attn/wv_DKH", (L, D, K, H), ("layers", "embed", "kv_heads", "head_dim")),
-           ("blocks/attn/wo_NHD", (L, N, H, D), ("layers", "heads", "head_dim", "embed")),
-           ("blocks/attn_norm/scale", (L, D), ("layers", "norm")),
-           ("blocks/mlp_norm/scale", (L, D), ("layers", "norm")),
-           ("embed/table_VD", (V, D), ("vocab", "embed")), ("final_norm/scale", (D,), ("norm",))]
-    if cfg.moe is None:
-        out += [("blocks/mlp/w_in_D2F", (L, D, 2, F), ("layers", "embed", None, "mlp")),
-                ("blocks/mlp/w_down_FD", (L, F, D), ("layers", "mlp", "embed"))]
-    else:
-        E, Fe = cfg.moe.num_experts, cfg.moe.mlp_dim or F
-        out += [("blocks/mlp/router_DE", (L, D, E), ("layers", "embed", None))]
-        out += [(f"blocks/mlp/w_{n}", s, a) for n, s, a in (
-            ("gate_EDF", (L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp")),
-            ("up_EDF", (L, E, D, Fe), ("layers", "experts", "embed", "expert_mlp")),
-            ("down_EFD", (L, E, Fe, D), ("layers", "experts", "expert_mlp", "embed")))]
-    if not cfg.tie_embeddings:
-        out.append(("head_DV", (D, V), ("embed", "vocab")))
-    return tuple(out)
 
 
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
@@ -182,7 +153,7 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
         ffn, ffn_dots = 5 * f, 3 * f
     else:   # per-sequence capacity buffers: E·C slots of D in, F wide inside, D out
         moe = cfg.moe
-        slots = moe.num_experts * expert_capacity(cfg, seq) / seq
+        slots = moe.num_experts * capacity(moe, seq) / seq
         fe = (moe.mlp_dim or cfg.mlp_dim) / tensor
         ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
         ffn_dots = slots * (D + 3 * fe) + moe.num_experts
@@ -191,15 +162,6 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     else:
         per_token = 6 * D + 5 * nh + 3 * kh + scores + ffn
     return per_token * tokens
-
-
-def expert_capacity(cfg: ModelConfig, seq: int) -> int:
-    """Slots per expert per sequence, as ``models.moe.capacity``: ceil(cf·T·k/E) capped at
-    T with a capacity factor; T when dropless."""
-    moe = cfg.moe
-    if moe.capacity_factor is None:
-        return seq
-    return max(1, min(seq, math.ceil(moe.capacity_factor * seq * moe.top_k / moe.num_experts)))
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
@@ -281,8 +243,7 @@ def _block_grad_elements(w: Workload, lay: Layout) -> int:
     backward's working set) and, under FSDP, its gathered weights."""
     if w.cfg is None:
         return 0
-    from triax.planner.comm import unsharded_over_data
-    rules = get_strategy(unsharded_over_data(lay).strategy).rules
+    rules = get_strategy(lay.unsharded_over_data().strategy).rules
     blocks = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
                  if p.startswith("blocks/"))
     return blocks // ceil_div(w.cfg.num_layers, lay.pipe)

@@ -1,53 +1,54 @@
 """Pipeline bubble and in-flight micro-batches per schedule: the one place the planner asks.
 
-When ``triax.pipeline`` is present its validated schedule tables give the figures (cost-
-weighted bubble, peak in-flight); otherwise the closed forms they reproduce are used
-(GPipe and 1F1B: (S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1); ZB-H1 about a third of
-1F1B's).
+``triax.pipeline``'s validated schedule tables give the figures (cost-weighted bubble, peak
+in-flight). A request no table can be built for (say 1F1B with M < S, which the planner
+rejects anyway) falls back to the closed forms the tables reproduce (GPipe and 1F1B:
+(S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1); ZB-H1 about a third of 1F1B's). ``None`` is
+an unpipelined layout.
 
-    >>> from triax.planner.workload import Schedule
-    >>> round(bubble_fraction(Schedule.ONE_F_ONE_B, stages=4, microbatches=12), 6)
+    >>> from triax.pipeline import ScheduleKind
+    >>> round(bubble_fraction(ScheduleKind.ONE_F_ONE_B, stages=4, microbatches=12), 6)
     0.2
 """
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
-from triax.planner.workload import Schedule
+from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build
 
 
 @functools.lru_cache(maxsize=4096)
-def schedule_table(schedule: Schedule, stages: int, microbatches: int, virtual: int = 1):
-    """``triax.pipeline``'s validated tick table when that package has it, else None."""
-    try:
-        from triax.pipeline import build
-    except ImportError:
+def schedule_table(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
+                   virtual: int = 1) -> Optional[Schedule]:
+    """``triax.pipeline``'s validated tick table, or None when no table fits the request."""
+    if schedule is None:
         return None
     try:
         return build(schedule.value, stages, microbatches, virtual)
-    except ValueError:
+    except ScheduleError:
         return None
 
 
 @functools.lru_cache(maxsize=4096)
-def bubble_fraction(schedule: Schedule, stages: int, microbatches: int,
+def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
                     virtual: int = 1) -> float:
     """Idle fraction of a stage's time over one step (the table's, else the closed form)."""
     S, M, v = stages, microbatches, virtual
-    if S <= 1 or schedule is Schedule.NONE:
+    if S <= 1 or schedule is None:
         return 0.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
         return float(table.bubble_fraction())
-    if schedule is Schedule.INTERLEAVED:
+    if schedule is ScheduleKind.INTERLEAVED:
         return (S - 1) / (v * M + S - 1)
     one_f_one_b = (S - 1) / (M + S - 1)
-    if schedule is Schedule.ZB_H1:
+    if schedule is ScheduleKind.ZB_H1:
         return one_f_one_b / 3
     return one_f_one_b     # GPipe, 1F1B, forward-only
 
 
-def peak_in_flight(schedule: Schedule, stages: int, microbatches: int,
+def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
                    virtual: int = 1) -> float:
     """Micro-batches of activations the busiest stage holds (in whole-stage units).
 
@@ -56,26 +57,26 @@ def peak_in_flight(schedule: Schedule, stages: int, microbatches: int,
     and ZB-H1 at most S; interleaved (v−1)·S + 2(S−1) + 1 chunks.
     """
     S, M, v = stages, max(microbatches, 1), virtual
-    if S <= 1 or schedule in (Schedule.NONE, Schedule.FORWARD_ONLY):
+    if S <= 1 or schedule in (None, ScheduleKind.FORWARD_ONLY):
         return 1.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
         return max(table.peak_in_flight / v, 1.0)
-    if schedule is Schedule.GPIPE:
+    if schedule is ScheduleKind.GPIPE:
         return float(M)
-    if schedule is Schedule.INTERLEAVED:
+    if schedule is ScheduleKind.INTERLEAVED:
         return min(v * M, (v - 1) * S + 2 * (S - 1) + 1) / v
     return float(min(M, S))
 
 
-def microbatch_constraint(schedule: Schedule, stages: int, microbatches: int,
-                          virtual: int = 1) -> str | None:
+def microbatch_constraint(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
+                          virtual: int = 1) -> Optional[str]:
     """Why (S, M, v) is not allowed for the schedule, or None."""
-    if schedule is Schedule.INTERLEAVED:
+    if schedule is ScheduleKind.INTERLEAVED:
         if virtual < 2:
             return "interleaved needs --virtual ≥ 2"
         if microbatches % stages:
             return f"interleaved needs M divisible by S (M={microbatches}, S={stages})"
-    if schedule in (Schedule.ONE_F_ONE_B, Schedule.ZB_H1) and microbatches < stages:
+    if schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1) and microbatches < stages:
         return f"{schedule.value} needs M ≥ S to fill the pipeline (M={microbatches}, S={stages})"
     return None

@@ -1,16 +1,16 @@
-"""Human-readable plan tables (the ``--json`` form is ``Recommendation.to_json``)."""
+"""Human-readable plan tables (the ``--json`` form is ``Recommendation.to_json``).
+
+Sizes print in binary units (``triax.units.human_bytes``), as ``triax inspect`` and the
+training summary do.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
 from triax.planner.decide import Recommendation
+from triax.units import human_bytes
 
-
-def human_bytes(x: float) -> str:
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if x >= k:
-            return f"{x / k:.1f} {unit}"
-    return f"{x:.0f} B"
+_COLUMNS = ("per dev", "params", "grads", "optim", "acts", "kv")
 
 
 def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
@@ -20,17 +20,16 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
              f"min devices for weights: {rec.min_devices}",
              f"assumptions: {rec.assumptions.describe()}", "", "Reasoning:"]
     lines += [f"  - {s}" for s in rec.reasoning]
-    lines += ["", f"{'#':>2} {'plan':<42} {'remat':<5} {'fits':<4} {'per dev':>9} "
-                  f"{'params':>9} {'grads':>9} {'optim':>9} {'acts':>9} {'kv':>9} "
-                  f"{'step ms':>9} {'MFU':>5} {'tok/s':>9}"]
+    lines += ["", f"{'#':>2} {'plan':<42} {'remat':<5} {'fits':<4} "
+                  + " ".join(f"{c:>10}" for c in _COLUMNS)
+                  + f" {'step ms':>9} {'MFU':>5} {'tok/s':>9}"]
     for i, p in enumerate(rec.plans, 1):
         m = p.memory
+        sizes = (m.total, m.params, m.grads, m.optimizer, m.activations, m.kv_cache)
         lines.append(f"{i:>2} {p.layout.describe():<42} {p.workload.remat:<5} "
-                     f"{'yes' if p.fits else 'NO':<4} {human_bytes(m.total):>9} "
-                     f"{human_bytes(m.params):>9} {human_bytes(m.grads):>9} "
-                     f"{human_bytes(m.optimizer):>9} {human_bytes(m.activations):>9} "
-                     f"{human_bytes(m.kv_cache):>9} {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%} "
-                     f"{p.tokens_per_s:>9.0f}")
+                     f"{'yes' if p.fits else 'NO':<4} "
+                     + " ".join(f"{human_bytes(b):>10}" for b in sizes)
+                     + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%} {p.tokens_per_s:>9.0f}")
         comm = ", ".join(f"{a} {human_bytes(t.wire)} ({p.comm_time_by_axis[a] * 1e3:.2f} ms)"
                          for a, t in p.traffic.items()) or "none"
         lines.append(f"   comm per device per step: {comm}")
@@ -46,7 +45,4 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
             for a, c in v["comm"].items():
                 lines.append(f"    {a}: predicted {human_bytes(c['predicted'])} vs HLO "
                              f"{human_bytes(c['compiled'])}")
-        if not verified:
-            lines.append("  (no unpipelined plan among the top ones; pipelined plans are "
-                         "verified once triax.pipeline's executor is installed)")
     return "\n".join(lines)

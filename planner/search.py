@@ -16,14 +16,17 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
+from triax.pipeline import ScheduleKind
+from triax.pipeline.runner import unpipelinable_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
 from triax.planner.pipeline_math import microbatch_constraint
-from triax.planner.workload import Layout, Schedule, Workload, divisors
+from triax.planner.workload import Layout, Workload, divisors
 from triax.sharding.rules import ShardingError
 
-TRAIN_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZB_H1)
+TRAIN_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
+                   ScheduleKind.ZB_H1)
 
 
 @dataclass
@@ -46,17 +49,18 @@ def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
     return ("dp", "fsdp", "zero1") if data > 1 else ("dp",)
 
 
-def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Schedule, int, int]]:
+def _schedules(w: Workload, pipe: int,
+               local_batch: int) -> Iterator[tuple[Optional[ScheduleKind], int, int]]:
     """(schedule, M, v) for a pipe size: M in S, 2S, 4S, 8S and the local batch when they
     divide it; interleaved with v = 2 when every chunk keeps at least one layer."""
     if pipe == 1:
-        yield Schedule.NONE, 1, 1
+        yield None, 1, 1
         return
     counts = sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe, local_batch)
                      if m <= local_batch and local_batch % m == 0} or {local_batch})
-    kinds = TRAIN_SCHEDULES if w.train else (Schedule.FORWARD_ONLY,)
+    kinds = TRAIN_SCHEDULES if w.train else (ScheduleKind.FORWARD_ONLY,)
     for kind in kinds:
-        v = 2 if kind is Schedule.INTERLEAVED else 1
+        v = 2 if kind is ScheduleKind.INTERLEAVED else 1
         if w.cfg is not None and pipe * v > w.cfg.num_layers:
             continue
         for m in counts:
@@ -65,8 +69,10 @@ def _schedules(w: Workload, pipe: int, local_batch: int) -> Iterator[tuple[Sched
 
 
 def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every layout of the cluster's devices (tensor stays within a node)."""
+    """Every layout of the cluster's devices (tensor stays within a node; no pipe for a
+    model triax cannot pipeline)."""
     n = cluster.devices
+    pipelinable = w.cfg is None or unpipelinable_reason(w.cfg) is None
     experts = w.cfg.moe.num_experts if (w.cfg is not None and w.cfg.moe) else 1
     for e in (d for d in divisors(n) if experts % d == 0):
         for t in divisors(n // e):
@@ -74,7 +80,7 @@ def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
                 continue
             for p in divisors(n // (e * t)):
                 d = n // (e * t * p)
-                if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
+                if p > 1 and (not pipelinable or (w.cfg is not None and p > w.cfg.num_layers)):
                     continue
                 for st in _strategies(w, d, t):
                     shards = Layout(d, t, p, e, st).batch_shards

@@ -25,7 +25,8 @@ from typing import Optional
 
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
-from triax.planner.workload import Layout, Schedule, Workload
+from triax.pipeline import ScheduleKind
+from triax.planner.workload import Layout, Workload
 
 _COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
@@ -76,7 +77,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
     arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "sizes": lay.sizes, "strategy": lay.strategy,
-                      "schedule": lay.schedule.value, "microbatches": lay.microbatches,
+                      "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -127,7 +128,7 @@ def _main(arg: str) -> None:
     a = json.loads(arg)
     w = Workload.of(config.get(a["model"], num_layers=a["layers"]), train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"])
-    lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=Schedule(a["schedule"]),
+    lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"])
     print(json.dumps(compile_figures(w, lay)))
 

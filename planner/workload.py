@@ -1,32 +1,29 @@
 """What is planned (``Workload``) and how it is laid out (``Layout``): frozen and hashable.
 
+A pipelined layout names its schedule with ``triax.pipeline.ScheduleKind`` (the names
+``triax schedule --kind`` and ``--schedule`` take: "gpipe", "1f1b", "zb-h1", …); an
+unpipelined one has none.
+
     >>> from triax.models import config
     >>> w = Workload.of(config.get("small"), train=True, dtype="bf16", batch=32, seq=1024)
     >>> Layout(data=4, tensor=2).mesh_str
     'data=4,tensor=2'
+    >>> Layout(data=2, pipe=4, schedule=ScheduleKind.parse("1f1b"), microbatches=8).describe()
+    'data=2,pipe=4 dp, 1f1b M=8'
 """
 from __future__ import annotations
 
-import enum
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 from triax.mesh.build import AXES
 from triax.models.config import ModelConfig
+from triax.pipeline.schedules import ScheduleKind
+from triax.sharding.rules import get_strategy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-class Schedule(enum.Enum):
-    """Pipeline schedules (names as in ``triax schedule --kind``); NONE when pipe == 1."""
-
-    NONE = "none"
-    GPIPE = "gpipe"
-    ONE_F_ONE_B = "1f1b"
-    INTERLEAVED = "interleaved"
-    ZB_H1 = "zb-h1"
-    FORWARD_ONLY = "forward-only"
 
 
 @dataclass(frozen=True)
@@ -80,7 +77,7 @@ class Layout:
     pipe: int = 1
     expert: int = 1
     strategy: str = "dp"
-    schedule: Schedule = Schedule.NONE
+    schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
     virtual: int = 1
 
@@ -100,12 +97,17 @@ class Layout:
     def batch_shards(self) -> int:
         """Ways the global batch is split: the mesh axes the strategy maps ``batch`` to
         (``data``; with the MoE rules also ``expert``)."""
-        from triax.sharding.rules import get_strategy
         axes = get_strategy(self.strategy).rules.mesh_axes("batch")
         return math.prod(self.sizes.get(a, 1) for a in axes)
 
+    def unsharded_over_data(self) -> "Layout":
+        """The same layout with the parameters not split over ``data`` (what a gather
+        yields): the memory model's per-block working set and the traffic model's gathers."""
+        name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(self.strategy, self.strategy)
+        return dataclasses.replace(self, data=1, strategy=name)
+
     def describe(self) -> str:
-        sched = "" if self.pipe == 1 else (
+        sched = "" if self.pipe == 1 or self.schedule is None else (
             f", {self.schedule.value} M={self.microbatches}"
             + (f" v={self.virtual}" if self.virtual > 1 else ""))
         return f"{self.mesh_str} {self.strategy}{sched}"

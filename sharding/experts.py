@@ -15,8 +15,17 @@ Router statistics are token sums, added over the token axes with one ``psum``. E
 all-to-all moves b·E·C·D elements per device; a training step runs 4 per layer (dispatch
 and combine, forward and backward): see ``all_to_all_bytes``.
 
-    >>> with activation_sharding(make_mesh(data=2, expert=4), "dp"):   # installs this
-    ...     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    >>> from flax import nnx
+    >>> import jax.numpy as jnp
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.models.moe import MoE
+    >>> from triax.sharding.partition import activation_sharding
+    >>> layer = MoE(config.TINY_MOE, nnx.Rngs(0))
+    >>> with activation_sharding(make_mesh(data=2, expert=4), "dp"):   # installs this runner
+    ...     y_BTD, aux = jax.jit(lambda x: layer(x, jnp.float32))(jnp.ones((8, 16, 64)))
+    >>> y_BTD.shape
+    (8, 16, 64)
 """
 from __future__ import annotations
 
@@ -122,6 +131,10 @@ def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rul
     ``count`` = 2·L per forward (dispatch + combine), doubled for a training step. With a
     pipeline, L is the layers of one stage and the count repeats per micro-batch.
 
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.sharding.rules import get_strategy
+    >>> rules = get_strategy("dp").rules
     >>> all_to_all_bytes(config.TINY_MOE, 8, 32, make_mesh(data=2, expert=4), rules)
     {'buffer_bytes': 65536, 'count': 16, 'bytes_per_step': 1048576}
     """

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
 
 from jax.sharding import PartitionSpec as P
 

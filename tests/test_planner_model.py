@@ -1,16 +1,15 @@
 """The planner's memory and communication model against XLA: abstract AOT compiles of the
 real train step (no allocation) on the 8 simulated devices, compared with memory_analysis
 and the HLO collectives (triax.sharding.introspect)."""
-import importlib.util
-
 import pytest
 
 from triax.models import config
+from triax.pipeline import ScheduleKind
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
 from triax.planner.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
-from triax.planner.workload import Layout, Schedule, Workload
-from triax.planner.verify import compile_figures, pipelined_verify_available
+from triax.planner.verify import compile_figures
+from triax.planner.workload import Layout, Workload
 
 # model, layers, batch, seq, layout: few layers keep compiles short.
 CASES = {
@@ -19,19 +18,13 @@ CASES = {
     "tiny-tp": ("tiny", 2, 16, 32, Layout(data=4, tensor=2, strategy="tp")),
     "small-tp": ("small", 2, 8, 64, Layout(data=2, tensor=4, strategy="tp")),
     "small-fsdp": ("small", 2, 16, 64, Layout(data=8, strategy="fsdp")),
+    # A pipelined step through triax.pipeline's executor.
+    "tiny-pp": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
+                                          schedule=ScheduleKind.ONE_F_ONE_B, microbatches=8)),
+    # The MoE layer: experts over `expert`, the expert FFN over `tensor`, the batch over
+    # data (× expert, with the MoE rules).
+    "tiny-moe-ep-tp": ("tiny-moe", 2, 16, 32, Layout(data=2, expert=2, tensor=2, strategy="tp")),
 }
-# Pipelined compiles need triax.pipeline's executor (its own branch until merged); then the
-# pp case joins both checks.
-PIPELINED = {"tiny-pp": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
-                                                   schedule=Schedule.ONE_F_ONE_B,
-                                                   microbatches=8))}
-if pipelined_verify_available():
-    CASES.update(PIPELINED)
-# Likewise the MoE layer (triax.models.moe): experts over `expert`, the expert FFN over
-# `tensor`, the batch over data (× expert, with the MoE rules).
-if importlib.util.find_spec("triax.models.moe") is not None:
-    CASES["tiny-moe-ep-tp"] = ("tiny-moe", 2, 16, 32,
-                               Layout(data=2, expert=2, tensor=2, strategy="tp"))
 
 
 @pytest.fixture(scope="module")
@@ -64,32 +57,32 @@ def test_comm_bytes_match_hlo(compiled, key):
 
 
 def test_pipe_traffic_follows_schedule():
-    # Until triax.pipeline's executor is on main this checks the formula against the
-    # schedule, not a compile: each micro-batch's activation crosses each boundary forward
-    # and its gradient backward (with the pipeline's table: a permute per tick each way),
-    # and the stage-shared parameters' gradients are all-reduced over pipe once.
+    # The formula against the schedule, not a compile: each micro-batch's activation
+    # crosses each boundary forward and its gradient backward (with the pipeline's table: a
+    # permute per tick each way), and the stage-shared parameters' gradients are
+    # all-reduced over pipe once.
     cfg = config.get("tiny", num_layers=4)
     w = Workload.of(cfg, train=True, dtype="fp32", batch=16, seq=32)
     for M in (4, 8):
-        lay = Layout(data=2, pipe=4, strategy="dp", schedule=Schedule.ONE_F_ONE_B,
+        lay = Layout(data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ONE_F_ONE_B,
                      microbatches=M)
         t = traffic(w, lay)["pipe"]
-        table = schedule_table(Schedule.ONE_F_ONE_B, 4, M)
+        table = schedule_table(ScheduleKind.ONE_F_ONE_B, 4, M)
         sends = 2 * (table.ticks if table is not None else M)
         per_mb = (16 // 2 // M) * 32 * cfg.embed_dim * 4
         shared = (2 * cfg.vocab_size * cfg.embed_dim + cfg.embed_dim) * 4
         assert t.payload_by_kind["collective-permute"] == pytest.approx(sends * per_mb)
         assert t.payload_by_kind["all-reduce"] == shared
         assert traffic(w, lay)["data"].payload == estimate(w, lay).params  # grads once
-    assert bubble_fraction(Schedule.ONE_F_ONE_B, 4, 12) == pytest.approx(3 / 15)
-    assert bubble_fraction(Schedule.INTERLEAVED, 4, 8, 2) == pytest.approx(3 / 19)
-    assert peak_in_flight(Schedule.GPIPE, 4, 16) == 16
-    assert peak_in_flight(Schedule.ONE_F_ONE_B, 4, 16) == 4
+    assert bubble_fraction(ScheduleKind.ONE_F_ONE_B, 4, 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(ScheduleKind.INTERLEAVED, 4, 8, 2) == pytest.approx(3 / 19)
+    assert peak_in_flight(ScheduleKind.GPIPE, 4, 16) == 16
+    assert peak_in_flight(ScheduleKind.ONE_F_ONE_B, 4, 16) == 4
 
 
 def test_gpipe_holds_more_activations_than_1f1b():
     w = Workload.of(config.get("small"), train=True, dtype="bf16", batch=32, seq=512)
-    g = estimate(w, Layout(data=2, pipe=4, schedule=Schedule.GPIPE, microbatches=16))
-    f = estimate(w, Layout(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=16))
+    g = estimate(w, Layout(data=2, pipe=4, schedule=ScheduleKind.GPIPE, microbatches=16))
+    f = estimate(w, Layout(data=2, pipe=4, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=16))
     assert g.activations > 3 * f.activations
     assert g.params == f.params and g.optimizer == f.optimizer

@@ -29,7 +29,12 @@ def placement_table(am: AbstractModel, mesh, strategy, optimizer: bool = False
                     ) -> list[ParamPlacement]:
     """One row per parameter, in tree order.
 
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.sharding.partition import abstract_model
     >>> rows = placement_table(abstract_model(config.TINY), make_mesh(tensor=8), "tp")
+    >>> [(r.path, r.spec, r.shard_shape) for r in rows if r.path == "head_DV"]
+    [('head_DV', (None, 'tensor'), (64, 33))]
     """
     shardings = param_shardings(am, mesh, strategy, optimizer=optimizer)
     flat_shapes = jax.tree_util.tree_flatten_with_path(am.shapes)[0]

@@ -1,7 +1,14 @@
 """One report per compiled step: communication, memory and placement, as JSON or tables.
 
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.training.step import Trainer
     >>> trainer = Trainer(config.TINY, make_mesh(data=2, tensor=4), "fsdp_tp")
-    >>> print(inspect_trainer(trainer, batch_size=8, seq_len=32).to_text())
+    >>> report = inspect_trainer(trainer, batch_size=8, seq_len=32)
+    >>> print(report.to_text().splitlines()[0])
+    mesh data=2 × tensor=4   strategy fsdp_tp
+    >>> report.memory.peak_bytes > 0
+    True
 """
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from triax.mesh.build import describe
 from triax.sharding.introspect.hlo import Collective, collectives_from_compiled, summarize
 from triax.sharding.introspect.memory import MemoryReport, memory_from_compiled
 from triax.sharding.introspect.placement import ParamPlacement, placement_table
+from triax.units import human_bytes
 
 
 @dataclass(frozen=True)
@@ -21,13 +29,12 @@ class StepReport:
     collectives: list[Collective]
     memory: MemoryReport
     params: list[ParamPlacement] = field(default_factory=list)
-    extra: dict = field(default_factory=dict)   # e.g. the pipeline schedule's facts
 
     def to_json(self) -> dict:
         return {"mesh": self.mesh, "strategy": self.strategy,
                 "collectives": [c.to_json() for c in self.collectives],
                 "memory": self.memory.to_json(),
-                "params": [p.to_json() for p in self.params], **self.extra}
+                "params": [p.to_json() for p in self.params]}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -37,19 +44,21 @@ class StepReport:
                  "communication per step (per device)",
                  f"  {'kind':<20}{'axes':<18}{'ops':>6}{'bytes/op':>14}{'bytes/step':>14}"]
         for c in self.collectives:
+            per_op, per_step = c.bytes_per_device, c.bytes_per_device * c.count
             lines.append(f"  {c.kind:<20}{','.join(c.axes):<18}{c.count:>6}"
-                         f"{_h(c.bytes_per_device):>14}{_h(c.bytes_per_device * c.count):>14}")
+                         f"{human_bytes(per_op):>14}{human_bytes(per_step):>14}")
         if not self.collectives:
             lines.append("  (none: nothing crosses devices)")
         lines += ["", "  totals by kind and axes"]
         for (kind, axes), s in sorted(summarize(self.collectives).items()):
             lines.append(f"  {kind:<20}{','.join(axes):<18}{s['count']:>6}{'':>14}"
-                         f"{_h(s['bytes']):>14}")
+                         f"{human_bytes(s['bytes']):>14}")
         m = self.memory
+        terms = (("arguments", m.argument_bytes), ("outputs", m.output_bytes),
+                 ("temporaries", m.temp_bytes), ("aliased", m.alias_bytes),
+                 ("peak", m.peak_bytes))
         lines += ["", "memory per device",
-                  f"  arguments {_h(m.argument_bytes)}   outputs {_h(m.output_bytes)}   "
-                  f"temporaries {_h(m.temp_bytes)}   aliased {_h(m.alias_bytes)}   "
-                  f"peak {_h(m.peak_bytes)}"]
+                  "  " + "   ".join(f"{k} {human_bytes(v)}" for k, v in terms)]
         if self.params:
             lines += ["", "placement",
                       f"  {'parameter':<34}{'logical axes':<34}{'spec':<28}{'shard':<20}"
@@ -58,29 +67,19 @@ class StepReport:
                 spec = "P(" + ", ".join(repr(e) for e in p.spec) + ")"
                 lines.append(f"  {p.path:<34}{','.join(str(a) for a in p.logical_axes):<34}"
                              f"{spec:<28}{'x'.join(map(str, p.shard_shape)):<20}"
-                             f"{_h(p.bytes_per_device):>10}")
+                             f"{human_bytes(p.bytes_per_device):>10}")
         return "\n".join(lines)
 
 
-def _h(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
-def analyze(compiled, mesh, strategy_name: str = "", params=(), extra=None) -> StepReport:
+def analyze(compiled, mesh, strategy_name: str = "", params=()) -> StepReport:
     """Report for any compiled program on ``mesh``."""
     return StepReport(mesh=describe(mesh), strategy=strategy_name,
                       collectives=collectives_from_compiled(compiled, mesh),
-                      memory=memory_from_compiled(compiled), params=list(params),
-                      extra=dict(extra or {}))
+                      memory=memory_from_compiled(compiled), params=list(params))
 
 
 def inspect_trainer(trainer, batch_size: int, seq_len: int) -> StepReport:
     """Compile ``trainer``'s step on abstract inputs (no allocation) and report on it."""
     compiled = trainer.lower(batch_size, seq_len).compile()
     rows = placement_table(trainer.abstract, trainer.mesh, trainer.strategy)
-    extra = getattr(trainer, "report_extra", lambda: {})()
-    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows, extra)
+    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows)
