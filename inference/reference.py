@@ -3,7 +3,14 @@
 Slow by design (quadratic), on whatever single device holds ``params``; the KV-cache engine
 on every serving layout must reproduce its tokens exactly and its logits to fp32 tolerance.
 
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> from triax.sharding.partition import abstract_model, init_params
+    >>> cfg = config.TINY.replace(num_layers=1)
+    >>> params = init_params(abstract_model(cfg), make_mesh(devices=jax.devices()[:1]), "tp")
     >>> tokens, logits = greedy_reference(cfg, params, [[72, 105]], max_new_tokens=4)
+    >>> len(tokens[0]), logits.shape
+    (4, (1, 4, 264))
 """
 from __future__ import annotations
 
