@@ -169,8 +169,9 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     x_sd = spec.apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
-    res = Residuals.trace(_loss_only(spec.apply), chunk0, pieces, x0, extras0) if backward \
-        else None
+    res = None
+    if backward:
+        res = Residuals.trace(_loss_only(spec.apply), chunk0, pieces, x0, extras0)
     zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
              "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
     if backward:

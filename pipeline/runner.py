@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
