@@ -31,6 +31,7 @@ from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, cache_shape
 from triax.models.layers import ExecConfig
+from triax.pipeline.runner import default_decode_microbatches
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -50,7 +51,7 @@ class EngineConfig:
     max_batch: int = 8
     max_len: int = 128           # cache positions per slot (prompt + generated tokens)
     min_bucket: int = 16         # prompt buckets: min_bucket·2^k, capped at max_len
-    microbatches: int = 0        # pipeline decode: 0 means one per stage
+    microbatches: int = 0        # pipeline decode; 0: default_decode_microbatches(pipe)
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], self.min_bucket
@@ -77,7 +78,7 @@ class Engine:
         self.params = jax.device_put(params, self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
-        self.microbatches = ecfg.microbatches or self.sizes["pipe"]
+        self.microbatches = ecfg.microbatches or default_decode_microbatches(self.sizes["pipe"])
         if self.pipelined:
             check_pipeline(self.am, mesh, B, self.microbatches)
             self._fwd = pipelined_forward(self.am, mesh, self.strategy, exe, self.microbatches)

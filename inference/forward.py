@@ -1,33 +1,26 @@
 """The cached forward an engine jits: plain SPMD, or pipelined over ``pipe``.
 
 Both have the signature ``fwd(params, tokens_BT, positions_BT, cache) -> (logits_BTV, cache)``
-and the same math (``triax.models.decode``); only the placement differs.
+and the same math (the model's forward with a KV cache, ``triax.models.decode``); only the
+placement differs.
 
-Pipeline decode (``pipe > 1``): a ``shard_map`` manual over ``pipe`` only (``data``,
-``tensor`` stay automatic), each stage holding its ``L/S`` layers and those layers' cache.
-The batch is split into ``M`` micro-batches that flow through ``triax.pipeline``'s validated
-forward-only schedule (its tick table says which micro-batch each stage runs at each tick;
-``M + S - 1`` ticks, one ``lax.scan``). Idle ticks skip their compute with ``lax.cond``,
-activations move to the next stage by ``ppermute``, the embedding runs on stage 0 and the
-head on the last stage. The tick loop is this module's own, small one rather than
-``triax.pipeline``'s executor, because each stage must also read and write its slice of the
-KV cache, which that loss-and-gradient executor does not carry.
+Pipeline decode (``pipe > 1``) is ``triax.pipeline``'s executor running the validated
+forward-only schedule (``Pipeline.decode``): the same tick loop as training, carrying each
+stage's KV cache as per-stage state. Every stage holds its ``L/S`` layers and those layers'
+cache; the batch is split over ``data`` and into ``M`` micro-batches; the embedding runs on
+the first stage, the head on the last, activations move by ``ppermute``.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from triax.mesh.build import mesh_sizes
-from triax.models.decode import forward_with_cache, scan_blocks_with_cache
 from triax.models.layers import ExecConfig
-from triax.models.axes import using_constraint
-from triax.pipeline import build as build_schedule
+from triax.pipeline.runner import Pipeline, PipelineConfig, unpipelinable_reason
+from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.partition import AbstractModel, activation_sharding
 from triax.sharding.rules import ShardingError, Strategy
 
@@ -37,8 +30,9 @@ def plain_forward(am: AbstractModel, mesh: Mesh, strategy: Strategy,
     """One SPMD program; XLA inserts the tensor-parallel collectives."""
     def fwd(params, tokens_BT, positions_BT, cache):
         with activation_sharding(mesh, strategy):
-            return forward_with_cache(nnx.merge(am.graphdef, params), tokens_BT, positions_BT,
-                                      cache, exe)
+            logits_BTV, _, cache = nnx.merge(am.graphdef, params)(tokens_BT, positions_BT,
+                                                                  exe=exe, cache=cache)
+        return logits_BTV, cache
     return fwd
 
 
@@ -46,6 +40,9 @@ def check_pipeline(am: AbstractModel, mesh: Mesh, batch: int, microbatches: int)
     """Raise a clear error for a layout the pipelined forward cannot run."""
     sizes = mesh_sizes(mesh)
     S, L = sizes["pipe"], am.cfg.num_layers
+    reason = unpipelinable_reason(am.cfg)
+    if reason is not None:
+        raise ShardingError(f"pipeline decode: {reason}")
     if L % S:
         raise ShardingError(f"pipeline decode needs num_layers={L} divisible by pipe={S}; "
                             f"choose pipe dividing {L}")
@@ -56,76 +53,8 @@ def check_pipeline(am: AbstractModel, mesh: Mesh, batch: int, microbatches: int)
             f"{microbatches * sizes['data']}")
 
 
-def schedule_table(S: int, M: int) -> np.ndarray:
-    """``[ticks, S]`` micro-batch index each stage runs per tick (-1: idle), taken from the
-    forward-only schedule of ``triax.pipeline``."""
-    sched = build_schedule("forward-only", stages=S, microbatches=M)
-    return np.array([[-1 if op is None else op.mb for op in row] for row in sched.table],
-                    np.int32)
-
-
-def _stage_program(am: AbstractModel, S: int, M: int, exe: ExecConfig):
-    """The per-stage tick loop run inside ``shard_map`` (arrays are this stage's shards)."""
-    last, perm = S - 1, [(i, i + 1) for i in range(S - 1)]
-    table = schedule_table(S, M)
-
-    def program(rest, blocks, tokens_JMT, positions_JMT, k, v):
-        model = nnx.merge(am.graphdef, {**rest, "blocks": blocks})
-        gd, st = nnx.split(model.blocks)
-        s = jax.lax.axis_index("pipe")
-        J, _, T = tokens_JMT.shape
-        V = am.cfg.vocab_size
-        x0 = jnp.zeros((J, T, am.cfg.embed_dim), exe.dtype)
-        out = jnp.zeros((J, M, T, V), jnp.float32)
-
-        def tick(carry, t):
-            recv, k, v, out = carry
-            m = jnp.asarray(table)[t, s]
-            valid, m = m >= 0, jnp.maximum(m, 0)
-            tok = jax.lax.dynamic_index_in_dim(tokens_JMT, m, 1, keepdims=False)
-            pos = jax.lax.dynamic_index_in_dim(positions_JMT, m, 1, keepdims=False)
-            x = jnp.where(s == 0, model.embed_tokens(tok, exe), recv)
-            km = jax.lax.dynamic_index_in_dim(k, m, 2, keepdims=False)
-            vm = jax.lax.dynamic_index_in_dim(v, m, 2, keepdims=False)
-            y, km, vm = jax.lax.cond(
-                valid, lambda a: scan_blocks_with_cache(gd, st, a[0], pos, a[1], a[2], exe),
-                lambda a: a, (x, km, vm))
-            k = jax.lax.dynamic_update_index_in_dim(k, km, m, 2)
-            v = jax.lax.dynamic_update_index_in_dim(v, vm, m, 2)
-            lg = jax.lax.cond(valid & (s == last),
-                              lambda y: model.logits(y, exe).astype(jnp.float32),
-                              lambda y: jax.lax.dynamic_index_in_dim(out, m, 1, False), y)
-            out = jax.lax.dynamic_update_index_in_dim(out, lg, m, 1)
-            return (jax.lax.ppermute(y, "pipe", perm), k, v, out), None
-
-        (_, k, v, out), _ = jax.lax.scan(tick, (x0, k, v, out), jnp.arange(len(table)))
-        return out[None], k, v
-    return program
-
-
 def pipelined_forward(am: AbstractModel, mesh: Mesh, strategy: Strategy, exe: ExecConfig,
                       microbatches: int) -> Callable:
-    """Decode through ``pipe`` stages; micro-batch ``m`` is the rows ``b ≡ m (mod M)``.
-
-    Strided micro-batches keep each one spread over ``data`` the same way the batch is.
-    """
-    S, M = mesh_sizes(mesh)["pipe"], microbatches
-    program = jax.shard_map(
-        _stage_program(am, S, M, exe), mesh=mesh, axis_names={"pipe"}, check_vma=False,
-        in_specs=(P(), P("pipe"), P(), P(), P("pipe"), P("pipe")),
-        out_specs=(P("pipe"), P("pipe"), P("pipe")))
-
-    def fwd(params, tokens_BT, positions_BT, cache):
-        B, T = tokens_BT.shape
-        J = B // M
-        rest = {k: v for k, v in params.items() if k != "blocks"}
-        split = lambda a: a.reshape(a.shape[:1] + (J, M) + a.shape[2:])  # noqa: E731
-        # No activation constraints inside the stage program: conditionals need one sharding
-        # across branches, so XLA propagates it from the (tensor-sharded) parameters instead.
-        with using_constraint(None):
-            out, k, v = program(rest, params["blocks"], tokens_BT.reshape(J, M, T),
-                                positions_BT.reshape(J, M, T), split(cache["k"]),
-                                split(cache["v"]))
-        merge = lambda a: a.reshape(a.shape[:1] + (B,) + a.shape[3:])  # noqa: E731
-        return out[-1].reshape(B, T, -1), {"k": merge(k), "v": merge(v)}
-    return fwd
+    """Decode through ``pipe`` stages with the forward-only schedule of ``microbatches``."""
+    config = PipelineConfig(ScheduleKind.FORWARD_ONLY.value, microbatches)
+    return Pipeline(am.cfg, mesh, strategy, config, exe).decode

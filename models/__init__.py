@@ -3,7 +3,9 @@ from triax.models import config
 from triax.models.axes import constrain, using_constraint
 from triax.models.config import ModelConfig, MoEConfig
 from triax.models.layers import ExecConfig
-from triax.models.transformer import REMAT_POLICIES, Block, Transformer, cross_entropy, scan_blocks
+from triax.models.loss import cross_entropy, weighted_nll_sum
+from triax.models.transformer import REMAT_POLICIES, Block, Transformer, scan_blocks
 
 __all__ = ["Block", "ExecConfig", "ModelConfig", "MoEConfig", "REMAT_POLICIES", "Transformer",
-           "config", "constrain", "cross_entropy", "scan_blocks", "using_constraint"]
+           "config", "constrain", "cross_entropy", "scan_blocks", "using_constraint",
+           "weighted_nll_sum"]

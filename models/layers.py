@@ -16,6 +16,7 @@ from flax import nnx
 
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
+from triax.models.decode import Cache, cache_mask, write_layer
 
 
 @dataclass(frozen=True)
@@ -109,9 +110,16 @@ class Attention(nnx.Module):
         out = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.wo_NHD[...].astype(dtype))
         return constrain(out, ("batch", "seq", "act_embed"))
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype):
+    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype, cache: Optional[Cache] = None):
+        """``(out_BTD, cache)``. Without a cache the ``T`` tokens attend to each other under
+        ``mask_BTS``; with this layer's cache (``[B, S, K, H]``) their keys/values are written at
+        ``positions_BT`` and the queries attend over the cache (``mask_BTS`` is ignored)."""
         q, k, v = self.project_qkv(x_BTD, positions_BT, dtype)
-        return self.output(attend(q, k, v, mask_BTS), dtype)
+        if cache is not None:
+            cache = write_layer(cache, k, v, positions_BT)
+            k, v = cache["k"].astype(dtype), cache["v"].astype(dtype)
+            mask_BTS = cache_mask(positions_BT, k.shape[1])
+        return self.output(attend(q, k, v, mask_BTS), dtype), cache
 
 
 class MLP(nnx.Module):

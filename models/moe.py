@@ -18,6 +18,7 @@ over the ``expert`` mesh axis, so models/ never names a mesh.
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
 (``capacity_factor=None``) uses C = T, the most any expert can receive from one sequence.
 
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from triax.models import config
     >>> layer = MoE(config.TINY_MOE, nnx.Rngs(0))

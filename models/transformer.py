@@ -2,11 +2,17 @@
 
 The stack is one NNX module whose parameters carry a leading ``layers`` axis (built with
 ``nnx.vmap``), so the pipeline can split it over stages and the forward compiles one block.
+The same block forward serves training and generation: given a KV cache (one ``[B, S, K, H]``
+layer of it per block, scanned with the stack) it writes the new keys/values and attends over
+the cache (see ``triax.models.decode``).
 
+    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from triax.models import Transformer, config
     >>> model = Transformer(config.TINY, nnx.Rngs(0))
     >>> logits_BTV, aux = model(jnp.zeros((2, 16), jnp.int32))
+    >>> logits_BTV.shape
+    (2, 16, 264)
 """
 from __future__ import annotations
 
@@ -16,9 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.models import moe
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
+from triax.models.decode import Cache
 from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, causal_mask, param
+from triax.models.loss import cross_entropy  # noqa: F401  (the train step's loss; see loss.py)
 
 REMAT_POLICIES: dict[str, Optional[Callable]] = {
     "none": None,
@@ -28,13 +37,6 @@ REMAT_POLICIES: dict[str, Optional[Callable]] = {
 }
 
 
-def _make_ffn(cfg: ModelConfig, rngs: nnx.Rngs):
-    if cfg.moe is None:
-        return MLP(cfg, rngs)
-    from triax.models.moe import MoE  # the MoE layer lives in its own file
-    return MoE(cfg, rngs)
-
-
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x))."""
 
@@ -42,43 +44,51 @@ class Block(nnx.Module):
         self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
         self.attn = Attention(cfg, rngs)
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
-        self.mlp = _make_ffn(cfg, rngs)
+        self.mlp = MLP(cfg, rngs) if cfg.moe is None else moe.MoE(cfg, rngs)
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype):
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, dtype)
+    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype, cache: Optional[Cache] = None):
+        """``(x_BTD, aux, cache)``; ``cache`` is this layer's KV cache or None (see
+        ``Attention.__call__``)."""
+        a_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, dtype, cache)
+        x_BTD = x_BTD + a_BTD
         y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), dtype)
-        return constrain(x_BTD + y_BTD, ("batch", "seq", "act_embed")), aux
+        return constrain(x_BTD + y_BTD, ("batch", "seq", "act_embed")), aux, cache
 
 
 def aux_zeros(cfg: ModelConfig) -> dict:
     """The per-step auxiliary scalars a block stack accumulates (empty for dense models)."""
-    if cfg.moe is None:
-        return {}
-    from triax.models.moe import aux_zeros as moe_aux_zeros
-    return moe_aux_zeros()
+    return {} if cfg.moe is None else moe.aux_zeros()
 
 
 def scan_blocks(block_graphdef, stacked_state, x_BTD, positions_BT, mask_BTS, cfg: ModelConfig,
-                exe: ExecConfig):
+                exe: ExecConfig, cache: Optional[Cache] = None):
     """Run a stack of blocks (any leading layer count) with ``lax.scan``.
 
-    Pure function of the stacked state, so pipeline stages call it on their slice.
-    Returns ``(x_BTD, aux)`` where aux sums the blocks' auxiliary scalars.
+    Pure function of the stacked state, so pipeline stages call it on their slice. ``cache``
+    (leaves ``[L, B, S, K, H]`` for the same ``L`` layers) is scanned alongside the
+    parameters. Returns ``(x_BTD, aux, cache)``: aux sums the blocks' auxiliary scalars,
+    cache is the updated cache (None without one).
     """
-    def body(carry, layer_state):
+    def body(carry, layer):
         x, aux = carry
-        y, a = nnx.merge(block_graphdef, layer_state)(x, positions_BT, mask_BTS, exe.dtype)
-        return (y, jax.tree.map(jnp.add, aux, a)), None
+        layer_state, layer_cache = layer
+        y, a, layer_cache = nnx.merge(block_graphdef, layer_state)(x, positions_BT, mask_BTS,
+                                                                   exe.dtype, layer_cache)
+        return (y, jax.tree.map(jnp.add, aux, a)), layer_cache
 
-    policy = REMAT_POLICIES[exe.remat]
     if exe.remat != "none":
-        body = jax.checkpoint(body, policy=policy, prevent_cse=False)
-    (x_BTD, aux), _ = jax.lax.scan(body, (x_BTD, aux_zeros(cfg)), stacked_state)
-    return x_BTD, aux
+        body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
+    (x_BTD, aux), cache = jax.lax.scan(body, (x_BTD, aux_zeros(cfg)), (stacked_state, cache))
+    return x_BTD, aux, cache
 
 
 class Transformer(nnx.Module):
-    """Decoder-only transformer. ``__call__(tokens_BT) -> (logits_BTV, aux)``."""
+    """Decoder-only transformer. ``__call__(tokens_BT) -> (logits_BTV, aux)``.
+
+    The pipeline runs it as three pieces (``triax.pipeline.stage.StackedModel``):
+    ``embed_tokens`` before the stack, ``run_blocks`` on each stage's slice of ``blocks``,
+    ``logits`` after it (the loss is ``triax.models.loss``).
+    """
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -95,14 +105,23 @@ class Transformer(nnx.Module):
             self.head_DV = param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"),
                                  cfg.init_std)
 
-    # The three pieces below are what pipeline stages run: embed on the first stage,
-    # blocks everywhere, head on the last.
     def embed_tokens(self, tokens_BT, exe: ExecConfig = ExecConfig()):
         return self.embed(tokens_BT, exe.dtype)
 
-    def run_blocks(self, x_BTD, positions_BT, mask_BTS, exe: ExecConfig = ExecConfig()):
+    def run_blocks(self, x_BTD, positions_BT=None, mask_BTS=None, exe: ExecConfig = ExecConfig(),
+                   cache: Optional[Cache] = None):
+        """``(x_BTD, aux, cache)`` after every block. Positions default to ``0..T-1``; without
+        a cache the mask defaults to causal, with one it comes from the cache positions."""
+        B, T = x_BTD.shape[:2]
+        if positions_BT is None:
+            if cache is not None:
+                raise ValueError("run_blocks with a KV cache needs positions_BT: the cache "
+                                 "position of every new token")
+            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if mask_BTS is None and cache is None:
+            mask_BTS = causal_mask(T, B)
         gd, st = nnx.split(self.blocks)
-        return scan_blocks(gd, st, x_BTD, positions_BT, mask_BTS, self.cfg, exe)
+        return scan_blocks(gd, st, x_BTD, positions_BT, mask_BTS, self.cfg, exe, cache)
 
     def logits(self, x_BTD, exe: ExecConfig = ExecConfig()):
         x_BTD = self.final_norm(x_BTD)
@@ -113,22 +132,10 @@ class Transformer(nnx.Module):
         return constrain(out, ("batch", "seq", "act_vocab"))
 
     def __call__(self, tokens_BT, positions_BT=None, mask_BTS=None,
-                 exe: ExecConfig = ExecConfig()):
-        B, T = tokens_BT.shape
-        if positions_BT is None:
-            positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if mask_BTS is None:
-            mask_BTS = causal_mask(T, B)
+                 exe: ExecConfig = ExecConfig(), cache: Optional[Cache] = None):
+        """``(logits_BTV, aux)``; with a KV ``cache`` (``triax.models.decode``) the new
+        tokens sit at ``positions_BT`` and ``(logits_BTV, aux, cache)`` is returned."""
         x = self.embed_tokens(tokens_BT, exe)
-        x, aux = self.run_blocks(x, positions_BT, mask_BTS, exe)
-        return self.logits(x, exe), aux
-
-
-def cross_entropy(logits_BTV, targets_BT, weights_BT=None):
-    """Mean next-token cross-entropy in fp32 (weights mask padding)."""
-    logp = jax.nn.log_softmax(logits_BTV.astype(jnp.float32), axis=-1)
-    nll_BT = -jnp.take_along_axis(logp, targets_BT[..., None], axis=-1)[..., 0]
-    if weights_BT is None:
-        return jnp.mean(nll_BT)
-    w = weights_BT.astype(jnp.float32)
-    return jnp.sum(nll_BT * w) / jnp.maximum(jnp.sum(w), 1.0)
+        x, aux, new_cache = self.run_blocks(x, positions_BT, mask_BTS, exe, cache)
+        logits_BTV = self.logits(x, exe)
+        return (logits_BTV, aux) if cache is None else (logits_BTV, aux, new_cache)

@@ -1,27 +1,34 @@
 """One executor for every schedule: ``shard_map`` over ``pipe`` (and ``data``), one ``lax.scan``
-over the tick table, ``lax.switch`` on each device's op, ``ppermute`` between stages.
+over the tick program, ``lax.switch`` on each device's op, ``ppermute`` between stages.
 
 Per tick, every stage (1) files the messages that arrived into its inbox slots, (2) runs its
-op from the table — idle, F, B, B_in or W — as one ``lax.switch`` branch, so an idle tick
-computes nothing, and (3) sends the forward activation to the next stage and the input
-gradient to the previous one with ``ppermute``. A forward stashes its pullback's residuals
-(parameters excluded) in a slot the program assigned; the backward reads them, adds the
-weight gradients to the carry and frees the slot. ``data`` is manual too, so gradients are
-summed locally over micro-batches and reduced over ``data`` once per step; ``tensor`` and
-``expert`` stay automatic.
+op from the program — idle, F, B, B_in or W — as one ``lax.switch`` branch, so an idle tick
+computes nothing, and (3) sends the forward activation to the next stage and (schedules with
+a backward) the input gradient to the previous one with ``ppermute``. A forward stashes its
+pullback's residuals (parameters excluded) in a slot the program assigned; the backward reads
+them, adds the weight gradients to the carry and frees the slot. ``data`` is manual too, so
+gradients are summed locally over micro-batches and reduced over ``data`` once per step;
+``tensor`` and ``expert`` stay automatic.
+
+Besides gradients, the loop carries **per-stage state** for forward-only schedules: arrays
+with a local-chunk axis and a micro-batch axis (a KV cache is one), whose slice for (chunk,
+micro-batch) is read and written by that micro-batch's F on that chunk; and **per-micro-batch
+outputs** (the logits of pipeline decode), written by the last chunk's F. So training,
+evaluation and pipeline decode run the same tick loop.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.pipeline.tick_program import COL, TickProgram
 from triax.pipeline.schedules import OpKind
 from triax.pipeline.stage import Residuals
+from triax.pipeline.tick_program import TickProgram, Ticks
 
 PIPE, DATA = "pipe", "data"
 
@@ -31,15 +38,18 @@ class StepSpec:
     """Static facts the scan body needs (all Python)."""
 
     program: TickProgram
-    apply: Any                      # stage_apply
+    apply: Any                      # a pipeline.stage.Stage
     stages: int
     virtual: int
-    micro: int                      # micro-batch size per data shard
     dtype: Any
+    state_mb_axis: int = 0          # micro-batch axis of a state leaf, after its chunk axis
 
 
-def _slot(i, n):
-    return jnp.where(i < 0, n, i)   # -1 → the scratch slot at index n
+class TickResult(NamedTuple):
+    loss: Any        # this stage's summed loss
+    outputs: Any     # per-micro-batch outputs, leaves [M, ...] (meaningful on the last stage)
+    state: Any       # the per-stage state after every tick
+    grads: dict      # {"blocks": [v, Lc, ...], "pieces": ...} summed over micro-batches
 
 
 def _take(buf, i):
@@ -50,31 +60,55 @@ def _put(buf, x, i):
     return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
 
 
-def _branches(spec: StepSpec, res: Residuals | None, zeros_out):
+def _state_starts(a, j, mb, axis):
+    zero = jnp.zeros((), jnp.int32)
+    starts = [zero] * a.ndim
+    starts[0], starts[axis + 1] = j, mb
+    return starts
+
+
+def _state_take(a, j, mb, axis):
+    """The (chunk j, micro-batch mb) slice of a state leaf ``[v, ..., M, ...]``."""
+    sizes = list(a.shape)
+    sizes[0] = sizes[axis + 1] = 1
+    out = jax.lax.dynamic_slice(a, _state_starts(a, j, mb, axis), sizes)
+    return out.squeeze((0, axis + 1))
+
+
+def _state_put(a, x, j, mb, axis):
+    x = jnp.expand_dims(x.astype(a.dtype), (0, axis + 1))
+    return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
+
+
+def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
     """Branches ``(inp, acc) -> (acc', out)`` for idle, F, B, B_in, W.
 
     ``inp`` is read-only (never returned, so XLA does not copy it per tick); ``out`` holds
-    what the op produced (zeros where it produced nothing), ``acc`` the gradient sums.
+    what the op produced (zeros where it produced nothing; the state slice unchanged),
+    ``acc`` the gradient sums.
     """
     apply = spec.apply
+    loss_apply = _loss_only(apply)  # what the backward differentiates
 
     def chunk_of(i):
         return jax.tree.map(lambda a: _take(a, i["j"]), i["blocks"])
 
     def idle(i, acc):
-        return acc, zeros_out
+        return acc, {**zeros, "state": i["state"]}
 
     def fwd(i, acc):
         chunk = chunk_of(i)
         if res is None:
-            (y, loss), stored = apply(chunk, i["pieces"], i["x_in"], i["extras"]), []
+            y, loss, out, state = apply(chunk, i["pieces"], i["x_in"], i["extras"], i["state"])
+            produced = {"out": out, "state": state}
         else:
-            (y, loss), stored = res.forward(apply, chunk, i["pieces"], i["x_in"], i["extras"])
-        return acc, {**zeros_out, "res": stored, "msg_f": y.astype(spec.dtype), "loss": loss}
+            (y, loss), stored = res.forward(loss_apply, chunk, i["pieces"], i["x_in"],
+                                            i["extras"])
+            produced = {"res": stored, "state": i["state"]}
+        return acc, {**zeros, **produced, "msg_f": y.astype(spec.dtype), "loss": loss}
 
     def grads(i, dy):
-        chunk = chunk_of(i)
-        pb = res.pullback(i["res"], chunk, i["pieces"])
+        pb = res.pullback(i["res"], chunk_of(i), i["pieces"])
         return pb((dy, i["last"].astype(jnp.float32)))
 
     def accumulate(i, acc, d_chunk, d_pieces):
@@ -83,16 +117,17 @@ def _branches(spec: StepSpec, res: Residuals | None, zeros_out):
 
     def bwd(i, acc):
         d_chunk, d_pieces, dx, _ = grads(i, i["dy"])
-        return accumulate(i, acc, d_chunk, d_pieces), {**zeros_out,
+        return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"],
                                                        "msg_b": dx.astype(spec.dtype)}
 
     def bwd_in(i, acc):
         _, _, dx, _ = grads(i, i["dy"])
-        return acc, {**zeros_out, "msg_b": dx.astype(spec.dtype), "ct": i["dy"]}
+        return acc, {**zeros, "state": i["state"], "msg_b": dx.astype(spec.dtype),
+                     "ct": i["dy"]}
 
     def wgt(i, acc):
         d_chunk, d_pieces, _, _ = grads(i, i["ct"])
-        return accumulate(i, acc, d_chunk, d_pieces), zeros_out
+        return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"]}
 
     return {0: idle, int(OpKind.F): fwd, int(OpKind.B): bwd, int(OpKind.B_IN): bwd_in,
             int(OpKind.W): wgt}
@@ -104,69 +139,92 @@ def _perms(S: int, circular: bool):
     return fwd, bwd
 
 
-def _remap_kinds(rows):
+def _dense_kinds(ticks: Ticks):
     """Op kinds → dense branch indices (only the branches the schedule uses get traced)."""
-    kinds = sorted({int(k) for k in rows[..., COL["kind"]].ravel()} | {0})
-    rows = rows.copy()
+    kinds = sorted({int(k) for k in ticks.kind.ravel()} | {0})
     lookup = np.zeros(max(kinds) + 1, np.int32)
     lookup[kinds] = np.arange(len(kinds))
-    rows[..., COL["kind"]] = lookup[rows[..., COL["kind"]]]
-    return kinds, rows
+    return kinds, dataclasses.replace(ticks, kind=lookup[ticks.kind])
 
 
-def _init_carry(prog: TickProgram, res, blocks, pieces, x0):
-    buf = lambda n: jnp.zeros((n + 1,) + x0.shape, x0.dtype)  # noqa: E731  (+1: scratch)
-    backward = prog.schedule.has_backward
-    return {"fin": buf(prog.fwd_slots), "bin": buf(prog.bwd_slots), "ctb": buf(prog.ct_slots),
-            "stash": [jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
-                      for s in (res.shapes if res else ())],
-            "recv_f": x0, "recv_b": x0, "loss": jnp.zeros((), jnp.float32),
-            "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
-                    "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}
+def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:
+    """The body inside ``shard_map``, on this stage's shards.
 
-
-def run_ticks(spec: StepSpec, blocks, pieces, tokens, targets, weights, inv_w):
-    """The body inside ``shard_map``: returns ``(loss, acc_blocks, acc_pieces)`` (local)."""
+    ``blocks``: the stage's chunks ``[v, Lc, ...]``; ``inputs``: per-micro-batch inputs,
+    leaves ``[M, b, ...]``; ``consts``: step-wide values every op sees; ``state``: per-stage
+    state, leaves ``[v, ..., M, ...]`` (micro-batch axis ``spec.state_mb_axis`` after the
+    chunk axis), ``{}`` for none — forward-only schedules only.
+    """
     prog = spec.program
+    backward = prog.schedule.has_backward
+    if backward and jax.tree.leaves(state):
+        raise ValueError("per-stage state is carried by forward-only schedules only; "
+                         f"{prog.schedule.kind.value} has a backward")
     stage = jax.lax.axis_index(PIPE)
-    blocks = jax.tree.map(lambda a: a[0], blocks)               # [v, Lc, ...] of this stage
-    mb_shape = (prog.schedule.microbatches, spec.micro) + tokens.shape[1:]
-    tokens, targets, weights = (a.reshape(mb_shape) for a in (tokens, targets, weights))
-    D = jax.tree.leaves(pieces["embed"])[0].shape[-1]
-    x0 = jnp.zeros(mb_shape[1:] + (D,), spec.dtype)
+    ax = spec.state_mb_axis
+    chunk0 = jax.tree.map(lambda a: a[0], blocks)
+    inputs0 = jax.tree.map(lambda a: a[0], inputs)
+    extras0 = (inputs0, consts, jnp.bool_(True), jnp.bool_(True))
+    state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
+    x_sd = spec.apply.activation(chunk0, pieces, inputs0)
+    x0 = jnp.zeros(x_sd.shape, spec.dtype)
+    _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
     res = None
-    if prog.schedule.has_backward:
-        extras0 = (tokens[0], targets[0], weights[0], jnp.bool_(True), jnp.bool_(True), inv_w)
-        res = Residuals.trace(spec.apply, jax.tree.map(lambda a: a[0], blocks), pieces, x0,
-                              extras0)
-    zeros_out = {"res": [jnp.zeros(r.shape, r.dtype) for r in (res.shapes if res else ())],
-                 "msg_f": x0, "msg_b": x0, "ct": x0, "loss": jnp.zeros((), jnp.float32)}
-    table = _branches(spec, res, zeros_out)
-    kinds, rows = _remap_kinds(prog.rows)
+    if backward:
+        res = Residuals.trace(_loss_only(spec.apply), chunk0, pieces, x0, extras0)
+    zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
+             "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
+    if backward:
+        zeros.update(res=[jnp.zeros(r.shape, r.dtype) for r in res.shapes], msg_b=x0, ct=x0)
+    table = _branches(spec, res, zeros)
+    kinds, ticks = _dense_kinds(prog.ticks)
     branches = [table[k] for k in kinds]
     fperm, bperm = _perms(spec.stages, spec.virtual > 1)
+    buf = lambda n, like: jnp.zeros((n + 1,) + like.shape, like.dtype)  # noqa: E731 (+1 scratch)
+    M = prog.out_slots
 
-    def tick(c, row_all):
-        r = {name: _take(row_all, stage)[i] for name, i in COL.items()}
-        fin = _put(c["fin"], c["recv_f"], _slot(r["recv_f"], prog.fwd_slots))
-        bin_ = _put(c["bin"], c["recv_b"], _slot(r["recv_b"], prog.bwd_slots))
-        mb = jnp.maximum(r["mb"], 0)
-        last = r["last"] > 0
-        dy = _take(bin_, _slot(r["bin"], prog.bwd_slots))
-        s_slot = _slot(r["stash"], prog.stash_slots)
-        inp = {"blocks": blocks, "pieces": pieces, "j": jnp.maximum(r["local_chunk"], 0),
-               "x_in": _take(fin, _slot(r["fin"], prog.fwd_slots)),
-               "dy": jnp.where(last, jnp.zeros_like(dy), dy), "last": last,
-               "ct": _take(c["ctb"], _slot(r["ct"], prog.ct_slots)),
-               "extras": (tokens[mb], targets[mb], weights[mb], r["first"] > 0, last, inv_w),
-               "res": [_take(s, s_slot) for s in c["stash"]]}
-        acc, o = jax.lax.switch(r["kind"], branches, inp, c["acc"])
-        s_write = _slot(r["stash_w"], prog.stash_slots)
-        return {"fin": fin, "bin": bin_, "acc": acc, "loss": c["loss"] + o["loss"],
-                "ctb": _put(c["ctb"], o["ct"], _slot(r["ct_w"], prog.ct_slots)),
-                "stash": [_put(s, x, s_write) for s, x in zip(c["stash"], o["res"])],
-                "recv_f": jax.lax.ppermute(o["msg_f"], PIPE, fperm),
-                "recv_b": jax.lax.ppermute(o["msg_b"], PIPE, bperm)}, None
+    def tick(c, row):
+        r = jax.tree.map(lambda a: _take(a, stage), row)
+        j, mb, last = r.chunk, r.mb, r.last > 0
+        fin = _put(c["fin"], c["recv_f"], r.fwd_in_w)
+        inp = {"blocks": blocks, "pieces": pieces, "j": j, "x_in": _take(fin, r.fwd_in_r),
+               "extras": (jax.tree.map(lambda a: _take(a, mb), inputs), consts,
+                          r.first > 0, last),
+               "state": jax.tree.map(lambda a: _state_take(a, j, mb, ax), c["state"])}
+        new = {"fin": fin}
+        if backward:
+            new["bin"] = bin_ = _put(c["bin"], c["recv_b"], r.bwd_in_w)
+            dy = _take(bin_, r.bwd_in_r)  # the last chunk has no incoming gradient
+            inp.update(dy=jnp.where(last, jnp.zeros_like(dy), dy), last=last,
+                       ct=_take(c["ctb"], r.ct_r), res=[_take(s, r.stash_r) for s in c["stash"]])
+        acc, o = jax.lax.switch(r.kind, branches, inp, c["acc"])
+        new.update(acc=acc, loss=c["loss"] + o["loss"],
+                   out=jax.tree.map(lambda b, x: _put(b, x, r.out_w), c["out"], o["out"]),
+                   state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax), c["state"],
+                                      o["state"]),
+                   recv_f=jax.lax.ppermute(o["msg_f"], PIPE, fperm))
+        if backward:
+            new.update(ctb=_put(c["ctb"], o["ct"], r.ct_w),
+                       stash=[_put(s, x, r.stash_w) for s, x in zip(c["stash"], o["res"])],
+                       recv_b=jax.lax.ppermute(o["msg_b"], PIPE, bperm))
+        return new, None
 
-    out, _ = jax.lax.scan(tick, _init_carry(prog, res, blocks, pieces, x0), jnp.asarray(rows))
-    return out["loss"], out["acc"]["blocks"], out["acc"]["pieces"]
+    carry = {"fin": buf(prog.fwd_slots, x0), "recv_f": x0, "loss": jnp.zeros((), jnp.float32),
+             "out": jax.tree.map(lambda z: buf(M, z), zeros["out"]), "state": state,
+             "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
+                     "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}
+    if backward:
+        carry.update(bin=buf(prog.bwd_slots, x0), ctb=buf(prog.ct_slots, x0), recv_b=x0,
+                     stash=[jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
+                            for s in res.shapes])
+    out, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, ticks))
+    return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"],
+                      out["acc"])
+
+
+def _loss_only(apply):
+    """``(chunk, pieces, x, extras) -> (y, loss)``: the stateless part the backward needs."""
+    def f(chunk, pieces, x, extras):
+        y, loss, _, _ = apply(chunk, pieces, x, extras, {})
+        return y, loss
+    return f

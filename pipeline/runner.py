@@ -1,17 +1,26 @@
-"""The pipeline as the train step sees it: ``loss_and_grad(params, batch)`` and
-``forward(params, batch)``, built from a model, a mesh, a strategy and a schedule.
+"""The pipeline as its callers see it: ``loss_and_grad(params, batch)`` and
+``forward(params, batch)`` for the train step and evaluation, ``decode(params, tokens,
+positions, cache)`` for generation — one tick loop (``executor.run_ticks``) under all three,
+built from a model, a mesh, a strategy and a schedule.
 
+    >>> import jax, jax.numpy as jnp
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
-    >>> pipe = Pipeline(config.TINY, make_mesh(data=2, pipe=4), "dp",
-    ...                 PipelineConfig("1f1b", microbatches=8))
-    >>> (loss, aux), grads = pipe.loss_and_grad(params, batch)      # inside jit
+    >>> from triax.sharding.partition import init_params
+    >>> mesh = make_mesh(pipe=2, devices=jax.devices()[:2])
+    >>> cfg = config.TINY.replace(num_layers=2)
+    >>> pipe = Pipeline(cfg, mesh, "dp", PipelineConfig("1f1b", microbatches=4))
+    >>> params = init_params(pipe.abstract, mesh, "dp", seed=0)
+    >>> batch = {"inputs": jnp.zeros((8, 16), jnp.int32), "targets": jnp.zeros((8, 16), jnp.int32)}
+    >>> (loss, aux), grads = jax.jit(pipe.loss_and_grad)(params, batch)
+    >>> sorted(grads) == sorted(params)
+    True
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,10 +32,10 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import DATA, PIPE, StepSpec, run_ticks
 from triax.pipeline.generators import build
+from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
+from triax.pipeline.stage import Stage
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
-from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.stage import make_stage_apply
 from triax.sharding.partition import abstract_model, specs_for
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -37,11 +46,18 @@ def default_microbatches(stages: int) -> int:
     return 2 * stages
 
 
+def default_decode_microbatches(stages: int) -> int:
+    """Decode micro-batches when none are asked for: one per stage, so every stage works in
+    the middle tick while each micro-batch keeps as many rows as possible (decode rows are few
+    and a tick's matmuls are already small)."""
+    return stages
+
+
 def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
     """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact."""
     if cfg.moe is not None:
         return (f"model {cfg.name!r} is MoE: the pipeline executor runs dense models only; "
-                f"train it without pipe (use expert/data axes)")
+                f"run it without pipe (use expert/data axes)")
     return None
 
 
@@ -121,57 +137,99 @@ class Pipeline:
                 f"choose a batch size that is a multiple of {self.data * M}")
         return B // (self.data * M)
 
-    def _run(self, schedule: Schedule, params, batch):
-        """Split params into stage layout, run the ticks, reduce; returns loss and raw grads."""
-        B = batch["inputs"].shape[0]
-        micro = self._check_batch(B, schedule.microbatches)
+    @cached_property
+    def _stages(self) -> dict:
+        return {head: Stage(self.abstract.graphdef, self.exe, head) for head in ("loss", "logits")}
+
+    def _forward_schedule(self) -> Schedule:
+        return build(ScheduleKind.FORWARD_ONLY, self.stages, self.schedule.microbatches,
+                     self.schedule.virtual)
+
+    def _run(self, schedule: Schedule, stage: Stage, params, inputs: dict, consts: dict,
+             state=None):
+        """Split params into stage layout and run the ticks in one ``shard_map`` (manual over
+        pipe and data), then reduce once.
+
+        ``inputs``: ``{name: [B, ...]}``, rows split over data shards, then into micro-batches;
+        ``consts``: replicated values every op sees; ``state``: None, or per-layer, per-row
+        arrays ``[L, B, ...]`` (a KV cache), split over stages like the blocks and over rows
+        like the batch. Returns ``(loss, outputs, state, g_blocks, g_pieces)``: outputs are
+        ``[S, B, ...]`` per stage (the last stage's are the model's), grads ``{}`` for a
+        forward-only schedule.
+        """
+        B = jax.tree.leaves(inputs)[0].shape[0]
+        M = schedule.microbatches
+        micro = self._check_batch(B, M)
+        blocks = self.layout.to_stages(params["blocks"])
+        pieces = {k: v for k, v in params.items() if k != "blocks"}
+        state = {} if state is None else self.layout.to_stages(state)  # [S, v, Lc, B, ...]
+        spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
+                        self.exe.dtype, state_mb_axis=1)
+        bspec, pspec, bdims, pdims = self._manual_specs
+        backward = schedule.has_backward
+        rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
+
+        def body(blocks, pieces, inputs, consts, state):
+            blocks = jax.tree.map(lambda a: a[0], _gather(blocks, bdims))   # [v, Lc, ...]
+            pieces = _gather(pieces, pdims)
+            inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
+            # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
+            state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
+                                 state)
+            # Activation constraints would name manual axes; parameters carry TP instead.
+            with using_constraint(None):
+                res = run_ticks(spec, blocks, pieces, inputs, consts, state)
+            loss = jax.lax.psum(res.loss, (PIPE, DATA))
+            outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
+            state = jax.tree.map(lambda a: rows(a, 2)[None], res.state)
+            if not backward:
+                return loss, outputs, state, {}, {}
+            g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
+            return (loss, outputs, state,
+                    _reduce_data(jax.tree.map(lambda g: g[None], res.grads["blocks"]), bdims),
+                    _reduce_data(g_pieces, pdims))
+
+        bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
+        out_specs = (P(), per_stage_rows, state_spec, bspec if backward else {},
+                     pspec if backward else {})
+        fn = jax.shard_map(body, mesh=self.mesh,
+                           in_specs=(bspec, pspec, bat, P(), state_spec), out_specs=out_specs,
+                           axis_names={PIPE, DATA}, check_vma=False)
+        loss, outputs, state, g_blocks, g_pieces = fn(blocks, pieces, inputs, consts, state)
+        if state:
+            state = self.layout.from_stages(state)
+        return loss, outputs, state, g_blocks, g_pieces
+
+    def _loss_run(self, schedule: Schedule, params, batch):
         weights = batch.get("weights")
         if weights is None:
             weights = jnp.ones(batch["inputs"].shape, jnp.float32)
         weights = weights.astype(jnp.float32)
-        inv_w = 1.0 / jnp.maximum(jnp.sum(weights), 1.0)
-        blocks = self.layout.to_stages(params["blocks"])
-        pieces = {k: v for k, v in params.items() if k != "blocks"}
-        spec = StepSpec(compile_program(schedule), make_stage_apply(self.abstract.graphdef,
-                                                                    self.exe),
-                        self.stages, schedule.virtual, micro, self.exe.dtype)
-        bspec, pspec, bdims, pdims = self._manual_specs
-        backward = schedule.has_backward
-
-        def body(blocks, pieces, tokens, targets, weights, inv_w):
-            blocks = _gather(blocks, bdims)
-            pieces = _gather(pieces, pdims)
-            # Activation constraints would name manual axes; parameters carry TP instead.
-            with using_constraint(None):
-                loss, g_blocks, g_pieces = run_ticks(spec, blocks, pieces, tokens, targets,
-                                                     weights, inv_w)
-            loss = jax.lax.psum(loss, (PIPE, DATA))
-            if not backward:
-                return loss, {}, {}
-            g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), g_pieces)
-            return (loss, _reduce_data(jax.tree.map(lambda g: g[None], g_blocks), bdims),
-                    _reduce_data(g_pieces, pdims))
-
-        bat = P(DATA)
-        out_specs = (P(), bspec if backward else {}, pspec if backward else {})
-        fn = jax.shard_map(body, mesh=self.mesh,
-                           in_specs=(bspec, pspec, bat, bat, bat, P()), out_specs=out_specs,
-                           axis_names={PIPE, DATA}, check_vma=False)
-        return fn(blocks, pieces, batch["inputs"], batch["targets"], weights, inv_w)
+        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights}
+        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0)}
+        loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
+                                                   inputs, consts)
+        return loss, g_blocks, g_pieces
 
     def loss_and_grad(self, params, batch):
         """``((loss, aux), grads)`` of the whole model; same contract as the train step's."""
-        loss, g_blocks, g_pieces = self._run(self.schedule, params, batch)
+        loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
         grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
         return (loss, {"ce": loss}), grads
 
     def forward(self, params, batch):
         """Pipelined evaluation with the forward-only schedule: ``(loss, aux)``, no grads."""
-        M = self.schedule.microbatches
-        v = self.schedule.virtual
-        sched = build(ScheduleKind.FORWARD_ONLY, self.stages, M, v)
-        loss, _, _ = self._run(sched, params, batch)
+        loss, _, _ = self._loss_run(self._forward_schedule(), params, batch)
         return loss, {"ce": loss}
+
+    def decode(self, params, tokens_BT, positions_BT, cache):
+        """``(logits_BTV, cache)`` for ``T`` new tokens per row at ``positions_BT``, through
+        the forward-only schedule; each stage reads and writes its own layers' KV cache
+        (``triax.models.decode``), micro-batch by micro-batch."""
+        inputs = {"tokens": tokens_BT, "positions": positions_BT}
+        _, logits, cache, _, _ = self._run(self._forward_schedule(), self._stages["logits"],
+                                           params, inputs, {}, cache)
+        return logits[-1], cache
 
 
 def _gather(tree, dims):

@@ -1,49 +1,112 @@
 """What one pipeline stage computes for one chunk, and its stash-able backward.
 
-``stage_apply`` is the model between two pipeline cuts: embedding if the chunk is the first,
-the chunk's blocks, and the final norm, head and (summed, globally normalised) cross-entropy
-if it is the last. ``first``/``last`` are traced flags (the stage index is only known inside
+The pipeline runs any model shaped "pre-stack → scanned stack of identical blocks →
+post-stack": :class:`StackedModel` is that protocol, and the built-in ``Transformer``
+implements it. The parameters are a state dict whose ``"blocks"`` entry is the stack (a
+leading layers axis, split over stages); every other entry (``pieces``) belongs to the pre- or
+post-stack and is replicated over ``pipe``.
+
+:class:`Stage` is the model between two pipeline cuts: the pre-stack if the chunk is the
+first, the chunk's blocks, and the post-stack if it is the last — the summed, globally
+normalised loss (training, evaluation) or the logits (decode, which also reads and writes the
+chunk's KV cache). ``first``/``last`` are traced flags (the stage index is only known inside
 ``shard_map``), so every chunk has the same residual structure and shares one stash.
 
 ``Residuals`` turns ``jax.vjp``'s pullback into flat arrays for the stash, leaving out the
 leaves that are the parameters themselves (re-inserted at backward time, never copied).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from triax.models import config
+    >>> from triax.sharding.partition import abstract_model
+    >>> am = abstract_model(config.TINY)
+    >>> pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
+    >>> stage = Stage(am.graphdef, head="loss")
+    >>> stage.activation(am.shapes["blocks"], pieces, {"tokens": jnp.zeros((2, 8), jnp.int32)})
+    ShapeDtypeStruct(shape=(2, 8, 64), dtype=float32)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.layers import ExecConfig, causal_mask
+from triax.models.layers import ExecConfig
+from triax.models.loss import weighted_nll_sum
 
 
-def make_stage_apply(graphdef, exe: ExecConfig):
-    """``apply(chunk, pieces, x_BTD, extras) -> (y_BTD, loss)``; ``extras`` is
-    ``(tokens_BT, targets_BT, weights_BT, first, last, inv_total_weight)``."""
-    def apply(chunk, pieces, x_in_BTD, extras):
-        tok_BT, tgt_BT, w_BT, first, last, inv_w = extras
-        model = nnx.merge(graphdef, {**pieces, "blocks": chunk})
-        b, T = tok_BT.shape
-        pos_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
-        x = jax.lax.cond(first, lambda: model.embed_tokens(tok_BT, exe).astype(x_in_BTD.dtype),
+class StackedModel(Protocol):
+    """A model the pipeline can split: pre-stack, a scanned stack named ``blocks``, post-stack.
+
+    ``run_blocks`` must be a scan over the ``blocks`` stack (any leading layer count), so a
+    stage runs it on its own slice; ``cache`` is optional per-layer state scanned alongside.
+    """
+
+    def embed_tokens(self, tokens_BT, exe: ExecConfig): ...
+
+    def run_blocks(self, x_BTD, positions_BT=None, mask_BTS=None, exe: ExecConfig = ...,
+                   cache: Optional[Any] = None): ...  # -> (x_BTD, aux, cache)
+
+    def logits(self, x_BTD, exe: ExecConfig): ...
+
+
+@dataclass(frozen=True, eq=False)
+class Stage:
+    """``stage(chunk, pieces, x_BTD, extras, state) -> (y_BTD, loss, out, state)``.
+
+    ``extras`` is ``(inputs, consts, first, last)``: this micro-batch's inputs, step-wide
+    constants, and the chunk's place in the model. ``head="loss"``: inputs ``tokens``,
+    ``targets``, ``weights``, consts ``inv_total_weight``; the last chunk adds
+    ``Σ w·nll / total weight`` to the loss, ``out`` and ``state`` are empty. ``head="logits"``
+    (decode): inputs ``tokens``, ``positions``; ``state`` is the chunk's KV cache for this
+    micro-batch, ``out`` the logits (zeros on chunks that are not the last).
+    """
+
+    graphdef: Any                 # an nnx GraphDef of a StackedModel
+    exe: ExecConfig = ExecConfig()
+    head: str = "loss"
+
+    def __post_init__(self):
+        if self.head not in ("loss", "logits"):
+            raise ValueError(f"Stage head={self.head!r}: choose 'loss' or 'logits'")
+
+    def model(self, chunk, pieces) -> StackedModel:
+        return nnx.merge(self.graphdef, {**pieces, "blocks": chunk})
+
+    def activation(self, chunk, pieces, inputs) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of the activation that flows between stages."""
+        return jax.eval_shape(lambda c, p, t: self.model(c, p).embed_tokens(t, self.exe),
+                              chunk, pieces, inputs["tokens"])
+
+    def __call__(self, chunk, pieces, x_in_BTD, extras, state):
+        inputs, consts, first, last = extras
+        model = self.model(chunk, pieces)
+        x = jax.lax.cond(first,
+                         lambda: model.embed_tokens(inputs["tokens"], self.exe).astype(
+                             x_in_BTD.dtype),
                          lambda: x_in_BTD)
-        y_BTD, _ = model.run_blocks(x, pos_BT, causal_mask(T, b), exe)
+        if self.head == "loss":
+            y_BTD, _, _ = model.run_blocks(x, exe=self.exe)
 
-        def head_loss():
-            logp = jax.nn.log_softmax(model.logits(y_BTD, exe).astype(jnp.float32), axis=-1)
-            nll_BT = -jnp.take_along_axis(logp, tgt_BT[..., None], axis=-1)[..., 0]
-            return jnp.sum(nll_BT * w_BT) * inv_w
-        loss = jax.lax.cond(last, head_loss, lambda: jnp.zeros((), jnp.float32))
-        return y_BTD, loss
-    return apply
+            def loss():
+                nll = weighted_nll_sum(model.logits(y_BTD, self.exe), inputs["targets"],
+                                       inputs["weights"])
+                return nll * consts["inv_total_weight"]
+            return y_BTD, jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32)), {}, state
+        y_BTD, _, state = model.run_blocks(x, inputs["positions"], exe=self.exe, cache=state)
+        logits = lambda: model.logits(y_BTD, self.exe).astype(jnp.float32)  # noqa: E731
+        out = jax.lax.cond(last, logits,
+                           lambda: jnp.zeros(jax.eval_shape(logits).shape, jnp.float32))
+        return y_BTD, jnp.zeros((), jnp.float32), out, state
 
 
 @dataclass(frozen=True, eq=False)
 class Residuals:
-    """The stash layout of one forward's pullback: which leaves to store, their shapes."""
+    """The stash layout of one forward's pullback: which leaves to store, their shapes.
+
+    ``apply(chunk, pieces, x, extras) -> (y, loss)`` is what is differentiated."""
 
     treedef: Any
     param_index: tuple            # per pullback leaf: index into the param leaves, or None

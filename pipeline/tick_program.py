@@ -1,44 +1,80 @@
-"""Compile a schedule table into the integer arrays the executor scans over.
+"""Compile a schedule table into the named integer arrays the executor scans over.
 
 Besides each cell's op, the executor needs buffer slots: where an arriving activation or
-gradient waits until its op runs, where a forward's residuals wait for their backward, and
-(ZB-H1) where B_in's cotangent waits for W. Slots are assigned here, in Python, by a
-first-free allocator, so the buffers hold exactly the schedule's live items (plus one
-scratch slot that absorbs writes of idle ticks).
+gradient waits until its op runs, where a forward's residuals wait for their backward,
+(ZB-H1) where B_in's cotangent waits for W, and where a micro-batch's output is kept. Slots
+are assigned here, in Python, by a first-free allocator, so the buffers hold exactly the
+schedule's live items plus one scratch slot (index = the buffer's slot count) that absorbs
+the writes of ticks that have nothing to keep. Every field is an ``int32[ticks, S]`` array,
+and every slot in it is a real index: no sentinel is left for the executor to resolve.
 
     >>> from triax.pipeline import build
     >>> p = compile_program(build("1f1b", stages=2, microbatches=4))
-    >>> p.rows.shape, p.stash_slots
-    ((10, 2, 13), 2)
+    >>> p.ticks.kind.shape, p.stash_slots
+    ((10, 2), 2)
+    >>> p.ticks.stash_w[:, 0].tolist()   # stage 0: F writes its residuals, others: scratch 2
+    [0, 1, 2, 2, 0, 2, 1, 2, 2, 2]
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleKind
 
-# Column layout of one (tick, stage) row.
-FIELDS = ("kind", "mb", "local_chunk", "first", "last", "stash", "fin", "bin", "ct",
-          "recv_f", "recv_b", "stash_w", "ct_w")
-COL = {name: i for i, name in enumerate(FIELDS)}
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, eq=False)
+class Ticks:
+    """What every stage does at every tick: one ``int32[ticks, S]`` array per field.
+
+    Idle cells have kind 0 and read/write scratch slots. ``*_w`` is the slot a tick writes,
+    ``*_r`` the slot it reads, per buffer: the forward inbox (an arriving activation is filed
+    at ``fwd_in_w``, F reads ``fwd_in_r``), the backward inbox (likewise for gradients), the
+    stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``), the cotangent buffer
+    (B_in writes, W reads) and the per-micro-batch outputs (the last chunk's F writes).
+    """
+
+    kind: np.ndarray       # OpKind value; 0 idle
+    mb: np.ndarray         # micro-batch (0 when idle)
+    chunk: np.ndarray      # local chunk j of the stage (global chunk j*S + s)
+    first: np.ndarray      # 1: the chunk is the model's first (the pre-stack runs)
+    last: np.ndarray       # 1: the chunk is the model's last (the post-stack and loss run)
+    fwd_in_w: np.ndarray
+    fwd_in_r: np.ndarray
+    bwd_in_w: np.ndarray
+    bwd_in_r: np.ndarray
+    stash_w: np.ndarray
+    stash_r: np.ndarray
+    ct_w: np.ndarray
+    ct_r: np.ndarray
+    out_w: np.ndarray
+
+    def at(self, t: int, s: int) -> dict:
+        """One cell as ``{field: int}`` (for reading and tests)."""
+        return {f.name: int(getattr(self, f.name)[t, s]) for f in dataclasses.fields(self)}
+
+
+SLOT_FIELDS = ("fwd_in", "bwd_in", "stash", "ct", "out")
 
 
 @dataclass(frozen=True, eq=False)
 class TickProgram:
-    """``rows[tick, stage, field]`` (int32) plus buffer sizes; -1 slots mean the scratch slot.
-
-    ``stash``/``ct`` are the slots an op reads; ``stash_w``/``ct_w`` the slots it writes
-    (only F writes residuals, only B_in writes a cotangent; other ops write to scratch).
-    """
+    """A schedule's :class:`Ticks` and its buffer sizes (live slots; scratch not counted)."""
 
     schedule: Schedule
-    rows: np.ndarray
+    ticks: Ticks
     stash_slots: int
     fwd_slots: int
     bwd_slots: int
     ct_slots: int
+
+    @property
+    def out_slots(self) -> int:
+        return self.schedule.microbatches
 
 
 class _Slots:
@@ -63,8 +99,9 @@ class _Slots:
 
 def compile_program(s: Schedule) -> TickProgram:
     S, C = s.stages, s.num_chunks
-    rows = np.full((s.ticks, S, len(FIELDS)), -1, np.int32)
-    rows[..., COL["kind"]] = 0
+    names = [f.name for f in dataclasses.fields(Ticks)]
+    cols = {n: np.full((s.ticks, S), -1 if n.endswith(("_w", "_r")) else 0, np.int32)
+            for n in names}
     stash, fin, bin_, ct = ([_Slots() for _ in range(S)] for _ in range(4))
     final_kind = (None if not s.has_backward else
                   OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B)
@@ -75,32 +112,46 @@ def compile_program(s: Schedule) -> TickProgram:
                 continue
             if op.kind is OpKind.F and op.chunk < C - 1:
                 dst = (st + 1) % S
-                rows[t, dst, COL["recv_f"]] = fin[dst].take((op.mb, op.chunk + 1))
+                cols["fwd_in_w"][t, dst] = fin[dst].take((op.mb, op.chunk + 1))
             if op.kind in (OpKind.B, OpKind.B_IN) and op.chunk > 0:
                 dst = (st - 1) % S
-                rows[t, dst, COL["recv_b"]] = bin_[dst].take((op.mb, op.chunk - 1))
+                cols["bwd_in_w"][t, dst] = bin_[dst].take((op.mb, op.chunk - 1))
         for st, op in enumerate(row):
             if op is not None:
-                _fill(rows[t, st], op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
+                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
+                for name, value in cell.items():
+                    cols[name][t, st] = value
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
-    return TickProgram(s, rows, size(stash), size(fin), size(bin_), size(ct))
+    sizes = {"stash": size(stash), "fwd_in": size(fin), "bwd_in": size(bin_), "ct": size(ct),
+             "out": s.microbatches}
+    for buf in SLOT_FIELDS:  # unassigned slots → that buffer's scratch slot
+        for rw in ("_w", "_r"):
+            if buf + rw in cols:
+                a = cols[buf + rw]
+                a[a < 0] = sizes[buf]
+    return TickProgram(s, Ticks(**cols), sizes["stash"], sizes["fwd_in"], sizes["bwd_in"],
+                       sizes["ct"])
 
 
-def _fill(r, op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> None:
+def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
+    """The fields of one non-idle cell (slots left out are scratch)."""
     key = (op.mb, op.chunk)
-    r[COL["kind"]], r[COL["mb"]], r[COL["local_chunk"]] = int(op.kind), op.mb, op.chunk // S
-    r[COL["first"]], r[COL["last"]] = int(op.chunk == 0), int(op.chunk == C - 1)
+    cell = {"kind": int(op.kind), "mb": op.mb, "chunk": op.chunk // S,
+            "first": int(op.chunk == 0), "last": int(op.chunk == C - 1)}
     if op.kind is OpKind.F:
         if op.chunk > 0:
-            r[COL["fin"]] = fin.free(key)
+            cell["fwd_in_r"] = fin.free(key)
+        if op.chunk == C - 1:
+            cell["out_w"] = op.mb
         if final_kind is not None:  # forward-only keeps no residuals
-            r[COL["stash"]] = r[COL["stash_w"]] = stash.take(key)
-        return
+            cell["stash_r"] = cell["stash_w"] = stash.take(key)
+        return cell
     if op.kind in (OpKind.B, OpKind.B_IN):
         if op.chunk < C - 1:
-            r[COL["bin"]] = bin_.free(key)
+            cell["bwd_in_r"] = bin_.free(key)
         if op.kind is OpKind.B_IN:
-            r[COL["ct"]] = r[COL["ct_w"]] = ct.take(key)
+            cell["ct_r"] = cell["ct_w"] = ct.take(key)
     if op.kind is OpKind.W:
-        r[COL["ct"]] = ct.free(key)
-    r[COL["stash"]] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
+        cell["ct_r"] = ct.free(key)
+    cell["stash_r"] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
+    return cell

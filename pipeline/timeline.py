@@ -2,9 +2,12 @@
 
 matplotlib is imported only when drawing, so the schedules stay importable without it.
 
+    >>> import pathlib, tempfile
     >>> from triax.pipeline import build
     >>> fig = draw(build("zb-h1", stages=4, microbatches=8))
-    >>> save(build("1f1b", 4, 8), "1f1b.svg")      # PNG or SVG by suffix
+    >>> path = save(build("1f1b", 4, 8), pathlib.Path(tempfile.mkdtemp()) / "1f1b.svg")
+    >>> path.suffix                                   # PNG or SVG by suffix
+    '.svg'
 """
 from __future__ import annotations
 

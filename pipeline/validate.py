@@ -7,7 +7,8 @@ Errors name the tick, the stage and the op::
 """
 from __future__ import annotations
 
-from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleError, ScheduleKind, _find, prerequisites
+from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, _find,
+                                      prerequisites)
 
 
 def _cells(sched: Schedule):

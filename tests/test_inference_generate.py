@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from triax.inference.engine import Engine, EngineConfig
-from triax.inference.forward import schedule_table
+from triax.pipeline import build
 from triax.inference.reference import greedy_reference
 from triax.inference.server import Server, replica_meshes
 from triax.mesh import make_mesh
@@ -60,7 +60,7 @@ def _check_pipeline_decode_hlo(eng, sizes):
     over_pipe = [c for c in collectives_from_compiled(eng._decode_jit.lower(*args).compile(),
                                                       eng.mesh) if "pipe" in c.axes]
     rows = B // M // sizes.get("data", 1)  # one micro-batch's rows on one device
-    ticks = len(schedule_table(S, M))  # the forward-only schedule: M + S - 1 ticks
+    ticks = build("forward-only", stages=S, microbatches=M).ticks  # M + S - 1 ticks
     assert ticks == M + S - 1
     activation = Collective("collective-permute", ("pipe",), rows * CFG.embed_dim * 4, ticks)
     assert activation in over_pipe
