@@ -24,6 +24,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
@@ -33,10 +34,10 @@ from triax.models.layers import ExecConfig
 from triax.pipeline.executor import DATA, PIPE, StepSpec, run_ticks
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.stage import Stage
+from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
-from triax.sharding.partition import abstract_model, specs_for
+from triax.sharding.partition import AbstractModel, abstract_model, specs_for
 from triax.sharding.rules import Strategy, get_strategy
 
 
@@ -95,20 +96,26 @@ def _data_dim(spec: P) -> Optional[int]:
 class Pipeline:
     """A compiled-schedule pipeline for one model on one mesh (``pipe >= 2``)."""
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: "str | Strategy" = "dp",
-                 config: PipelineConfig = PipelineConfig(), exe: ExecConfig = ExecConfig()):
+    def __init__(self, model: "ModelConfig | AbstractModel", mesh: Mesh,
+                 strategy: "str | Strategy" = "dp", config: PipelineConfig = PipelineConfig(),
+                 exe: ExecConfig = ExecConfig()):
+        """``model``: the built-in decoder's config, or any model's :class:`AbstractModel`
+        (``triax.sharding.abstract_module``) that follows ``stage.PipelineModel``."""
         sizes = mesh_sizes(mesh)
         self.stages = sizes.get(PIPE, 1)
         if self.stages < 2:
             raise ScheduleError(f"a pipeline needs a mesh with pipe >= 2, got {sizes}")
-        reason = unpipelinable_reason(cfg)
+        am = model if isinstance(model, AbstractModel) else abstract_model(model)
+        reason = (unpipelinable_reason(am.cfg) if am.cfg is not None
+                  else _protocol_problem(am))
         if reason is not None:
             raise ScheduleError(reason)
-        self.cfg, self.mesh, self.exe, self.config = cfg, mesh, exe, config
-        self.strategy = pipeline_strategy(get_strategy(strategy), cfg.num_layers, self.stages)
+        self.cfg, self.mesh, self.exe, self.config = am.cfg, mesh, exe, config
+        num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
+        self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
         self.schedule = config.build(self.stages)
-        self.layout = StageLayers(cfg.num_layers, self.stages, self.schedule.virtual)
-        self.abstract = abstract_model(cfg)
+        self.layout = StageLayers(num_layers, self.stages, self.schedule.virtual)
+        self.abstract = am
         self.data = sizes.get(DATA, 1)
 
     @cached_property
@@ -139,6 +146,8 @@ class Pipeline:
 
     @cached_property
     def _stages(self) -> dict:
+        if self.cfg is None:   # a user's model: its own embed / block / head_loss
+            return {"loss": ProtocolStage(self.abstract.graphdef)}
         return {head: Stage(self.abstract.graphdef, self.exe, head) for head in ("loss", "logits")}
 
     def _forward_schedule(self) -> Schedule:
@@ -201,6 +210,12 @@ class Pipeline:
         return loss, outputs, state, g_blocks, g_pieces
 
     def _loss_run(self, schedule: Schedule, params, batch):
+        if self.cfg is None:
+            model = nnx.merge(self.abstract.graphdef, params)
+            consts = {"inv_total_weight": 1.0 / loss_weight(model, batch)}
+            loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
+                                                       dict(batch), consts)
+            return loss, g_blocks, g_pieces
         weights = batch.get("weights")
         if weights is None:
             weights = jnp.ones(batch["inputs"].shape, jnp.float32)
@@ -215,12 +230,12 @@ class Pipeline:
         """``((loss, aux), grads)`` of the whole model; same contract as the train step's."""
         loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
         grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
-        return (loss, {"ce": loss}), grads
+        return (loss, {} if self.cfg is None else {"ce": loss}), grads
 
     def forward(self, params, batch):
         """Pipelined evaluation with the forward-only schedule: ``(loss, aux)``, no grads."""
         loss, _, _ = self._loss_run(self._forward_schedule(), params, batch)
-        return loss, {"ce": loss}
+        return loss, {} if self.cfg is None else {"ce": loss}
 
     def decode(self, params, tokens_BT, positions_BT, cache):
         """``(logits_BTV, cache)`` for ``T`` new tokens per row at ``positions_BT``, through
@@ -230,6 +245,19 @@ class Pipeline:
         _, logits, cache, _, _ = self._run(self._forward_schedule(), self._stages["logits"],
                                            params, inputs, {}, cache)
         return logits[-1], cache
+
+
+def _protocol_problem(am: AbstractModel) -> Optional[str]:
+    """Why a user's model cannot be pipelined (None when it follows the protocol)."""
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: am.make(nnx.Rngs(0)))
+    missing = missing_protocol(model)
+    if missing or "blocks" not in am.shapes:
+        return (f"{type(model).__name__} cannot be pipelined: it lacks {missing or ['blocks']} "
+                f"of the protocol triax.pipeline.stage.PipelineModel (a stack of identical "
+                f"blocks named 'blocks', embed(batch), block(block, x, batch), "
+                f"head_loss(x, batch)); see docs/your_model.md")
+    return None
 
 
 def _gather(tree, dims):

@@ -102,6 +102,69 @@ class Stage:
         return y_BTD, jnp.zeros((), jnp.float32), out, state
 
 
+class PipelineModel(Protocol):
+    """The protocol any model follows to be pipelined (a user's ViT, an encoder, …).
+
+    ``blocks`` is a stack of identical blocks with a leading layers axis (``nnx.vmap`` with
+    ``PARTITION_NAME: "layers"``); every other parameter belongs to the pre- or post-stack.
+    ``batch`` is the micro-batch (a dict of arrays, leading axis = rows).
+    """
+
+    blocks: Any
+
+    def embed(self, batch): ...                   # pre-stack (first stage): -> x
+
+    @staticmethod
+    def block(block, x, batch): ...               # one block of the stack (every stage)
+
+    def head_loss(self, x, batch): ...            # post-stack (last stage): summed loss
+
+    # Optional: ``loss_weight(batch)``, what the summed loss is divided by (default: rows).
+
+
+def loss_weight(model, batch):
+    """The total a :class:`PipelineModel`'s summed loss is divided by, for the whole batch."""
+    fn = getattr(model, "loss_weight", None)
+    if fn is not None:
+        return jnp.asarray(fn(batch), jnp.float32)
+    return jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+
+
+def missing_protocol(model) -> list[str]:
+    """The :class:`PipelineModel` members ``model`` lacks (empty when it can be pipelined)."""
+    return [name for name in ("blocks", "embed", "block", "head_loss")
+            if not hasattr(model, name)]
+
+
+@dataclass(frozen=True, eq=False)
+class ProtocolStage:
+    """:class:`Stage`'s ``head="loss"`` for any :class:`PipelineModel`: ``embed`` on the first
+    chunk, ``block`` scanned over the chunk's layers, ``head_loss × inv_total_weight`` on the
+    last."""
+
+    graphdef: Any
+
+    def model(self, chunk, pieces) -> PipelineModel:
+        return nnx.merge(self.graphdef, {**pieces, "blocks": chunk})
+
+    def activation(self, chunk, pieces, inputs) -> jax.ShapeDtypeStruct:
+        return jax.eval_shape(lambda c, p, b: self.model(c, p).embed(b), chunk, pieces, inputs)
+
+    def __call__(self, chunk, pieces, x_in, extras, state):
+        inputs, consts, first, last = extras
+        model = self.model(chunk, pieces)
+        x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype), lambda: x_in)
+        graphdef, stack = nnx.split(model.blocks)
+
+        def body(x, layer):
+            return type(model).block(nnx.merge(graphdef, layer), x, inputs).astype(x.dtype), None
+        y, _ = jax.lax.scan(body, x, stack)
+
+        def loss():
+            return model.head_loss(y, inputs).astype(jnp.float32) * consts["inv_total_weight"]
+        return y, jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32)), {}, state
+
+
 @dataclass(frozen=True, eq=False)
 class Residuals:
     """The stash layout of one forward's pullback: which leaves to store, their shapes.
