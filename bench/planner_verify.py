@@ -13,7 +13,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from triax.models import config  # noqa: E402
 from triax.planner.workload import Layout, Schedule, Workload  # noqa: E402
-from triax.planner.verify import pipelined_verify_available, verify  # noqa: E402
+from triax.planner.verify import verify  # noqa: E402
 
 CASES = [
     ("tiny", 2, 16, 32, dict(data=8), "dp"),
@@ -33,7 +33,7 @@ MOE = [  # need the MoE layer (triax.models.moe)
     ("tiny-moe", 2, 16, 32, dict(data=2, expert=2, tensor=2), "tp"),
     ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
 ]
-PIPELINED = [  # need triax.pipeline's executor
+PIPELINED = [
     ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=8), "dp"),
     ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=Schedule.GPIPE, microbatches=8), "dp"),
     ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=Schedule.ONE_F_ONE_B, microbatches=4), "dp"),
@@ -48,7 +48,7 @@ def main():
     print("| model (layers) | B×T | plan | state pred/compiled MB | peak pred/compiled MB "
           "(ratio) | comm per axis pred/HLO MB (ratio) |")
     print("|---|---|---|---|---|---|")
-    cases = CASES + (PIPELINED if pipelined_verify_available() else [])
+    cases = CASES + PIPELINED
     if importlib.util.find_spec("triax.models.moe") is not None:
         cases += MOE
     for name, layers, B, T, sizes, strategy in cases:

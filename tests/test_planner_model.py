@@ -10,7 +10,7 @@ from triax.planner.comm import traffic
 from triax.planner.memory import estimate
 from triax.planner.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
 from triax.planner.workload import Layout, Schedule, Workload
-from triax.planner.verify import compile_figures, pipelined_verify_available
+from triax.planner.verify import compile_figures
 
 # model, layers, batch, seq, layout: few layers keep compiles short.
 CASES = {
@@ -20,13 +20,9 @@ CASES = {
     "small-tp": ("small", 2, 8, 64, Layout(data=2, tensor=4, strategy="tp")),
     "small-fsdp": ("small", 2, 16, 64, Layout(data=8, strategy="fsdp")),
 }
-# Pipelined compiles need triax.pipeline's executor (its own branch until merged); then the
-# pp case joins both checks.
-PIPELINED = {"tiny-pp": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
-                                                   schedule=Schedule.ONE_F_ONE_B,
-                                                   microbatches=8))}
-if pipelined_verify_available():
-    CASES.update(PIPELINED)
+# The pipelined compile (triax.pipeline's executor) joins both checks.
+CASES["tiny-pp"] = ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
+                                              schedule=Schedule.ONE_F_ONE_B, microbatches=8))
 # Likewise the MoE layer (triax.models.moe): experts over `expert`, the expert FFN over
 # `tensor`, the batch over data (× expert, with the MoE rules).
 if importlib.util.find_spec("triax.models.moe") is not None:

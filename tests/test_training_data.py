@@ -11,7 +11,7 @@ from triax.models import config as mc
 from triax.training.config import RunConfig, load_config_file
 from triax.training.data import (Batches, DataError, load_corpus, markov_chain, process_rows,
                                  unigram_loss)
-from triax.training.loop import build_mesh, check_batch, default_mesh
+from triax.training.setup import build_mesh, check_batch, default_mesh
 from triax.text.byte_tokenizer import ByteTokenizer
 
 
