@@ -1,7 +1,6 @@
 """Data, tokenizer, run config and the set-up errors of `triax train` (no compiles here)."""
 import os
 
-import jax
 import numpy as np
 import pytest
 
