@@ -34,7 +34,8 @@ def _scalar(annotation) -> type:
 def add_run_flags(p: argparse.ArgumentParser, names: Optional[Iterable[str]] = None,
                   defaults: Optional[dict] = None) -> None:
     """Add a flag per ``RunConfig`` field in ``names`` (all when None). ``defaults`` are what
-    the command uses where it differs from ``RunConfig`` (shown in the help)."""
+    the command uses where it differs from ``RunConfig`` (shown in the help; a field's
+    ``default_help`` metadata describes a default that is not a plain value)."""
     defaults = defaults or {}
     for name in (FIELDS if names is None else names):
         f = FIELDS[name]
@@ -49,8 +50,11 @@ def add_run_flags(p: argparse.ArgumentParser, names: Optional[Iterable[str]] = N
             else:
                 p.add_argument(flag, action="store_true", default=None, help=help_)
             continue
-        if default not in (None, ""):
-            help_ += f" (default: {default})"
+        shown = f.metadata.get("default_help") if default == f.default else None
+        if shown is None and default not in (None, ""):
+            shown = default
+        if shown is not None:
+            help_ += f" (default: {shown})"
         p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
                        help=help_)
 

@@ -50,8 +50,9 @@ class RunConfig:
 
     model: str = _f("tiny", "model preset (tiny, small, llama3-1b, …)")
     num_layers: Optional[int] = _f(None, "override the preset's layer count")
-    mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2 (default: picked from "
-                       "the devices, see triax.training.setup.default_mesh)")
+    mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
+                       "(the remaining devices)",
+                   default_help="data × tensor × pipe picked from the devices")
     strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp")
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = _f(0, "seed for parameters and data order")
