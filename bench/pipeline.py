@@ -28,11 +28,13 @@ from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.axes import using_constraint  # noqa: E402
 from triax.models.layers import causal_mask  # noqa: E402
-from triax.models.transformer import cross_entropy  # noqa: E402
+from triax.models.transformer import cross_entropy, scan_blocks  # noqa: E402
 from triax.pipeline import build  # noqa: E402
 from triax.pipeline.runner import PipelineConfig  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled  # noqa: E402
+from triax.training.config import RunConfig  # noqa: E402
+from triax.training.setup import build_run  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
 from triax.units import mib  # noqa: E402
 
@@ -57,7 +59,6 @@ def vmapped_gpipe(trainer: Trainer, M: int):
 
         def stage(p, h):
             with using_constraint(None):
-                from triax.models.transformer import scan_blocks
                 return scan_blocks(gd, p, h, pos, causal_mask(T, b), cfg, trainer.exe)[0]
 
         def tick(carry, t):
@@ -101,20 +102,26 @@ def measure(trainer: Trainer, batch, steps: int) -> dict:
 
 def run(args) -> list[dict]:
     cfg = config.get(args.model, args.layers)
-    batch = Trainer(cfg, make_mesh(data=8), "dp").example_batch(args.batch, args.seq)
-    base = measure(Trainer(cfg, make_mesh(data=8), "dp"), batch, args.steps)
+
+    def trainer(mesh: str, **pipeline) -> Trainer:
+        return build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
+                                   strategy="dp", batch_size=args.batch, seq_len=args.seq,
+                                   **pipeline), cfg).trainer
+    ref = trainer("data=8")
+    batch = ref.example_batch(args.batch, args.seq)
+    base = measure(ref, batch, args.steps)
     print(f"unpipelined data=8: {base}", file=sys.stderr)
     rows = []
     mesh = make_mesh(data=2, pipe=4)
     for M in args.ms:
         for kind in args.schedules:
             v = 2 if kind == "interleaved" else 1
-            if kind == "maxtext-vmap":
+            if kind == "maxtext-vmap":   # the baseline brings its own loss_and_grad
                 tr = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig("gpipe", M))
                 tr = Trainer(cfg, mesh, tr.strategy, loss_and_grad=vmapped_gpipe(tr, M))
                 bubble = build("gpipe", 4, M).bubble_fraction()
             else:
-                tr = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig(kind, M, v))
+                tr = trainer("data=2,pipe=4", schedule=kind, microbatches=M, virtual=v)
                 bubble = tr.pipeline.schedule.bubble_fraction()
             r = measure(tr, batch, args.steps)
             r.update(kind=kind, M=M, v=v, bubble=bubble, ratio=r["step_s"] / base["step_s"])

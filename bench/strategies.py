@@ -32,6 +32,8 @@ from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.sharding.introspect import (collectives_from_compiled,  # noqa: E402
                                        memory_from_compiled, summarize)
+from triax.training.config import RunConfig  # noqa: E402
+from triax.training.setup import build_run  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
 from triax.units import mib  # noqa: E402
 
@@ -105,15 +107,17 @@ def time_against(single: Stepper, compiled, trainer, args) -> tuple[float, float
 
 
 def run_case(cfg, strategy: str, mesh_kw: dict, args, single: Stepper | None) -> Result:
-    mesh = make_mesh(**mesh_kw)
-    trainer = Trainer(cfg, mesh, strategy)
-    compiled = trainer.lower(args.batch_size, args.seq_len).compile()
+    mesh_text = ",".join(f"{a}={s}" for a, s in mesh_kw.items())
+    run = build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh_text,
+                              strategy=strategy, batch_size=args.batch_size,
+                              seq_len=args.seq_len), cfg)
+    mesh, trainer, compiled = run.mesh, run.trainer, run.compiled.step
     measured = summarize(collectives_from_compiled(compiled, mesh))
     secs = ratio = None
     if single is not None:
         secs, ref = time_against(single, compiled, trainer, args)
         ratio = secs / ref
-    return Result(strategy, ",".join(f"{a}={s}" for a, s in mesh_kw.items()), secs, measured,
+    return Result(strategy, mesh_text, secs, measured,
                   ideal_collectives(trainer, args.batch_size, args.seq_len),
                   memory_from_compiled(compiled).to_json(),
                   ideal_state_bytes(trainer, args.batch_size, args.seq_len), ratio)

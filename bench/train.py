@@ -1,9 +1,10 @@
 """Training throughput of `small` on 8 simulated CPU devices across strategies.
 
-For each (strategy, mesh) it runs ``triax.training.loop.train`` for a few steps and reports
-tokens/s (compile and the first step excluded) and an MFU-equivalent: model FLOP/s divided
-by the host's fp32 matmul FLOP/s measured in the same run (simulated devices share the host's
-cores, so the host matmul rate is the ceiling). Writes the table under ``## Training`` in
+For each (strategy, mesh) it runs ``triax.training.loop.train`` (which builds the run with
+``triax.training.setup.build_run``) for a few steps and reports tokens/s (compile and the
+first step excluded) and an MFU-equivalent: model FLOP/s divided by the host's fp32 matmul
+FLOP/s measured in the same run (simulated devices share the host's cores, so the host
+matmul rate is the ceiling). Writes the table under ``## Training`` in
 docs/benchmarks.md.
 
     python bench/train.py                          # small, 2 layers, B=8, T=64, 4 steps
@@ -20,14 +21,17 @@ os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from tables import write_section  # noqa: E402  (bench/ is the script's directory)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from triax.training.config import RunConfig  # noqa: E402
+from triax.training.loop import train  # noqa: E402
 
 CASES = (("dp", "data=8"), ("fsdp", "data=8"), ("zero1", "data=8"), ("tp", "data=2,tensor=4"),
          ("fsdp_tp", "data=2,tensor=4"), ("fsdp_tp", "data=2,tensor=2,pipe=2"))
 
 
 def host_matmul_flops(n: int = 1024, reps: int = 5) -> float:
-    import jax
-    import jax.numpy as jnp
     a = jax.device_put(jnp.ones((n, n), jnp.float32), jax.devices()[0])
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -47,8 +51,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "..", "docs",
                                                  "benchmarks.md"))
     args = p.parse_args(argv)
-    from triax.training.config import RunConfig
-    from triax.training.loop import train
     peak = host_matmul_flops()
     rows = []
     for strategy, mesh in CASES:

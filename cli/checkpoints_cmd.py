@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 
@@ -19,12 +20,10 @@ def add_parser(sub) -> None:
 
 def list_checkpoints(directory: str) -> list[dict]:
     """One dict per committed step (partial saves are not listed)."""
-    if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory!r} does not exist")
-    import logging
     logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
-    from triax.training.checkpoint import CheckpointError, Checkpointer
-    ckpt = Checkpointer(directory, read_only=True)
+    # Loaded only now: Orbax loads JAX, which must not start while the parser is built.
+    from triax.checkpoint import CheckpointError, Checkpointer
+    ckpt = Checkpointer.existing(directory)
     rows = []
     for step in ckpt.steps():
         row = {"step": step, "bytes": ckpt.step_size_bytes(step)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from triax.mesh import parse_mesh, simulate_cpu_devices
+from triax.cli.common import start_devices
 
 
 def add_parser(sub) -> None:
@@ -48,9 +48,11 @@ def _prompts(args) -> list[str]:
 def run(args) -> int:
     if args.greedy and args.temperature:
         raise ValueError("--greedy and --temperature contradict; give one of them")
-    simulate_cpu_devices()
+    start_devices()
+    # Loaded only now: these modules start JAX, which must see the simulated device count.
     from triax.inference.generate import build_server, generate
     from triax.inference.sampling import SamplingConfig
+    from triax.mesh import parse_mesh
     prompts = _prompts(args)
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")

@@ -18,13 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
                                   "planning on a data × tensor × pipe (× expert) mesh.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"triax.cli.{name}_cmd")
-        except ModuleNotFoundError as e:
-            if e.name != f"triax.cli.{name}_cmd":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"triax.cli.{name}_cmd").add_parser(sub)
     return parser
 
 

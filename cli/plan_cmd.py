@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import json
 
-from triax.mesh import parse_mesh
-from triax.sharding.rules import get_strategy
+from triax.training.config import PRECISIONS
 
 
 def add_parser(sub) -> None:
@@ -17,7 +16,7 @@ def add_parser(sub) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="preset name (see triax.models.config.PRESETS)")
     what.add_argument("--params", type=float, help="parameter count for a quick estimate")
-    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=tuple(PRECISIONS), default="bf16")
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--train", action="store_true")
     job.add_argument("--inference", action="store_true")
@@ -42,8 +41,12 @@ def add_parser(sub) -> None:
 
 
 def _layout(args):
+    # Imported here: triax.mesh and the rules load JAX, which `--verify` may need to start
+    # with another device count.
+    from triax.mesh import parse_mesh
     from triax.pipeline import ScheduleKind
     from triax.planner.workload import Layout
+    from triax.sharding.rules import get_strategy
     if args.mesh is None:
         if args.strategy or args.schedule:
             raise ValueError("--strategy/--schedule go with --mesh (e.g. --mesh data=2,tensor=4)")
@@ -76,9 +79,7 @@ def run(args) -> int:
     rec = plan(w, cluster, top=args.top, layout=_layout(args))
     out = rec.to_json()
     if args.verify:
-        from triax.planner.verify import pipelined_verify_available, verify
-        ok = pipelined_verify_available()
-        out["verify"] = [verify(p.workload, p.layout) for p in rec.plans
-                         if ok or p.layout.pipe == 1]
+        from triax.planner.verify import verify
+        out["verify"] = [verify(p.workload, p.layout) for p in rec.plans]
     print(json.dumps(out, indent=2) if args.json else text_report(rec, out.get("verify")))
     return 0

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 
+from triax.pipeline import build
+from triax.pipeline.schedules import ScheduleKind
+
 
 def add_parser(sub) -> None:
-    from triax.pipeline.schedules import ScheduleKind
     p = sub.add_parser("schedule", help="a pipeline schedule's tick table, bubble and memory",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--kind", default="1f1b", choices=[k.value for k in ScheduleKind])
@@ -24,7 +26,6 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from triax.pipeline import build
     sched = build(args.kind, args.stages, args.microbatches, args.virtual)
     facts = sched.summary()
     if args.png:

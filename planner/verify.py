@@ -21,54 +21,48 @@ import json
 import os
 import subprocess
 import sys
-from typing import Optional
 
+from triax.models import config
 from triax.planner.comm import traffic
 from triax.planner.memory import estimate
 from triax.pipeline import ScheduleKind
 from triax.planner.workload import Layout, Workload
+from triax.training.config import PRECISIONS, RunConfig
 
-_COMPUTE_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# JAX is imported only inside compile_figures: `triax plan --verify` must not start JAX in
+# its own process when the plan needs another device count (that compile runs in a
+# subprocess with JAX_NUM_CPU_DEVICES set; see _in_process_or_subprocess).
+
+
+def run_config(w: Workload, lay: Layout) -> RunConfig:
+    """The plan as a training run (what ``compile_figures`` builds through ``build_run``)."""
+    if w.dtype not in PRECISIONS:
+        raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
+    return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers,
+                     mesh=",".join(f"{a}={n}" for a, n in lay.sizes.items()),
+                     strategy=lay.strategy, batch_size=w.batch, seq_len=w.seq,
+                     precision=w.dtype, remat=w.remat,
+                     schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
+                     microbatches=lay.microbatches, virtual=lay.virtual)
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:
     """Compile the plan's train step in this process (needs exactly ``lay.devices`` JAX
     devices) and return {"memory": MemoryReport json, "collectives": {axis: payload}}."""
-    import jax
-    from triax.mesh import make_mesh
-    from triax.models.layers import ExecConfig
+    import jax  # see the note at the imports
     from triax.sharding.introspect import collectives_from_compiled, memory_from_compiled
-    from triax.training.step import Trainer
+    from triax.training.setup import build_run
 
     if len(jax.devices()) != lay.devices:
         raise ValueError(f"plan needs {lay.devices} devices, JAX has {len(jax.devices())}; "
                          f"use verify() (it starts a subprocess with the right count)")
-    mesh = make_mesh(**lay.sizes)
-    exe = ExecConfig(compute_dtype=_COMPUTE_DTYPE[w.dtype], remat=w.remat)
-    extra = {"pipeline": _pipeline_config(lay)} if lay.pipe > 1 else {}
-    trainer = Trainer(w.cfg, mesh, lay.strategy, exe=exe, **extra)
-    compiled = trainer.lower(w.batch, w.seq).compile()
+    run = build_run(run_config(w, lay), w.cfg)
+    compiled = run.compiled.step
     by_axis: dict[str, int] = {}
-    for c in collectives_from_compiled(compiled, mesh):
+    for c in collectives_from_compiled(compiled, run.mesh):
         for a in c.axes:   # a collective over several axes counts toward each
             by_axis[a] = by_axis.get(a, 0) + c.bytes_per_device * c.count
     return {"memory": memory_from_compiled(compiled).to_json(), "collectives": by_axis}
-
-
-def pipelined_verify_available() -> bool:
-    try:
-        from triax.pipeline.runner import PipelineConfig  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _pipeline_config(lay: Layout):
-    if not pipelined_verify_available():
-        raise ValueError("--verify compiles pipelined plans once triax.pipeline's executor "
-                         "is installed; choose a plan with pipe=1")
-    from triax.pipeline.runner import PipelineConfig
-    return PipelineConfig(lay.schedule.value, lay.microbatches, lay.virtual)
 
 
 def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
@@ -112,19 +106,13 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
 
 
 def _in_process_or_subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
-    if "jax" in sys.modules:
-        import jax
-        if len(jax.devices()) == lay.devices:
-            return compile_figures(w, lay)
+    jax = sys.modules.get("jax")   # in process only where the caller already runs JAX
+    if jax is not None and len(jax.devices()) == lay.devices:
+        return compile_figures(w, lay)
     return _subprocess(w, lay, timeout)
 
 
-def ratio(pred: float, got: float) -> Optional[float]:
-    return None if not got else pred / got
-
-
 def _main(arg: str) -> None:
-    from triax.models import config
     a = json.loads(arg)
     w = Workload.of(config.get(a["model"], num_layers=a["layers"]), train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"])

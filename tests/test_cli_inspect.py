@@ -4,8 +4,7 @@ import json
 import os
 import subprocess
 import sys
-
-import pytest
+import textwrap
 
 from triax.cli.main import main
 
@@ -55,3 +54,20 @@ def test_cli_respects_user_device_count():
                  {"JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4"})
     assert r.returncode == 2
     assert "simulating" not in r.stderr and "JAX sees 4 device(s)" in r.stderr
+
+
+def test_flags_come_from_run_config_and_the_parser_does_not_load_jax():
+    """Every RunConfig field is a `triax train` flag; building the parser leaves JAX unloaded
+    (the simulated device count is set later, when a command runs)."""
+    code = textwrap.dedent("""
+        import dataclasses, sys
+        from triax.cli.main import build_parser
+        from triax.training.config import RunConfig
+        parser = build_parser()
+        train = parser._subparsers._group_actions[0].choices["train"]
+        dests = {a.dest for a in train._actions}
+        missing = {f.name for f in dataclasses.fields(RunConfig)} - dests
+        assert not missing, missing
+        assert not any(m == "jax" or m.startswith("jax.") for m in sys.modules), "jax loaded"
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)

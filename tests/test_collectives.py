@@ -1,7 +1,6 @@
 """Structural facts read from the compiled HLO and from memory_analysis (exact, no timing)."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from triax.mesh import make_mesh

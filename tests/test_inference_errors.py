@@ -83,7 +83,7 @@ def test_loads_a_training_checkpoint(tmp_path, devices):
     """The layout written by training (state = params + opt_state + step, meta = model)."""
     import dataclasses
 
-    from triax.training.checkpoint import Checkpointer
+    from triax.checkpoint import Checkpointer
     from triax.training.step import Trainer
     trainer = Trainer(CFG, make_mesh(data=2, devices=devices[:2]), "dp")
     state = trainer.init(seed=5)

@@ -57,7 +57,7 @@ def test_3d_mesh_train_step(reference):
     """data=2, tensor=2, pipe=2 under fsdp_tp: grads and one optimizer step match."""
     cfg, params, batch, loss0, grads0 = reference(2)
     mesh = make_mesh(data=2, tensor=2, pipe=2)
-    tr = Trainer(cfg, mesh, "fsdp_tp")           # pipe > 1: the pipeline is picked by itself
+    tr = Trainer(cfg, mesh, "fsdp_tp", pipeline=PipelineConfig())   # the default schedule
     assert tr.pipeline is not None and tr.pipeline.schedule.kind.value == "1f1b"
     (loss, _), grads = tr.grads(params, batch)
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)

@@ -152,7 +152,7 @@ def test_timeline_svg(tmp_path):
 def test_schedules_import_without_jax():
     import subprocess
     import sys
-    code = ("import sys, triax.pipeline, triax.pipeline.timeline, triax.pipeline.cli_args; "
+    code = ("import sys, triax.pipeline, triax.pipeline.timeline; "
             "b = triax.pipeline.build('zb-h1', 4, 8); "
             "assert not any(m == 'jax' or m.startswith('jax.') for m in sys.modules), 'jax'")
     subprocess.run([sys.executable, "-c", code], check=True)

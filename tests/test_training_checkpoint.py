@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from triax.cli.main import main
-from triax.training.checkpoint import CheckpointError, Checkpointer
+from triax.checkpoint import CheckpointError, Checkpointer
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
@@ -122,7 +122,7 @@ KILL_CHILD = textwrap.dedent("""
     import asyncio, sys, time
     import jax.numpy as jnp
     from orbax.checkpoint._src.path import atomicity
-    from triax.training.checkpoint import Checkpointer
+    from triax.checkpoint import Checkpointer
     ck = Checkpointer(sys.argv[1])
     ck.save(1, {"w": jnp.arange(4096.0)}, {"step": 1}, wait=True)
     async def stalled_commit(self):  # the data is written; the commit never comes

@@ -1,7 +1,6 @@
 """Data, tokenizer, run config and the set-up errors of `triax train` (no compiles here)."""
 import os
 
-import jax
 import numpy as np
 import pytest
 
@@ -11,7 +10,7 @@ from triax.models import config as mc
 from triax.training.config import RunConfig, load_config_file
 from triax.training.data import (Batches, DataError, load_corpus, markov_chain, process_rows,
                                  unigram_loss)
-from triax.training.loop import build_mesh, check_batch, default_mesh
+from triax.training.setup import build_mesh, check_batch, default_mesh
 from triax.text.byte_tokenizer import ByteTokenizer
 
 

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import assert_trees_close
+from triax.checkpoint import Checkpointer
 from triax.cli.main import main
 from triax.mesh import make_mesh
 from triax.models import config as mc
-from triax.training import metrics as M
+from triax.training import metrics
 from triax.training.config import RunConfig
 from triax.training.data import load_corpus
 from triax.training.loop import NonFiniteLoss, train
@@ -104,7 +105,6 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
         train(run, note=lambda *_: None)
     bad, kept = map(int, re.search(r"at step (\d+);.*\(step (\d+)\)", str(e.value)).groups())
     assert kept == bad - 1 and "Try a lower --lr" in str(e.value)
-    from triax.training.checkpoint import Checkpointer
     ck = Checkpointer(str(ckdir), read_only=True)
     assert ck.steps()[-1] == kept
     state, _ = ck.restore(kept, Trainer(mc.get("tiny", 1), make_mesh(data=8), "dp").abstract_state())
@@ -112,9 +112,9 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
 
 
 def test_mfu_and_peak_table():
-    assert M.peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989e12
-    assert M.peak_flops_per_device("NVIDIA H100 PCIe") == 756e12
-    assert M.peak_flops_per_device("TPU v5 lite") == 197e12
-    assert M.peak_flops_per_device("cpu") is None
-    assert M.mfu(1e12, 1.0, 2, 1e12) == 0.5
-    assert M.mfu(1e12, 1.0, 2, None) is None and M.fmt_mfu(None) == "n/a"
+    assert metrics.peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops_per_device("NVIDIA H100 PCIe") == 756e12
+    assert metrics.peak_flops_per_device("TPU v5 lite") == 197e12
+    assert metrics.peak_flops_per_device("cpu") is None
+    assert metrics.mfu(1e12, 1.0, 2, 1e12) == 0.5
+    assert metrics.mfu(1e12, 1.0, 2, None) is None and metrics.fmt_mfu(None) == "n/a"

@@ -1,78 +1,110 @@
 """Run configuration: one frozen dataclass that the CLI, config files and the loop share.
 
-``--config FILE`` (TOML or YAML, loaded safely) supplies the same keys as the flags (with
-``-`` or ``_``), and explicit flags override it.
+Every field carries its help text in ``metadata`` and the CLI generates ``triax train``'s
+(and ``triax inspect``'s) flags from the fields (``triax.cli.run_flags``). ``--config FILE``
+(TOML or YAML, loaded safely) supplies the same keys as the flags (with ``-`` or ``_``), and
+explicit flags override it.
 
     >>> run = RunConfig(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
     >>> run.replace(steps=100).steps
     100
+    >>> RunConfig(precision="fp8").exec_config()
+    Traceback (most recent call last):
+    ...
+    ValueError: --precision 'fp8': choose one of fp32, bf16, fp16
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
-from typing import Optional
+import tomllib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
-from triax.models import config as model_config
-from triax.models.config import ModelConfig
-from triax.models.layers import ExecConfig
-from triax.training.optim import OptimConfig
+import yaml
 
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16"}
+# JAX-free on purpose: the CLI builds its parser from these fields before it may load JAX
+# (the simulated device count must be set first), so the model, optimizer and execution
+# configs, whose packages import JAX, are imported where they are built.
+from triax.pipeline.schedules import ScheduleKind
+
+if TYPE_CHECKING:
+    from triax.models.config import ModelConfig
+    from triax.models.layers import ExecConfig
+    from triax.training.optim import OptimConfig
+
+# Precision names -> compute dtype (parameters stay fp32: bf16/fp16 are mixed precision).
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# Schedules a training step can run (forward-only is for evaluation and inference).
+TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
+
+
+def _f(default, help: str, **meta):
+    """A field with its CLI help (and optional ``choices``) in metadata."""
+    return field(default=default, metadata={"help": help, **meta})
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a training run (saved as JSON in every checkpoint)."""
 
-    model: str = "tiny"
-    num_layers: Optional[int] = None
-    mesh: str = ""                      # "" = pick automatically (see loop.default_mesh)
-    strategy: str = "fsdp_tp"
-    steps: int = 200
-    seed: int = 0
-    batch_size: int = 16
-    seq_len: int = 128
-    lr: float = 3e-3
-    lr_warmup_steps: int = 0            # 0: 10% of --steps
-    lr_decay_steps: int = 0             # 0: --steps
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
-    precision: str = "fp32"             # fp32 | bf16 (bf16 compute, fp32 master weights)
-    remat: str = "none"
-    grad_accum: int = 1
-    schedule: str = "1f1b"              # triax.pipeline schedule (used when pipe > 1)
-    microbatches: int = 0               # pipeline micro-batches (0: 2 × pipe)
-    virtual: int = 1                    # pipeline chunks per stage (interleaved schedules)
-    data: str = "pydoc"
-    val_fraction: float = 0.05
-    eval_every: int = 0                 # 0: only at the end
-    eval_batches: int = 4
-    checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0           # 0: only at the end (and on SIGTERM/SIGINT)
-    keep_checkpoints: int = 3
-    resume: bool = False
-    no_save: bool = False
-    log_json: Optional[str] = None
-    tensorboard: Optional[str] = None
-    progress: bool = True
+    model: str = _f("tiny", "model preset (tiny, small, llama3-1b, …)")
+    num_layers: Optional[int] = _f(None, "override the preset's layer count")
+    mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
+                       "(the remaining devices)",
+                   default_help="data × tensor × pipe picked from the devices")
+    strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp")
+    steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
+    seed: int = _f(0, "seed for parameters and data order")
+    batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
+    seq_len: int = _f(128, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate (warmup + cosine)")
+    lr_warmup_steps: int = _f(0, "warmup steps (0: 10% of --steps)")
+    lr_decay_steps: int = _f(0, "cosine decay steps (0: --steps)")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    clip_norm: float = _f(1.0, "gradient clipping (global norm)")
+    precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
+                                "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
+    remat: str = _f("none", "activation checkpointing policy: none | full | dots | "
+                            "dots_no_batch")
+    grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
+    schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
+                       choices=TRAIN_SCHEDULES)
+    microbatches: int = _f(0, "pipeline micro-batches per step (0: 2 × pipe)")
+    virtual: int = _f(1, "pipeline chunks per stage (interleaved only)")
+    data: str = _f("pydoc", "pydoc | markov | path to a .txt or .npy token file")
+    val_fraction: float = _f(0.05, "fraction of the data held out for validation")
+    eval_every: int = _f(0, "validation loss every N steps (0: at the end only)")
+    eval_batches: int = _f(4, "batches per validation")
+    checkpoint_dir: Optional[str] = _f(None, "directory for Orbax checkpoints")
+    checkpoint_every: int = _f(0, "save every N steps (0: at the end and on SIGTERM/SIGINT)")
+    keep_checkpoints: int = _f(3, "keep the last N checkpoints")
+    resume: bool = _f(False, "continue from the latest checkpoint in --checkpoint-dir")
+    no_save: bool = _f(False, "do not write checkpoints")
+    log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
+    tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
+    progress: bool = _f(True, "progress bar")
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
 
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> "ModelConfig":
+        from triax.models import config as model_config  # loads JAX: see the imports
         return model_config.get(self.model, self.num_layers)
 
-    def optim_config(self) -> OptimConfig:
+    def optim_config(self) -> "OptimConfig":
+        """The optimizer, resolved against ``steps`` (warmup and decay filled in)."""
+        from triax.training.optim import OptimConfig  # loads JAX: see the imports
         return OptimConfig(lr=self.lr, warmup_steps=self.lr_warmup_steps,
                            decay_steps=self.lr_decay_steps, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm)
+                           clip_norm=self.clip_norm).resolved(self.steps)
 
-    def exec_config(self) -> ExecConfig:
+    def exec_config(self) -> "ExecConfig":
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: choose one of "
                              f"{', '.join(PRECISIONS)}")
+        # Both load JAX: see the imports.
+        from triax.models.layers import ExecConfig
         from triax.models.transformer import REMAT_POLICIES
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"--remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
@@ -93,10 +125,8 @@ def load_config_file(path: str) -> dict:
         raw = f.read()
     try:
         if path.endswith(".toml"):
-            import tomllib
             data = tomllib.loads(raw.decode("utf-8"))
         elif path.endswith((".yaml", ".yml")):
-            import yaml
             data = yaml.safe_load(raw) or {}
         else:
             raise ValueError(f"config file {path!r}: use a .toml, .yaml or .yml file")

@@ -6,8 +6,13 @@ cluster from its environment: SLURM (``srun``), Open MPI (``mpirun``) and Kubern
 (JobSet / indexed Jobs; needs the ``kubernetes`` package). A lone process does nothing.
 On CPU, collectives across processes go through gloo.
 
-    >>> initialize(coordinator="127.0.0.1:1234", num_processes=2, process_id=0)
+    >>> # needs process 1 and a JAX that has not started yet:
+    >>> initialize(coordinator="127.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
     'explicit: process 0 of 2 via 127.0.0.1:1234'
+    >>> initialize(coordinator="127.0.0.1:1234")
+    Traceback (most recent call last):
+    ...
+    ValueError: multi-process runs need all of --coordinator HOST:PORT, --num-processes N and --process-id I (or none, to auto-detect)
 """
 from __future__ import annotations
 

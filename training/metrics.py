@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Optional
 
+from tqdm import tqdm
+
 # Dense bf16 peak FLOP/s per device, matched by substring of ``device.device_kind``
 # (first match wins, so more specific names come first).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -86,6 +88,5 @@ class MetricSinks:
 
 def progress_bar(total: int, initial: int, enabled: bool):
     """A tqdm bar on stderr (disabled on non-zero processes or with --no-progress)."""
-    from tqdm import tqdm
     return tqdm(total=total, initial=initial, disable=not enabled, unit="step",
                 dynamic_ncols=True, file=sys.stderr, leave=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import jax
 import optax
 
 
@@ -52,6 +53,5 @@ def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:
 
 def _decay_mask(params):
     # No weight decay on norm scales (1-D per layer) — the usual Llama recipe.
-    import jax
     return jax.tree_util.tree_map_with_path(
         lambda path, p: not any(getattr(k, "key", None) == "scale" for k in path), params)

@@ -10,6 +10,11 @@ all-reduce for DP, all-gather/reduce-scatter for FSDP, per-block all-reduces for
     >>> trainer = Trainer(config.TINY, make_mesh(data=2, tensor=4), "fsdp_tp")
     >>> state = trainer.init(seed=0)
     >>> state, metrics = trainer.step(state, trainer.example_batch(8, 32))
+
+Pipelining is never guessed: pass ``pipeline=PipelineConfig(...)`` on a mesh with
+``pipe > 1`` to run ``triax.pipeline``'s schedule; without it the plain SPMD step runs (the
+layer stack is then stored split over ``pipe`` and XLA gathers each layer where it runs).
+``triax.training.setup.build_run`` makes that choice once for the CLI, planner and benches.
 """
 from __future__ import annotations
 
@@ -23,10 +28,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.models.transformer import cross_entropy
+from triax.models.transformer import Transformer, cross_entropy
+from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
                                       batch_sharding, param_shardings)
 from triax.sharding.rules import Strategy, get_strategy
@@ -47,33 +52,31 @@ def model_loss(am: AbstractModel, exe: ExecConfig):
     return loss
 
 
-def _make_pipeline(cfg, mesh, strategy, pipeline, exe, loss_and_grad):
-    """A ``triax.pipeline.Pipeline`` when the mesh has pipe > 1 (or one is asked for)."""
-    if loss_and_grad is not None or (pipeline is None and (
-            mesh_sizes(mesh).get("pipe", 1) < 2 or cfg.moe is not None)):
-        return None
-    from triax.pipeline.runner import Pipeline, PipelineConfig
-    return Pipeline(cfg, mesh, strategy, pipeline or PipelineConfig(), exe)
-
-
 class Trainer:
     """A model, a mesh and a strategy, compiled into ``init`` and ``step``.
 
-    ``loss_and_grad`` may be replaced (the pipeline does) by any function with the
-    signature ``(params, batch) -> ((loss, aux), grads)``; the step stays the same.
+    Internally it works from the abstract model (``self.abstract``: graph, shapes, logical
+    axes) and a loss function (``model_loss``). ``pipeline`` runs that loss through a
+    ``triax.pipeline`` schedule; ``loss_and_grad`` may replace it by any function with the
+    signature ``(params, batch) -> ((loss, aux), grads)`` (the step stays the same).
+    Every argument is hashable: ``triax.training.step_cache`` keys compiled steps on them.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp",
+    def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp", *,
+                 pipeline: Optional[PipelineConfig] = None,
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
-                 total_steps: int = 100, loss_and_grad: Optional[Callable] = None,
-                 pipeline: Optional[Any] = None, accum_steps: int = 1):
+                 total_steps: int = 100, accum_steps: int = 1,
+                 loss_and_grad: Optional[Callable] = None):
+        if pipeline is not None and loss_and_grad is not None:
+            raise ValueError("Trainer: give pipeline= or loss_and_grad=, not both (the "
+                             "pipeline computes loss and gradients itself)")
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
+        self.exe = exe
         self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
-        # pipe > 1: the pipeline executor computes loss and grads (triax.pipeline).
-        self.pipeline = _make_pipeline(cfg, mesh, self.strategy, pipeline, exe, loss_and_grad)
+        self.pipeline = None if pipeline is None else Pipeline(cfg, mesh, self.strategy,
+                                                                pipeline, exe)
         if self.pipeline is not None:
             self.strategy, loss_and_grad = self.pipeline.strategy, self.pipeline.loss_and_grad
-        self.exe = exe
         self.optim = optim.resolved(total_steps)
         self.tx = make_optimizer(self.optim)
         self.schedule = lr_schedule(self.optim)
@@ -110,7 +113,6 @@ class Trainer:
 
     # ---- init ------------------------------------------------------------------------------
     def _init_fn(self, seed: int):
-        from triax.models.transformer import Transformer
         cfg, tx = self.cfg, self.tx
 
         def init():

@@ -1,10 +1,17 @@
 """Compiled pieces of a run — trainer, step, eval loss, initializer — reused when a later run
-in the same process has the same shape (a resume after a stop, notebooks, tests, benches).
+in the same process builds the same program (a resume after a stop, notebooks, tests, benches).
 
-The key holds everything that changes the compiled program; the seed only picks an init.
+The key is the trainer's constructor arguments plus the batch shape: exactly what changes the
+compiled program (all are hashable). The seed only picks an init.
 
-    >>> c = compiled_for(run, cfg, mesh, build_trainer)
-    >>> state = c.init(run.seed); state, metrics = c.step(state, batch)
+    >>> from triax.mesh import make_mesh
+    >>> from triax.models import config
+    >>> args = dict(cfg=config.get("tiny", num_layers=1), mesh=make_mesh(data=8), strategy="dp")
+    >>> c = compiled_for(args, batch_size=8, seq_len=16)
+    >>> c is compiled_for(dict(args), batch_size=8, seq_len=16)
+    True
+    >>> state = c.init(seed=0)
+    >>> state, metrics = c.step(state, c.trainer.shard_batch(c.trainer.example_batch(8, 16)))
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ class Compiled:
 
     @property
     def step(self) -> Callable:
+        """The AOT-compiled step ``(state, batch) -> (state, metrics)`` (donates ``state``)."""
         if self._step is None:
             self._step = self.trainer.lower(self.batch_size, self.seq_len).compile()
         return self._step
@@ -58,14 +66,14 @@ class Compiled:
         return self._inits[seed]()
 
 
-def compiled_for(run, cfg, mesh, build: Callable[..., Trainer]) -> Compiled:
-    """The cached ``Compiled`` for this run's program, building the trainer on a miss."""
-    key = (cfg, mesh, run.strategy, run.optim_config().resolved(run.steps), run.exec_config(),
-           run.grad_accum, run.batch_size, run.seq_len, run.schedule, run.microbatches, run.virtual)
+def compiled_for(trainer_args: dict, batch_size: int, seq_len: int) -> Compiled:
+    """The cached ``Compiled`` for ``Trainer(**trainer_args)`` at this batch shape, building
+    the trainer on a miss."""
+    key = (tuple(sorted(trainer_args.items())), batch_size, seq_len)
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    entry = Compiled(build(run, cfg, mesh), run.batch_size, run.seq_len)
+    entry = Compiled(Trainer(**trainer_args), batch_size, seq_len)
     _CACHE[key] = entry
     while len(_CACHE) > _MAX_ENTRIES:
         _CACHE.popitem(last=False)

@@ -1,0 +1,107 @@
+"""One path from a ``RunConfig`` to a runnable run: mesh, pipeline choice, batch check, trainer.
+
+``triax train``, ``triax inspect``, ``triax.planner.verify`` and the benches all start here,
+so whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
+runs ``triax.pipeline``'s schedule unless the model cannot be pipelined (MoE), in which case
+the plain step keeps the layer stack split over ``pipe``. The schedule is built here, so a bad
+schedule / micro-batch combination fails before anything compiles.
+
+    >>> from triax.training.config import RunConfig
+    >>> run = build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
+    ...                           batch_size=8, seq_len=16))
+    >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
+    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1), 4)
+    >>> build_run(RunConfig(mesh="data=8", batch_size=12))
+    Traceback (most recent call last):
+    ...
+    ValueError: --batch-size 12 is not divisible by data (8) × micro-batches (1) = 8; use e.g. --batch-size 16
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+from jax.sharding import Mesh
+
+from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
+from triax.models.config import ModelConfig
+from triax.pipeline.runner import PipelineConfig, unpipelinable_reason
+from triax.training.config import RunConfig
+from triax.training.step import Trainer
+from triax.training.step_cache import Compiled, compiled_for
+
+
+@dataclass(frozen=True)
+class Run:
+    """A built run: its config, model, mesh, the pipeline decision and the (cached) step."""
+
+    config: RunConfig
+    model: ModelConfig
+    mesh: Mesh
+    pipeline: Optional[PipelineConfig]   # None: the plain SPMD step
+    compiled: Compiled                   # trainer + lazily compiled step, eval and init
+
+    @property
+    def trainer(self) -> Trainer:
+        return self.compiled.trainer
+
+
+def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
+    """Mesh, pipeline and trainer for ``run`` (``cfg`` overrides ``run.model_config()``).
+
+    Compiled pieces are shared with earlier runs of the same program in this process.
+    """
+    cfg = run.model_config() if cfg is None else cfg
+    exe = run.exec_config()  # checks --precision and --remat before anything is built
+    mesh = build_mesh(run, cfg)
+    pipeline = pipeline_for(run, cfg, mesh)
+    check_batch(run, mesh, pipeline)
+    compiled = compiled_for(dict(cfg=cfg, mesh=mesh, strategy=run.strategy, pipeline=pipeline,
+                                 optim=run.optim_config(), exe=exe,
+                                 accum_steps=run.grad_accum),
+                            run.batch_size, run.seq_len)
+    return Run(run, cfg, mesh, pipeline, compiled)
+
+
+def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:
+    """data × tensor × pipe with tensor=2 and pipe=2 where the devices allow (8 → 2×2×2)."""
+    tensor = 2 if num_devices % 2 == 0 and num_devices >= 4 else 1
+    pipe = 2 if num_devices % (2 * tensor) == 0 and num_devices >= 8 and cfg.num_layers % 2 == 0 else 1
+    return {"data": num_devices // (tensor * pipe), "tensor": tensor, "pipe": pipe}
+
+
+def build_mesh(run: RunConfig, cfg: ModelConfig) -> Mesh:
+    """``--mesh`` (one axis may be -1: the rest), or ``default_mesh``; multi-host aware."""
+    n = jax.device_count()
+    sizes = parse_mesh(run.mesh) if run.mesh else default_mesh(n, cfg)
+    need = math.prod(v for v in sizes.values() if v > 0)
+    if need > n:
+        raise ValueError(f"--mesh {run.mesh or sizes} needs {need} devices but only {n} exist "
+                         f"(JAX sees {n} device(s)); choose sizes whose product is {n}")
+    maker = make_hybrid_mesh if jax.process_count() > 1 else make_mesh
+    return maker(**sizes)
+
+
+def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[PipelineConfig]:
+    """The one pipelining decision: a schedule when ``pipe > 1`` and the model allows it."""
+    stages = mesh_sizes(mesh).get("pipe", 1)
+    if stages < 2 or unpipelinable_reason(cfg) is not None:
+        return None
+    pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual)
+    pipeline.build(stages)  # a bad schedule/micro-batch combination fails here, not in a compile
+    return pipeline
+
+
+def check_batch(run: RunConfig, mesh: Mesh, pipeline: Optional[PipelineConfig] = None) -> None:
+    """The global batch must split into data shards × accumulation × pipeline micro-batches."""
+    sizes = mesh_sizes(mesh)
+    data = sizes["data"]
+    micro = run.grad_accum * (1 if pipeline is None
+                              else pipeline.num_microbatches(sizes.get("pipe", 1)))
+    unit = data * micro
+    if run.batch_size % unit or run.batch_size <= 0:
+        valid = max(unit, round(run.batch_size / unit) * unit)
+        raise ValueError(f"--batch-size {run.batch_size} is not divisible by data ({data}) × "
+                         f"micro-batches ({micro}) = {unit}; use e.g. --batch-size {valid}")
