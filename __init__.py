@@ -25,7 +25,7 @@ _PUBLIC = {
     "abstract_module": "triax.sharding.partition",
     "get_strategy": "triax.sharding.rules",
     "inspect": "triax.sharding.introspect.step_report",
-    "verify": "triax.planner.verify",
+    "verify": ("triax.planner.verify", "verify_trainer"),
     "plan": "triax.planner",
     "generate": "triax.inference",
 }
@@ -34,7 +34,8 @@ __all__ = sorted(_PUBLIC)
 
 def __getattr__(name: str):
     if name in _PUBLIC:
-        value = getattr(importlib.import_module(_PUBLIC[name]), name)
+        module, attr = _PUBLIC[name] if isinstance(_PUBLIC[name], tuple) else (_PUBLIC[name], name)
+        value = getattr(importlib.import_module(module), attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'triax' has no attribute {name!r}")

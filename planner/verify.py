@@ -21,13 +21,16 @@ import json
 import os
 import subprocess
 import sys
+from typing import Optional
 
 from triax.models import config
 from triax.planner.comm import traffic
+from triax.planner.hardware import load_catalog
 from triax.planner.memory import estimate
 from triax.pipeline import ScheduleKind
 from triax.planner.workload import Layout, Workload
 from triax.training.config import PRECISIONS, RunConfig
+from triax.units import human_bytes
 
 # JAX is imported only inside compile_figures: `triax plan --verify` must not start JAX in
 # its own process when the plan needs another device count (that compile runs in a
@@ -110,6 +113,34 @@ def _in_process_or_subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
     if jax is not None and len(jax.devices()) == lay.devices:
         return compile_figures(w, lay)
     return _subprocess(w, lay, timeout)
+
+
+def verify_trainer(trainer, batch, device: str = "h100-80gb",
+                   device_memory: Optional[float] = None, hardware: Optional[str] = None) -> dict:
+    """The compile check for any trainer, a user's model included (``triax.verify``).
+
+    Compiles the step on abstract inputs (``batch``: arrays or ``ShapeDtypeStruct``s; nothing
+    is allocated) and compares ``memory_analysis()``'s per-device peak with the memory of
+    ``device`` (a name from the hardware catalogue) or ``device_memory`` bytes. Exact for the
+    compiled program; the analytic planner (``triax plan``) is for transformer configs only.
+    """
+    from triax.sharding.introspect import memory_from_compiled  # loads JAX; see the imports
+    if device_memory is None:
+        device_memory = load_catalog(hardware).device(device).memory
+        where = device
+    else:
+        where = f"{human_bytes(device_memory)} per device"
+    mem = memory_from_compiled(trainer.lower(batch).compile())
+    fits = mem.peak_bytes <= device_memory
+    verdict = (f"fits on {where}: {human_bytes(mem.peak_bytes)} peak per device of "
+               f"{human_bytes(device_memory)}" if fits else
+               f"does not fit on {where}: {human_bytes(mem.peak_bytes)} peak per device, "
+               f"{human_bytes(device_memory)} available (largest terms: arguments "
+               f"{human_bytes(mem.argument_bytes)}, temporaries {human_bytes(mem.temp_bytes)}); "
+               f"try fsdp, remat, more devices or a smaller batch")
+    return {"fits": fits, "verdict": verdict, "peak_bytes_per_device": mem.peak_bytes,
+            "device_memory": device_memory, "memory": mem.to_json(),
+            "mesh": dict(trainer.mesh.shape), "strategy": trainer.strategy.name}
 
 
 def _main(arg: str) -> None:

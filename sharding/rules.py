@@ -131,6 +131,12 @@ class Rules:
         """
         used: dict[str, str] = {}
         out = []
+        for name in logical_axes:   # name the array in an unknown-name error
+            if name is not None and name not in LOGICAL_AXES and name not in self.user_names:
+                try:
+                    self.mesh_axes(name)
+                except ShardingError as e:
+                    raise ShardingError(f"{what}: {e}") from None
         for i, name in enumerate(logical_axes):
             axes = tuple(a for a in self.mesh_axes(name)
                          if mesh_shape is None or mesh_shape.get(a, 1) > 1)

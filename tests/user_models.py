@@ -60,7 +60,9 @@ class LayerNorm(nnx.Module):
     def __call__(self, x):
         mu = x.mean(-1, keepdims=True)
         var = ((x - mu) ** 2).mean(-1, keepdims=True)
-        return (x - mu) * jax.lax.rsqrt(var + 1e-6) * self.scale[...] + self.bias[...]
+        shape = (1,) * (x.ndim - 1) + (-1,)
+        return ((x - mu) * jax.lax.rsqrt(var + 1e-6) * self.scale[...].reshape(shape)
+                + self.bias[...].reshape(shape))
 
 
 class VitBlock(nnx.Module):
@@ -114,7 +116,7 @@ class ViT(nnx.Module):
     # -- the pipeline protocol: pre-stack, one block, post-stack with the loss --------------
     def embed(self, batch):
         x = jnp.einsum("BPC,CD->BPD", patchify(batch["images"], self.c.patch), self.patch_CD[...])
-        return constrain(x + self.pos_PD[...], ("batch", None, "act_embed"))
+        return constrain(x + self.pos_PD[...][None], ("batch", None, "act_embed"))
 
     @staticmethod
     def block(block, x_BPD, batch):
@@ -162,10 +164,11 @@ class MixerConfig:
         return (self.image // self.patch) ** 2
 
 
-MIXER_RULES = {"patch": None, "tokens": None, "channels": "embed", "token_hidden": "mlp",
+MIXER_RULES = {"patch": None, "tokens": "embed", "channels": "embed", "token_hidden": "mlp",
                "channel_hidden": "mlp", "classes": None}
-"""How the Mixer's names resolve: ``channels`` follows the preset's ``embed`` (so FSDP shards
-it over data), the hidden widths follow ``mlp`` (tensor under TP), the rest is replicated."""
+"""How the Mixer's names resolve: ``channels`` and ``tokens`` follow the preset's ``embed`` (so
+FSDP shards them over data), the hidden widths follow ``mlp`` (tensor under TP), ``patch`` and
+``classes`` are replicated."""
 
 
 class MixerBlock(nnx.Module):

@@ -30,12 +30,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.models.transformer import Transformer, cross_entropy
+from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
-                                      batch_sharding, param_shardings)
+                                      batch_sharding, init_fn, param_shardings)
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.optim import OptimConfig, lr_schedule, make_optimizer
+from triax.training.user_model import UserModel, user_loss
 
 PyTree = Any
 Batch = dict  # {"inputs": int32[B, T], "targets": int32[B, T], optional "weights": f32[B, T]}
@@ -62,7 +63,8 @@ class Trainer:
     Every argument is hashable: ``triax.training.step_cache`` keys compiled steps on them.
     """
 
-    def __init__(self, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "dp", *,
+    def __init__(self, model: "ModelConfig | UserModel", mesh: Mesh,
+                 strategy: str | Strategy = "dp", *,
                  pipeline: Optional[PipelineConfig] = None,
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
                  total_steps: int = 100, accum_steps: int = 1,
@@ -70,19 +72,41 @@ class Trainer:
         if pipeline is not None and loss_and_grad is not None:
             raise ValueError("Trainer: give pipeline= or loss_and_grad=, not both (the "
                              "pipeline computes loss and gradients itself)")
-        self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
-        self.exe = exe
+        self.mesh, self.strategy, self.exe = mesh, get_strategy(strategy), exe
+        # The built-in decoder and a user's model take one path from here on: an abstract
+        # model (graph, shapes, logical axes) and a loss function.
+        if isinstance(model, UserModel):
+            self.cfg, self.user_model = None, model
+            self.abstract = model.abstract()
+            self.strategy = self.strategy.with_rules(dict(model.rules))
+        else:
+            self.cfg, self.user_model = model, None
+            self.abstract = abstract_model(model)
         self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
-        self.pipeline = None if pipeline is None else Pipeline(cfg, mesh, self.strategy,
-                                                                pipeline, exe)
+        self.pipeline = None if pipeline is None else Pipeline(
+            self.cfg if self.user_model is None else self.abstract, mesh, self.strategy,
+            pipeline, exe)
         if self.pipeline is not None:
             self.strategy, loss_and_grad = self.pipeline.strategy, self.pipeline.loss_and_grad
         self.optim = optim.resolved(total_steps)
         self.tx = make_optimizer(self.optim)
         self.schedule = lr_schedule(self.optim)
-        self.abstract = abstract_model(cfg)
         self.param_shardings = param_shardings(self.abstract, mesh, self.strategy)
         self._custom_loss_and_grad = loss_and_grad
+
+    @classmethod
+    def for_model(cls, make_model: Callable, loss_fn: Callable, mesh: Mesh,
+                  strategy: str | Strategy = "fsdp_tp", rules: Optional[dict] = None, *,
+                  default: Optional[str] = None, **kw) -> "Trainer":
+        """A Trainer for any Flax NNX model whose parameters carry logical axis names.
+
+        ``make_model(rngs) -> nnx.Module``; ``loss_fn(model, batch) -> (loss, aux dict)``;
+        ``rules`` add the model's own logical names to the strategy preset (a value is mesh
+        axes, a name the preset knows, or None); ``default="replicate"`` replicates
+        parameters without names. ``pipeline=`` needs the model to follow
+        ``triax.pipeline.stage.PipelineModel``. See docs/your_model.md.
+        """
+        return cls(UserModel.of(make_model, loss_fn, rules, default), mesh, strategy, **kw)
 
     # ---- shardings -------------------------------------------------------------------------
     @cached_property
@@ -113,11 +137,10 @@ class Trainer:
 
     # ---- init ------------------------------------------------------------------------------
     def _init_fn(self, seed: int):
-        cfg, tx = self.cfg, self.tx
+        tx, make_params = self.tx, init_fn(self.abstract, seed)
 
         def init():
-            params = nnx.to_pure_dict(nnx.state(Transformer(cfg, nnx.Rngs(seed))))
-            params = jax.lax.with_sharding_constraint(params, self.param_shardings)
+            params = jax.lax.with_sharding_constraint(make_params(), self.param_shardings)
             return {"params": params, "opt_state": tx.init(params),
                     "step": jnp.zeros((), jnp.int32)}
         return init
@@ -128,6 +151,8 @@ class Trainer:
 
     # ---- step ------------------------------------------------------------------------------
     def loss_fn(self) -> Callable:
+        if self.user_model is not None:
+            return user_loss(self.abstract, self.user_model.loss_fn)
         return model_loss(self.abstract, self.exe)
 
     def loss_and_grad(self, params, batch):
@@ -186,11 +211,21 @@ class Trainer:
         return {k: v if isinstance(v, jax.Array) and v.sharding == sh else jax.device_put(v, sh)
                 for k, v in batch.items()}
 
-    def lower(self, batch_size: int, seq_len: int):
-        """Lower the step on abstract inputs (no allocation): for inspection and AOT compiles."""
+    def lower(self, batch: "int | Batch", seq_len: Optional[int] = None):
+        """Lower the step on abstract inputs (no allocation): for inspection and AOT compiles.
+
+        ``batch``: a batch (arrays or ``ShapeDtypeStruct``s; only shapes and dtypes are used),
+        or, for the built-in language model, ``batch_size`` with ``seq_len``.
+        """
         sh = self.batch_sharding()
-        batch = {"inputs": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sh),
-                 "targets": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32, sharding=sh)}
+        if isinstance(batch, int):
+            if seq_len is None:
+                raise ValueError("Trainer.lower(batch_size, seq_len): give seq_len, or pass "
+                                 "a batch of arrays / ShapeDtypeStructs")
+            batch = {"inputs": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+                     "targets": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
+        batch = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=sh)
+                 for k, v in batch.items()}
         return self._jitted_step.lower(self.abstract_state(), batch)
 
     def grads(self, params, batch):
@@ -202,6 +237,10 @@ class Trainer:
             params, self.shard_batch(batch))
 
     def example_batch(self, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
+        """Random token batch for the built-in language model."""
+        if self.cfg is None:
+            raise ValueError("example_batch makes token batches for the built-in model; build "
+                             "your model's batch yourself (a dict of arrays, leading axis = rows)")
         rng = np.random.default_rng(seed)
         toks = rng.integers(0, self.cfg.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
         return {"inputs": toks[:, :-1], "targets": toks[:, 1:]}

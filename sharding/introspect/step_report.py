@@ -78,8 +78,18 @@ def analyze(compiled, mesh, strategy_name: str = "", params=()) -> StepReport:
                       memory=memory_from_compiled(compiled), params=list(params))
 
 
-def inspect_trainer(trainer, batch_size: int, seq_len: int) -> StepReport:
-    """Compile ``trainer``'s step on abstract inputs (no allocation) and report on it."""
-    compiled = trainer.lower(batch_size, seq_len).compile()
+def inspect(trainer, batch, seq_len=None) -> StepReport:
+    """Compile ``trainer``'s step on abstract inputs (no allocation) and report placement,
+    collectives and memory — for the built-in model or any ``Trainer.for_model``.
+
+    ``batch``: a batch of arrays or ``ShapeDtypeStruct``s (only shapes and dtypes are used),
+    or, for the built-in language model, ``batch_size`` with ``seq_len``.
+    """
+    compiled = trainer.lower(batch, seq_len).compile()
     rows = placement_table(trainer.abstract, trainer.mesh, trainer.strategy)
     return analyze(compiled, trainer.mesh, trainer.strategy.name, rows)
+
+
+def inspect_trainer(trainer, batch_size: int, seq_len: int) -> StepReport:
+    """:func:`inspect` for the built-in language model's token batches."""
+    return inspect(trainer, batch_size, seq_len)
