@@ -70,8 +70,8 @@ def main():
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T, remat=remat[0] if remat else "none")
         sched = sizes.get("schedule")
-        fitted = "yes" if (name, layers, sched and sched.value,
-                           sizes.get("microbatches")) in FITTED else "no"
+        fitted = "yes" if not remat and (name, layers, sched and sched.value,
+                                         sizes.get("microbatches")) in FITTED else "no"
         v = verify(w, Layout(**sizes, strategy=strategy))
         m = v["memory"]
         comm = "; ".join(f"{a} {cell(c['predicted'], c['compiled'])} "
