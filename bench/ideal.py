@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import jax
 import numpy as np
 
 from triax.mesh import mesh_sizes
@@ -97,17 +96,42 @@ def ideal_collectives(trainer, batch_size: int, seq_len: int) -> dict:
     return dict(terms)
 
 
-def _shard_bytes(sds, sharding) -> int:
-    return int(np.prod(sharding.shard_shape(sds.shape))) * sds.dtype.itemsize
+# Logical axes of each parameter group's arrays (the layer stack's matrices, its norm
+# scales, the embedding table and head, the final norm): a group is ideally split over
+# every mesh axis the strategy maps any of them to.
+_GROUP_AXES = {"matrices": ("layers", "embed", "mlp"), "norms": ("layers", "norm"),
+               "embed": ("vocab", "embed"), "head": ("vocab", "embed"),
+               "final_norm": ("norm",)}
+ADAM_MOMENTS = 2
+
+
+def _group_counts(cfg) -> dict[str, int]:
+    c = cfg.param_counts()
+    norms = 2 * cfg.embed_dim * cfg.num_layers
+    return {"matrices": c["layers"] - norms, "norms": norms, "embed": c["embed"],
+            "head": c["head"], "final_norm": c["final_norm"]}
+
+
+def _ideal_shards(rules, sizes: dict, group: str) -> int:
+    axes = {a for name in _GROUP_AXES[group] for a in rules.mesh_axes(name)}
+    return int(np.prod([sizes.get(a, 1) for a in sorted(axes)]))
 
 
 def ideal_state_bytes(trainer, batch_size: int, seq_len: int) -> dict[str, int]:
-    """Per-device bytes of the step's inputs: parameters and optimizer state as placed by
-    the strategy's rules (AdamW: mu and nu, plus step counters), and the token batch."""
-    state = trainer.abstract_state()
-    params = sum(_shard_bytes(x, x.sharding) for x in jax.tree.leaves(state["params"]))
-    opt = sum(_shard_bytes(x, x.sharding) for x in jax.tree.leaves(state["opt_state"]))
-    b = batch_size // mesh_sizes(trainer.mesh)["data"]
+    """Per-device bytes of the step's inputs, derived without the step's own state tree:
+    ``ModelConfig.param_counts()`` by group, each split evenly over the mesh axes the
+    strategy's rules give it (optimizer rules for AdamW's two fp32 moments), plus the step
+    counter and the token batch. Where the compiled step holds more (a dimension that does
+    not divide, KV heads replicated over extra tensor ranks), the ratio shows it."""
+    cfg, st = trainer.cfg, trainer.strategy
+    if cfg.moe is not None:
+        raise ValueError("ideal_state_bytes covers dense models (no expert groups)")
+    sizes = mesh_sizes(trainer.mesh)
+    counts = _group_counts(cfg)
+    params = sum(F32 * n // _ideal_shards(st.rules, sizes, g) for g, n in counts.items())
+    opt = sum(ADAM_MOMENTS * F32 * n // _ideal_shards(st.optimizer_rules, sizes, g)
+              for g, n in counts.items())
+    b = batch_size // sizes["data"]
     batch = 2 * b * seq_len * 4  # inputs and targets, int32, replicated over tensor
     step = 4  # the int32 step counter
     return {"params": params, "opt": opt, "batch": batch, "total": params + opt + step + batch}

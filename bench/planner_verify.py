@@ -4,9 +4,13 @@
 
 Prints the markdown table of docs/benchmarks.md's "Planner: predicted against compiled"
 section (sizes in MiB, ``triax.units.mib``). Plans with 8 devices compile in this process;
-others go through ``verify``'s subprocess with their own device count.
+others go through ``verify``'s subprocess with their own device count. The "fitted" column
+says which rows a planner constant was fitted on (``PIPELINE_STASH_FACTOR``: the tiny
+1F1B/GPipe rows); every other row is out of sample. ``--new`` runs only the rows added for
+issue 12 (zb-h1, interleaved, remat=full, pipe × tensor).
 """
 import os
+import sys
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -18,6 +22,19 @@ from triax.planner.workload import Layout, Workload  # noqa: E402
 from triax.units import mib  # noqa: E402
 
 ONE_F_ONE_B, GPIPE = ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE
+ZB_H1, INTERLEAVED = ScheduleKind.ZB_H1, ScheduleKind.INTERLEAVED
+# (model, layers, batch, seq, layout sizes, strategy[, remat]); FITTED: rows a constant was
+# fitted on.
+FITTED = {("tiny", 4, "1f1b", 8), ("tiny", 4, "gpipe", 8), ("tiny", 8, "1f1b", 4)}
+NEW = [
+    ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=ZB_H1, microbatches=8), "dp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=INTERLEAVED, microbatches=8, virtual=2),
+     "dp"),
+    ("tiny", 4, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=8), "dp",
+     "full"),
+    ("tiny", 2, 16, 32, dict(data=2, pipe=2, tensor=2, schedule=ONE_F_ONE_B, microbatches=4),
+     "tp"),
+]
 CASES = [
     ("tiny", 2, 16, 32, dict(data=8), "dp"),
     ("tiny", 2, 16, 32, dict(data=8), "zero1"),
@@ -38,7 +55,7 @@ CASES = [
     ("tiny-moe", 2, 16, 32, dict(expert=8), "dp"),
     ("tiny-moe", 2, 16, 32, dict(data=2, expert=2, tensor=2), "tp"),
     ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
-]
+] + NEW
 
 
 def cell(pred: float, got: float) -> str:
@@ -46,17 +63,20 @@ def cell(pred: float, got: float) -> str:
 
 
 def main():
-    print("| model (layers) | B×T | plan | state pred/compiled MiB | peak pred/compiled MiB "
-          "(ratio) | comm per axis pred/HLO MiB (ratio) |")
-    print("|---|---|---|---|---|---|")
-    for name, layers, B, T, sizes, strategy in CASES:
+    print("| model (layers) | B×T | plan | fitted | state pred/compiled MiB | peak "
+          "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, layers, B, T, sizes, strategy, *remat in (NEW if "--new" in sys.argv else CASES):
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
-                        batch=B, seq=T)
+                        batch=B, seq=T, remat=remat[0] if remat else "none")
+        sched = sizes.get("schedule")
+        fitted = "yes" if not remat and (name, layers, sched and sched.value,
+                                         sizes.get("microbatches")) in FITTED else "no"
         v = verify(w, Layout(**sizes, strategy=strategy))
         m = v["memory"]
         comm = "; ".join(f"{a} {cell(c['predicted'], c['compiled'])} "
                          f"({c['predicted'] / c['compiled']:.3f})" for a, c in v["comm"].items())
-        print(f"| {name} ({layers}) | {B}×{T} | {v['plan']} | "
+        print(f"| {name} ({layers}) | {B}×{T} | {v['plan']} | {fitted} | "
               f"{cell(m['predicted_state'], m['compiled_state'])} | "
               f"{cell(m['predicted'], m['compiled'])} ({m['predicted'] / m['compiled']:.3f}) | "
               f"{comm} |", flush=True)

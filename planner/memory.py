@@ -26,7 +26,8 @@ from triax.models.moe import capacity
 from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
-from triax.sharding.rules import REPLICABLE, Rules, ShardingError, get_strategy
+from triax.pipeline.stage_layers import pipeline_strategy
+from triax.sharding.rules import Rules, get_strategy
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
 FP32 = 4
@@ -95,27 +96,29 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
 
 
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
-    """Elements of one parameter on one device (``layers`` over ``pipe`` rounds up)."""
+    """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
+    it on a mesh of ``sizes`` (the placement the step compiles with)."""
+    spec = rules.spec(logical, shape, sizes)
     n = 1
-    for dim, name in zip(shape, logical):
-        axes = [a for a in rules.mesh_axes(name) if sizes.get(a, 1) > 1]
-        k = prod(sizes[a] for a in axes)
-        if dim % k == 0:
-            n *= dim // k
-        elif name == "layers":
-            n *= ceil_div(dim, k)       # uneven stages: the largest holds ceil(L/S)
-        elif name in REPLICABLE:
-            n *= dim
-        else:
-            raise ShardingError(f"{name!r} (size {dim}) does not divide over "
-                                f"{'×'.join(axes)}={k}")
+    for i, dim in enumerate(shape):
+        e = spec[i] if i < len(spec) else None
+        n *= dim // prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ()))
     return n
+
+
+def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
+    """The rules the step places parameters with: the strategy's, as the pipeline adapts
+    them for ``pipe`` (``pipeline_strategy``: an uneven layer count keeps every layer on
+    every stage)."""
+    st = get_strategy(lay.strategy)
+    if lay.pipe > 1 and w.cfg is not None:
+        st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe)
+    return st.optimizer_rules if optimizer else st.rules
 
 
 def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> int:
     """Per-device parameter elements under the strategy's (or optimizer's) rules."""
-    st = get_strategy(lay.strategy)
-    rules = st.optimizer_rules if optimizer else st.rules
+    rules = layout_rules(w, lay, optimizer)
     if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
         shards = lay.pipe
         if "tensor" in rules.mesh_axes("mlp"):
@@ -243,10 +246,9 @@ def _block_grad_elements(w: Workload, lay: Layout) -> int:
     backward's working set) and, under FSDP, its gathered weights."""
     if w.cfg is None:
         return 0
-    rules = get_strategy(lay.unsharded_over_data().strategy).rules
-    blocks = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
-                 if p.startswith("blocks/"))
-    return blocks // ceil_div(w.cfg.num_layers, lay.pipe)
+    rules = layout_rules(w, lay.unsharded_over_data())
+    return sum(local_elements(s[1:], l[1:], rules, lay.sizes)   # one layer of the stack
+               for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
 
 
 def min_devices_for_weights(w: Workload, device_memory: float) -> int:

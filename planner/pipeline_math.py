@@ -1,10 +1,10 @@
 """Pipeline bubble and in-flight micro-batches per schedule: the one place the planner asks.
 
 ``triax.pipeline``'s validated schedule tables give the figures (cost-weighted bubble, peak
-in-flight). A request no table can be built for (say 1F1B with M < S, which the planner
-rejects anyway) falls back to the closed forms the tables reproduce (GPipe and 1F1B:
-(S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1); ZB-H1 about a third of 1F1B's). ``None`` is
-an unpipelined layout.
+in-flight), and its generators say which (S, M, v) a schedule can run
+(:func:`microbatch_constraint`). A request no table is built for falls back to the closed
+forms the tables reproduce (GPipe and 1F1B: (S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1);
+ZB-H1 about a third of 1F1B's). ``None`` is an unpipelined layout.
 
     >>> from triax.pipeline import ScheduleKind
     >>> round(bubble_fraction(ScheduleKind.ONE_F_ONE_B, stages=4, microbatches=12), 6)
@@ -71,12 +71,22 @@ def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: 
 
 def microbatch_constraint(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
                           virtual: int = 1) -> Optional[str]:
-    """Why (S, M, v) is not allowed for the schedule, or None."""
-    if schedule is ScheduleKind.INTERLEAVED:
-        if virtual < 2:
-            return "interleaved needs --virtual ≥ 2"
-        if microbatches % stages:
-            return f"interleaved needs M divisible by S (M={microbatches}, S={stages})"
-    if schedule in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1) and microbatches < stages:
-        return f"{schedule.value} needs M ≥ S to fill the pipeline (M={microbatches}, S={stages})"
+    """Why the executor cannot run (S, M, v) with the schedule, or None: the generators'
+    own check (``triax.pipeline.build``), so the planner refuses exactly what they refuse.
+
+    >>> microbatch_constraint(ScheduleKind.ONE_F_ONE_B, stages=4, microbatches=2) is None
+    True
+    """
+    if schedule is None:
+        return None
+    return _build_error(schedule, stages, microbatches, virtual)
+
+
+@functools.lru_cache(maxsize=4096)
+def _build_error(schedule: ScheduleKind, stages: int, microbatches: int,
+                 virtual: int) -> Optional[str]:
+    try:
+        build(schedule.value, stages, microbatches, virtual)
+    except ScheduleError as e:
+        return str(e)
     return None

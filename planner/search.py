@@ -34,6 +34,7 @@ class SearchResult:
     fitting: list[PlanResult] = field(default_factory=list)     # best first
     overflowing: list[PlanResult] = field(default_factory=list)  # smallest total first
     unsplittable: list[tuple[Layout, str]] = field(default_factory=list)
+    not_runnable: list[tuple[Layout, str]] = field(default_factory=list)  # executor refuses
     batch_rejected: int = 0
 
     @property
@@ -68,11 +69,13 @@ def _schedules(w: Workload, pipe: int,
                 yield kind, m, v
 
 
-def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
-    """Every layout of the cluster's devices (tensor stays within a node; no pipe for a
-    model triax cannot pipeline)."""
+def layouts(w: Workload, cluster: Cluster,
+            refused: Optional[list] = None) -> Iterator[Layout]:
+    """Every layout of the cluster's devices that the step can run (tensor stays within a
+    node). A mesh the executor would refuse is not yielded; with ``refused`` given, one
+    ``(layout, why)`` per such mesh is appended to it (the executor's own reason)."""
     n = cluster.devices
-    pipelinable = w.cfg is None or unpipelinable_reason(w.cfg) is None
+    why_not_pipe = w.cfg is not None and unpipelinable_reason(w.cfg)
     experts = w.cfg.moe.num_experts if (w.cfg is not None and w.cfg.moe) else 1
     for e in (d for d in divisors(n) if experts % d == 0):
         for t in divisors(n // e):
@@ -80,7 +83,10 @@ def layouts(w: Workload, cluster: Cluster) -> Iterator[Layout]:
                 continue
             for p in divisors(n // (e * t)):
                 d = n // (e * t * p)
-                if p > 1 and (not pipelinable or (w.cfg is not None and p > w.cfg.num_layers)):
+                if p > 1 and (why_not_pipe or (w.cfg is not None and p > w.cfg.num_layers)):
+                    if refused is not None:
+                        refused.append((Layout(d, t, p, e), why_not_pipe or
+                                        f"pipe={p} stages but {w.cfg.num_layers} layers"))
                     continue
                 for st in _strategies(w, d, t):
                     shards = Layout(d, t, p, e, st).batch_shards
@@ -97,7 +103,7 @@ def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
         and w.cfg is not None else [w]
-    for lay in layouts(w, cluster):
+    for lay in layouts(w, cluster, res.not_runnable):
         for wr in workloads:
             try:
                 r = evaluate(wr, lay, cluster, assume)

@@ -74,7 +74,11 @@ def test_fsdp_memory_is_total_over_n(devices):
     assert abs(mem.argument_bytes - ideal) <= 0.10 * ideal, (mem.argument_bytes, ideal)
     cols = step_collectives(cfg, mesh, "fsdp")
     assert count(cols, "all-gather", "data") > 0
-    assert count(cols, "reduce-scatter", "data") + count(cols, "all-reduce", "data") > 0
+    # The gradients are reduced over data (XLA's CPU backend all-reduces, then slices),
+    # every one but the embedding table's (its lookup exchanges activations instead): far
+    # more than the 4-byte loss all-reduce.
+    reduced = bytes_over(cols, "reduce-scatter", "data") + bytes_over(cols, "all-reduce", "data")
+    assert reduced >= 4 * (cfg.num_params - cfg.vocab_size * cfg.embed_dim), reduced
 
 
 def test_zero1_shards_only_optimizer_state(devices):

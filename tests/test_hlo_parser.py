@@ -1,5 +1,8 @@
-"""The HLO collective parser on hand-written HLO covering every replica-group format."""
-from triax.sharding.introspect import parse_collectives
+"""The HLO collective parser on hand-written HLO covering every replica-group format,
+async start/done pairs, conditional branches and loops of unknown trip count."""
+import pytest
+
+from triax.sharding.introspect import bytes_over, parse_collectives
 
 AXES, SHAPE = ("data", "pipe", "expert", "tensor"), (2, 1, 1, 4)
 
@@ -59,3 +62,120 @@ def test_mesh_groups_with_device_ids():
         "replica_groups=mesh['axis_0'=2,'axis_1'=4], device_ids=(0,1,2,3,4,5,6,7) {'axis_1'}")
     got = {(c.kind, c.axes) for c in parse_collectives(explicit, AXES, SHAPE)}
     assert ("all-reduce", ("tensor",)) in got
+
+
+# Async pairs, a conditional in a counted loop, and a loop XLA gives no trip count.
+BRANCHY = """
+HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%idle (p: f32[4,8]) -> f32[4,8] {
+  ROOT %p = f32[4,8] parameter(0)
+}
+
+%work (p: f32[4,8]) -> f32[4,8] {
+  %p = f32[4,8] parameter(0)
+  %ars = f32[4,8]{1,0} all-reduce-start(%p), channel_id=7, replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+  ROOT %ard = f32[4,8]{1,0} all-reduce-done(%ars)
+}
+
+%pick (t: s32[6,2], i: s32[], s: s32[]) -> s32[] {
+  %t = s32[6,2]{1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %s = s32[] parameter(2)
+  %d = s32[1,1]{1,0} dynamic-slice(%t, %i, %s), dynamic_slice_sizes={1,1}
+  ROOT %b = s32[] bitcast(%d)
+}
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8] get-tuple-element(%p), index=1
+  %table = s32[6,2]{1,0} constant({ {0, 0}, {1, 0}, {0, 1}, {1, 0}, {0, 1}, {0, 0} })
+  %stage = s32[] partition-id()
+  %k = s32[] fusion(%table, %i, %stage), kind=kLoop, calls=%pick
+  %c = f32[4,8] conditional(%k, %x, %x), branch_computations={%idle, %work}
+  ROOT %t = (s32[], f32[4,8]) tuple(%i, %c)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]) parameter(0)
+  ROOT %lt = pred[] compare(%a, %b), direction=LT
+}
+
+%body2 (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %x = f32[4,8] get-tuple-element(%p), index=1
+  %ags = (f32[4,8], f32[8,8]) all-gather-start(%x), channel_id=8, replica_groups=[4,2]<=[2,4]T(1,0), dimensions={0}
+  %agd = f32[8,8]{1,0} all-gather-done(%ags)
+  ROOT %t = (s32[], f32[4,8]) tuple(%i, %x)
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8] parameter(0)
+  %w = (s32[], f32[4,8]) while(%t0), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+  %w2 = (s32[], f32[4,8]) while(%t0), condition=%cond, body=%body2
+  %cps = (f32[4,8], f32[4,8]) collective-permute-start(%a), channel_id=9, source_target_pairs={{0,1},{1,0}}
+  %cpd = f32[4,8]{1,0} collective-permute-done(%cps)
+  ROOT %r = f32[4,8] copy(%a)
+}
+"""
+
+
+def _by_kind(cols):
+    return {c.kind: c for c in cols}
+
+
+def test_async_pairs_count_once_with_their_payload():
+    """`-start` carries the op (payload: the output half for all-gather, the buffer for
+    a permute); `-done` is not a second collective."""
+    got = _by_kind(parse_collectives(BRANCHY, AXES, SHAPE))
+    assert set(got) == {"all-reduce", "all-gather", "collective-permute"}
+    assert got["collective-permute"].bytes_per_device == 4 * 8 * 4
+    assert got["collective-permute"].count == 1
+    assert got["all-gather"].bytes_per_device == 8 * 8 * 4     # the gathered output only
+    assert got["all-reduce"].bytes_per_device == 4 * 8 * 4
+
+
+def test_branch_weighted_by_table_lookup():
+    """The switch index is table[i, stage]: branch 1 runs on 2 of the 6 iterations at every
+    stage, so the branch's all-reduce counts 2 per step, not 6."""
+    ar = _by_kind(parse_collectives(BRANCHY, AXES, SHAPE))["all-reduce"]
+    assert (ar.count, ar.frequency_known, ar.axes) == (2, True, ("tensor",))
+
+
+def test_branch_frequency_unknown_is_reported_per_execution():
+    """An index that is no table lookup: the op is per run of its named branch, bounded by
+    the 6 runs of the conditional, never multiplied into a per-step count."""
+    hlo = BRANCHY.replace("%k = s32[] fusion(%table, %i, %stage), kind=kLoop, calls=%pick",
+                          "%k = s32[] add(%i, %stage)")
+    ar = _by_kind(parse_collectives(hlo, AXES, SHAPE))["all-reduce"]
+    assert (ar.count, ar.frequency_known, ar.at_most) == (1, False, 6)
+    assert ar.branch == "work (branch 1 of c)"
+    assert bytes_over([ar], axis="tensor") == 0
+    assert bytes_over([ar], axis="tensor", unknown="at_most") == 6 * 4 * 8 * 4
+    # The caller may say how often each branch runs (a pipeline's tick table).
+    given = _by_kind(parse_collectives(hlo, AXES, SHAPE, branch_counts=[(3, 3)]))
+    assert (given["all-reduce"].count, given["all-reduce"].frequency_known) == (3, True)
+
+
+def test_table_differing_by_device_is_not_averaged():
+    """If stages ran a branch a different number of times the per-device count is not one
+    number: reported per execution rather than guessed."""
+    hlo = BRANCHY.replace("{ {0, 0}, {1, 0}, {0, 1}, {1, 0}, {0, 1}, {0, 0} }",
+                          "{ {0, 0}, {1, 0}, {1, 1}, {1, 0}, {0, 1}, {0, 0} }")
+    ar = _by_kind(parse_collectives(hlo, AXES, SHAPE))["all-reduce"]
+    assert not ar.frequency_known and ar.at_most == 6
+
+
+def test_unknown_trip_count_is_reported_unknown():
+    ag = _by_kind(parse_collectives(BRANCHY, AXES, SHAPE))["all-gather"]
+    assert (ag.count, ag.frequency_known, ag.at_most) == (1, False, None)
+    assert "while w2 (trip count unknown)" in ag.branch
+    with pytest.raises(ValueError, match="no bound"):
+        bytes_over([ag], unknown="at_most")

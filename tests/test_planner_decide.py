@@ -5,9 +5,12 @@ import pytest
 
 from triax.cli.main import main
 from triax.models import config
+from triax.pipeline import ScheduleKind, build
+from triax.pipeline.runner import unpipelinable_reason
 from triax.planner import hardware
 from triax.planner.decide import plan
 from triax.planner.memory import estimate, min_devices_for_weights
+from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.workload import Layout, Workload
 
 
@@ -131,3 +134,22 @@ def test_hardware_toml(tmp_path):
     assert c.devices == 8 and c.intra.name == "pcie4" and c.device.memory == 32e9
     assert hardware.cluster("h100-80gb").intra.name == "nvlink4"
     assert hardware.cluster("l40s").intra.name == "pcie4"
+
+
+def test_moe_training_ranks_no_pipelined_plan():
+    """The executor refuses to pipeline MoE: no ranked plan has pipe > 1, and the refused
+    meshes are listed with the executor's reason (pipeline.runner.unpipelinable_reason)."""
+    w = _w("mixtral-8x7b", train=True, batch=64)
+    rec = plan(w, hardware.cluster("h100-80gb", 8, 4), top=4)
+    assert rec.plans and all(p.layout.pipe == 1 for p in rec.plans)
+    assert any("Not runnable" in r and unpipelinable_reason(w.cfg) in r for r in rec.reasoning)
+
+
+def test_schedule_constraints_are_the_generators():
+    """1F1B with M < S runs (the generators build it); what they refuse, the planner
+    refuses with their message."""
+    assert build("1f1b", stages=4, microbatches=2).microbatches == 2
+    assert microbatch_constraint(ScheduleKind.ONE_F_ONE_B, 4, 2) is None
+    assert microbatch_constraint(ScheduleKind.ZB_H1, 4, 2) is None
+    why = microbatch_constraint(ScheduleKind.INTERLEAVED, 4, 6, 2)
+    assert why is not None and "divisible by stages" in why

@@ -1,8 +1,14 @@
 """Read the collectives XLA inserted out of compiled HLO text.
 
 For each collective: its kind, the mesh axes its replica groups span, the bytes it moves per
-device, and how many times it runs per step (while-loop trip counts multiply, so a collective
-in the scanned layer loop counts once per layer).
+device, and how many times it runs per step. A while loop's ``known_trip_count`` multiplies
+(a collective in the scanned layer loop counts once per layer). A ``conditional`` branch is
+weighted by how often it runs: read off the HLO when the branch index is a lookup into a
+constant table indexed by the loop counter (the pipeline executor's tick table, see
+``branch_frequency``), or given by the caller (``branch_counts``). Where neither says, the
+op is reported per execution of its branch (``frequency_known=False``, the branch named,
+``at_most`` the most it could run per step); a loop without a known trip count likewise,
+per iteration, with no bound. Nothing is multiplied silently.
 
 Bytes convention (per device, "payload"): all-reduce: the buffer; all-gather: the gathered
 output; reduce-scatter: the full input; all-to-all and collective-permute: the buffer.
@@ -12,30 +18,29 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+from triax.sharding.introspect.branch_frequency import branch_counts as derive_branch_counts
+from triax.sharding.introspect.hlo_text import DTYPE_BYTES, Module, compiled_text, parse_module
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
-                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
-                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
-_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]")
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-_CALLEES = re.compile(r"(?:body|condition|calls|to_apply|true_computation|false_computation)="
-                      r"%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
 @dataclass(frozen=True)
 class Collective:
+    """``bytes_per_device`` per op; ``count`` per step when ``frequency_known``, else per
+    execution of ``branch`` (a conditional branch or a loop of unknown trip count), which
+    runs at most ``at_most`` times per step (None: no bound is known)."""
+
     kind: str
     axes: tuple[str, ...]
     bytes_per_device: int
     count: int
+    frequency_known: bool = True
+    branch: str = ""
+    at_most: Optional[int] = None
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -43,59 +48,66 @@ class Collective:
         return d
 
 
-def _shape_bytes(type_text: str) -> list[int]:
-    out = []
-    for dtype, dims in _ARRAY.findall(type_text):
-        if dtype not in _DTYPE_BYTES:
-            continue
-        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        out.append(n * _DTYPE_BYTES[dtype])
-    return out
+@dataclass(frozen=True)
+class _Reach:
+    """How often a computation runs: ``count`` per step, or per execution of ``branch``
+    (frequency unknown), which runs at most ``at_most`` times per step."""
+
+    count: int
+    branch: str = ""
+    at_most: Optional[int] = None
 
 
-def _split_computations(text: str) -> tuple[dict[str, list[str]], str]:
-    comps: dict[str, list[str]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        m = _COMP_HEADER.match(line)
-        if m:
-            current = m.group(2)
-            comps[current] = []
-            if m.group(1):
-                entry = current
-            continue
-        if current is not None:
-            if line.strip() == "}":
-                current = None
-            else:
-                comps[current].append(line)
-    if entry is None:
-        raise ValueError("no ENTRY computation found in the HLO text")
-    return comps, entry
+def _branch_weights(m: Module, comp: str, cond, loop_trips: Optional[int],
+                    given: Sequence[Sequence[int]]) -> Optional[list[int]]:
+    """Per-branch executions per loop run of ``comp`` (a loop body of ``loop_trips``
+    iterations), or None when neither the caller nor the HLO says."""
+    n = len(cond.branches)
+    if not loop_trips:
+        return None
+    for counts in given:
+        if len(counts) == n and sum(counts) == loop_trips:
+            return list(counts)
+    counts = derive_branch_counts(m, comp, cond.operands[0], loop_trips, n)
+    if counts is None or (counts != counts[0]).any():   # unknown, or differs by device
+        return None
+    return counts[0].tolist()
 
 
-def _multiplicities(comps: dict[str, list[str]], entry: str) -> dict[str, int]:
-    edges: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for name, lines in comps.items():
-        for line in lines:
-            trip = _TRIP.search(line)
-            factor = int(trip.group(1)) if trip and " while(" in line else 1
-            for callee in _CALLEES.findall(line):
-                edges[name].append((callee, factor))
-            for group in _BRANCHES.findall(line):
-                for callee in re.findall(r"%?([\w.\-]+)", group):
-                    edges[name].append((callee, 1))
-    mult: dict[str, int] = defaultdict(int)
+def _reaches(m: Module, given: Sequence[Sequence[int]]) -> dict[str, list[_Reach]]:
+    out: dict[str, list[_Reach]] = defaultdict(list)
 
-    def visit(name: str, m: int, depth: int = 0):
-        mult[name] += m
+    def visit(comp: str, r: _Reach, loop_trips: Optional[int], depth: int) -> None:
+        out[comp].append(r)
         if depth > 64:
             return
-        for callee, f in edges.get(name, ()):
-            if callee in comps:
-                visit(callee, m * f, depth + 1)
-    visit(entry, 1)
-    return mult
+        for ins in m.comps.get(comp, ()):
+            if ins.op == "while":
+                n = ins.trip_count
+                for role, callee in ins.calls:
+                    if n is not None:
+                        sub = _Reach(r.count * n, r.branch, r.at_most)
+                    else:
+                        where = f"while {ins.name} (trip count unknown)"
+                        sub = _Reach(1, f"{r.branch} > {where}" if r.branch else where, None)
+                    visit(callee, sub, n if role == "body" else None, depth + 1)
+            elif ins.branches:
+                weights = _branch_weights(m, comp, ins, loop_trips, given)
+                for k, b in enumerate(ins.branches):
+                    if weights is not None:
+                        per_trip = r.count // loop_trips
+                        sub = _Reach(per_trip * weights[k], r.branch, r.at_most)
+                    else:
+                        where = f"{b} (branch {k} of {ins.name})"
+                        most = r.count if not r.branch else \
+                            None if r.at_most is None else r.at_most * r.count
+                        sub = _Reach(1, f"{r.branch} > {where}" if r.branch else where, most)
+                    visit(b, sub, None, depth + 1)
+            else:
+                for _, callee in ins.calls:
+                    visit(callee, r, loop_trips, depth + 1)
+    visit(m.entry, _Reach(1), None, 0)
+    return out
 
 
 def _device_ids(text: str | None, shape: list[int]) -> np.ndarray:
@@ -155,11 +167,11 @@ def _axes_of(groups: Sequence[Sequence[int]], axis_names: Sequence[str],
     return tuple(axis_names[a] for a in sorted(varying))
 
 
-def _payload(kind: str, op: str, type_text: str, groups) -> int:
-    sizes = _shape_bytes(type_text)
+def _payload(kind: str, ins, groups) -> int:
+    sizes = [int(np.prod(d)) * DTYPE_BYTES[dt] for d, dt in ins.shapes]
     if not sizes:
         return 0
-    if op.endswith("-start"):
+    if ins.op.endswith("-start"):
         if kind == "all-gather":  # (operands..., outputs...)
             return sum(sizes[len(sizes) // 2:])
         if kind == "collective-permute":
@@ -170,49 +182,76 @@ def _payload(kind: str, op: str, type_text: str, groups) -> int:
     return total
 
 
-def parse_collectives(hlo_text: str, axis_names: Sequence[str],
-                      mesh_shape: Sequence[int]) -> list[Collective]:
-    """Every collective in ``hlo_text``, grouped by (kind, axes, bytes), with per-step counts."""
-    comps, entry = _split_computations(hlo_text)
-    mult = _multiplicities(comps, entry)
+def parse_collectives(hlo_text: str, axis_names: Sequence[str], mesh_shape: Sequence[int],
+                      branch_counts: Sequence[Sequence[int]] = ()) -> list[Collective]:
+    """Every collective in ``hlo_text``, grouped by (kind, axes, bytes, branch), with counts.
+
+    ``branch_counts``: per-branch executions per run of a loop, for conditionals whose
+    frequency the HLO does not show (say, a pipeline's tick table passed as data): a
+    conditional with ``len(c)`` branches directly in a loop of ``sum(c)`` iterations takes
+    ``c``. Each device must run the same counts (true of every pipeline schedule).
+    """
+    m = parse_module(hlo_text)
+    reach = _reaches(m, [tuple(int(x) for x in c) for c in branch_counts])
     num_devices = int(np.prod(mesh_shape))
-    counts: dict[tuple, int] = defaultdict(int)
-    for name, lines in comps.items():
-        if not mult.get(name):
-            continue
-        for line in lines:
-            m = _INSTR.match(line)
-            if not m:
+    counts: dict[tuple, list] = {}
+    for name, instrs in m.comps.items():
+        for ins in instrs:
+            kind = ins.op[:-len("-start")] if ins.op.endswith("-start") else ins.op
+            if kind not in KINDS or not reach.get(name):
                 continue
-            _, type_text, op, rest = m.groups()
-            kind = op[:-len("-start")] if op.endswith("-start") else op
-            if kind not in KINDS:
-                continue
-            groups = _groups(rest, num_devices)
+            groups = _groups(ins.rest, num_devices)
             axes = _axes_of(groups, axis_names, mesh_shape)
             if not axes:
                 continue  # a group of one device moves nothing
-            key = (kind, axes, _payload(kind, op, type_text, groups))
-            counts[key] += mult[name]
-    return [Collective(k, a, b, c) for (k, a, b), c in sorted(counts.items())]
+            for j, r in enumerate(reach[name]):
+                key = (kind, axes, _payload(kind, ins, groups), r.branch)
+                acc = counts.setdefault(key, [0, {}])
+                acc[0] += r.count
+                acc[1][(name, j)] = r.at_most   # a bound per branch run, not per op
+    return [Collective(k, a, b, c, not br, br, None if not br or None in most.values()
+                       else sum(most.values()))
+            for (k, a, b, br), (c, most) in sorted(counts.items())]
 
 
-def collectives_from_compiled(compiled, mesh) -> list[Collective]:
-    """Collectives of a ``jax.stages.Compiled`` step on ``mesh``."""
-    return parse_collectives(compiled.as_text(), mesh.axis_names, mesh.devices.shape)
+def collectives_from_compiled(compiled, mesh,
+                              branch_counts: Sequence[Sequence[int]] = ()) -> list[Collective]:
+    """Collectives of a ``jax.stages.Compiled`` step on ``mesh`` (constants printed, so a
+    tick table's branch frequencies are read off the program)."""
+    return parse_collectives(compiled_text(compiled), mesh.axis_names, mesh.devices.shape,
+                             branch_counts)
 
 
 def summarize(collectives: Iterable[Collective]) -> dict[tuple[str, tuple[str, ...]], dict]:
-    """Totals per (kind, axes): ops per step and bytes per device per step."""
-    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    """Totals per (kind, axes): ops per step and bytes per device per step, over the ops
+    whose frequency is known; ``unknown`` counts the distinct ops reported per branch."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0, "unknown": 0})
     for c in collectives:
+        if not c.frequency_known:
+            out[(c.kind, c.axes)]["unknown"] += 1
+            continue
         out[(c.kind, c.axes)]["count"] += c.count
         out[(c.kind, c.axes)]["bytes"] += c.count * c.bytes_per_device
     return dict(out)
 
 
 def bytes_over(collectives: Iterable[Collective], kind: str | None = None,
-               axis: str | None = None) -> int:
-    """Bytes per device per step, optionally filtered by kind and by a mesh axis spanned."""
-    return sum(c.count * c.bytes_per_device for c in collectives
-               if (kind is None or c.kind == kind) and (axis is None or axis in c.axes))
+               axis: str | None = None, unknown: str = "skip") -> int:
+    """Bytes per device per step, optionally filtered by kind and by a mesh axis spanned.
+
+    Ops whose frequency is unknown are skipped (``unknown="skip"``) or counted at their
+    bound (``"at_most"``: as if their branch ran every time its conditional did)."""
+    if unknown not in ("skip", "at_most"):
+        raise ValueError(f"unknown={unknown!r}: choose 'skip' or 'at_most'")
+    total = 0
+    for c in collectives:
+        if (kind is not None and c.kind != kind) or (axis is not None and axis not in c.axes):
+            continue
+        if c.frequency_known:
+            total += c.count * c.bytes_per_device
+        elif unknown == "at_most":
+            if c.at_most is None:
+                raise ValueError(f"{c.kind} over {c.axes} in {c.branch}: no bound on how "
+                                 f"often it runs; count it per execution instead")
+            total += c.at_most * c.count * c.bytes_per_device
+    return total

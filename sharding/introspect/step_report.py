@@ -43,10 +43,19 @@ class StepReport:
         lines = [f"mesh {self.mesh}   strategy {self.strategy}", "",
                  "communication per step (per device)",
                  f"  {'kind':<20}{'axes':<18}{'ops':>6}{'bytes/op':>14}{'bytes/step':>14}"]
+        unknown = [c for c in self.collectives if not c.frequency_known]
         for c in self.collectives:
-            per_op, per_step = c.bytes_per_device, c.bytes_per_device * c.count
+            if c.frequency_known:
+                lines.append(f"  {c.kind:<20}{','.join(c.axes):<18}{c.count:>6}"
+                             f"{human_bytes(c.bytes_per_device):>14}"
+                             f"{human_bytes(c.bytes_per_device * c.count):>14}")
+        if unknown:
+            lines += ["", "  per branch execution (how often the branch runs is not known)"]
+        for c in unknown:
+            most = "no bound" if c.at_most is None else f"branch runs ≤ {c.at_most}×/step"
             lines.append(f"  {c.kind:<20}{','.join(c.axes):<18}{c.count:>6}"
-                         f"{human_bytes(per_op):>14}{human_bytes(per_step):>14}")
+                         f"{human_bytes(c.bytes_per_device):>14}   per run of {c.branch}; "
+                         f"{most}")
         if not self.collectives:
             lines.append("  (none: nothing crosses devices)")
         lines += ["", "  totals by kind and axes"]

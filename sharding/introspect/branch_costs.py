@@ -1,0 +1,163 @@
+"""What one execution of each branch of a compiled ``lax.switch`` costs: FLOPs and bytes.
+
+For a pipelined step the switch is the executor's tick switch and its branches are the op
+kinds (idle, F, B, B_in, W), so this says what each tick costs, measured on the program XLA
+runs rather than assumed (F=1, B=2, ...).
+
+* FLOPs: matmul FLOPs, ``2 · output elements · contracted size`` of every ``dot`` (and
+  ``convolution``), fused or not; loops inside a branch multiply by their trip count.
+  Elementwise work is not counted.
+* Bytes: bytes accessed, the operands plus the result of every unfused instruction (a fusion
+  counts as one instruction), leaving out what moves nothing (parameters, tuples,
+  get-tuple-element, bitcasts, constants).
+* Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
+  ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
+  branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
+  per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs).
+
+    >>> from triax.sharding.introspect.hlo_text import parse_module
+    >>> m = parse_module('''
+    ... %fused (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+    ...   %a = f32[8,16]{1,0} parameter(0)
+    ...   %b = f32[16,4]{1,0} parameter(1)
+    ...   ROOT %d = f32[8,4]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+    ... }
+    ... ENTRY %main (a: f32[8,16], b: f32[16,4]) -> f32[8,4] {
+    ...   %a = f32[8,16]{1,0} parameter(0)
+    ...   %b = f32[16,4]{1,0} parameter(1)
+    ...   ROOT %f = f32[8,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%fused
+    ... }''')
+    >>> c = computation_cost(m, "main")
+    >>> c.flops, c.bytes                   # 2·8·4·16; (8·16 + 16·4 + 8·4) · 4 bytes
+    (1024, 896)
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+from triax.sharding.introspect.hlo_text import Instr, Module, compiled_text, parse_module
+
+_FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
+         "partition-id", "replica-id"}
+
+
+@dataclass
+class Cost:
+    flops: int = 0
+    bytes: int = 0
+    nested: dict[str, "Cost"] = field(default_factory=dict)   # nested conditional branches
+    unknown_loops: list[str] = field(default_factory=list)    # counted once: no trip count
+
+    def add(self, other: "Cost", times: int = 1) -> None:
+        self.flops += other.flops * times
+        self.bytes += other.bytes * times
+        self.nested.update(other.nested)
+        self.unknown_loops += other.unknown_loops
+
+    def to_json(self) -> dict:
+        return {"flops": int(self.flops), "bytes": int(self.bytes)}
+
+
+def _dims(ins: Optional[Instr]) -> tuple[int, ...]:
+    return ins.shapes[0][0] if ins is not None and ins.shapes else ()
+
+
+def _matmul_flops(m: Module, comp: str, ins: Instr) -> int:
+    out = int(np.prod(_dims(ins)))
+    lhs = _dims(m.instr(comp, ins.operands[0]))
+    if ins.op == "dot":
+        contracted = [int(d) for d in (ins.attr("lhs_contracting_dims") or "").split(",") if d]
+        return 2 * out * int(np.prod([lhs[d] for d in contracted]))
+    # convolution: each output element sums over the kernel's window and input features
+    # (per group, which is what the kernel holds): the kernel's size over its output features.
+    rhs = _dims(m.instr(comp, ins.operands[1]))
+    labels = re.search(r"dim_labels=\w+_(\w+)->", ins.rest)
+    o = labels.group(1).index("o") if labels else len(rhs) - 1
+    return 2 * out * int(np.prod(rhs)) // max(rhs[o], 1)
+
+
+def _fused_flops(m: Module, comp: str, depth: int = 0) -> int:
+    total = 0
+    for ins in m.comps.get(comp, ()):
+        if ins.op in ("dot", "convolution"):
+            total += _matmul_flops(m, comp, ins)
+        elif depth < 16:
+            total += sum(_fused_flops(m, c, depth + 1) for _, c in ins.calls)
+    return total
+
+
+def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
+    """FLOPs and bytes of one execution of ``comp`` (nested conditionals kept apart)."""
+    cost = Cost()
+    for ins in m.comps.get(comp, ()):
+        if ins.op == "while":
+            body = dict(ins.calls).get("body")
+            n = ins.trip_count
+            if n is None:
+                cost.unknown_loops.append(ins.name)
+            if body and depth < 32:
+                cost.add(computation_cost(m, body, depth + 1), n or 1)
+            continue
+        if ins.branches:
+            for k, b in enumerate(ins.branches):
+                cost.nested[f"{b} (branch {k} of {ins.name})"] = \
+                    computation_cost(m, b, depth + 1)
+            continue
+        if ins.op in ("call", "async-start") and depth < 32:
+            for _, c in ins.calls:
+                cost.add(computation_cost(m, c, depth + 1))
+            continue
+        if ins.op in ("dot", "convolution"):
+            cost.flops += _matmul_flops(m, comp, ins)
+        elif ins.op == "fusion":
+            cost.flops += sum(_fused_flops(m, c) for _, c in ins.calls)
+        if ins.op not in _FREE:
+            cost.bytes += ins.bytes + sum(o.bytes for o in
+                                          (m.instr(comp, n) for n in ins.operands) if o)
+    return cost
+
+
+def _find_switch(m: Module, num_branches: int) -> tuple[str, Instr]:
+    """The first conditional with ``num_branches`` branches inside a loop and inside no
+    other conditional: the pipeline executor's tick switch."""
+    seen, frontier = set(), [(m.entry, False)]
+    while frontier:
+        nxt = []
+        for comp, in_loop in frontier:
+            for ins in m.comps.get(comp, ()):
+                if ins.branches:
+                    if in_loop and len(ins.branches) == num_branches:
+                        return comp, ins
+                    continue        # do not look inside other conditionals
+                for role, c in ins.calls:
+                    if c not in seen and role in ("body", "calls") and \
+                            (ins.op in ("while", "call") or role == "body"):
+                        seen.add(c)
+                        nxt.append((c, in_loop or ins.op == "while"))
+        frontier = nxt
+    raise ValueError(f"no conditional with {num_branches} branches inside a loop: is this "
+                     f"a pipelined step, and does branch_kinds name every branch?")
+
+
+def branch_costs(compiled_or_text, num_branches: int) -> list[Cost]:
+    """Cost of one execution of each branch of the tick switch, in branch order."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else \
+        compiled_text(compiled_or_text)
+    m = parse_module(text)
+    _, switch = _find_switch(m, num_branches)
+    return [computation_cost(m, b) for b in switch.branches]
+
+
+def op_costs(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
+    """``{kind: {"flops": …, "bytes": …}}`` for one execution of each op kind.
+
+    ``branch_kinds`` names the switch's branches in order; for ``triax.pipeline``'s
+    executor that is ``"idle"`` then the op kinds the schedule uses, in ``OpKind`` order
+    (1F1B: ``("idle", "F", "B")``; ZB-H1: ``("idle", "F", "B_in", "W")``).
+    """
+    costs = branch_costs(compiled, len(branch_kinds))
+    return {kind: c.to_json() for kind, c in zip(branch_kinds, costs)}
