@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.pipeline.schedules import OpKind
+from triax.pipeline.schedules import OpKind, Schedule
 from triax.pipeline.stage import Residuals
-from triax.pipeline.tick_program import TickProgram, Ticks
+from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
+from triax.pipeline.timeline import LABELS
 
 PIPE, DATA = "pipe", "data"
 
@@ -145,6 +146,19 @@ def _dense_kinds(ticks: Ticks):
     lookup = np.zeros(max(kinds) + 1, np.int32)
     lookup[kinds] = np.arange(len(kinds))
     return kinds, dataclasses.replace(ticks, kind=lookup[ticks.kind])
+
+
+def branch_kinds(schedule: Schedule) -> tuple[str, ...]:
+    """The tick switch's branches in order, as ``triax.sharding.introspect.op_costs`` takes
+    them: ``"idle"``, then the op kinds ``schedule`` uses in ``OpKind`` order (1F1B:
+    ``("idle", "F", "B")``; ZB-H1: ``("idle", "F", "B_in", "W")``).
+
+        >>> from triax.pipeline import build
+        >>> branch_kinds(build("zb-h1", stages=2, microbatches=4))
+        ('idle', 'F', 'B_in', 'W')
+    """
+    kinds, _ = _dense_kinds(compile_program(schedule).ticks)
+    return ("idle",) + tuple(LABELS[OpKind(k)] for k in kinds[1:])
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:

@@ -31,7 +31,7 @@ from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.pipeline.executor import DATA, PIPE, StepSpec, run_ticks
+from triax.pipeline.executor import DATA, PIPE, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
@@ -117,6 +117,11 @@ class Pipeline:
         self.layout = StageLayers(num_layers, self.stages, self.schedule.virtual)
         self.abstract = am
         self.data = sizes.get(DATA, 1)
+
+    @property
+    def branch_kinds(self) -> tuple[str, ...]:
+        """The training step's tick-switch branches in order (``executor.branch_kinds``)."""
+        return branch_kinds(self.schedule)
 
     @cached_property
     def param_specs(self):

@@ -53,7 +53,8 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
     """Compile the plan's train step in this process (needs exactly ``lay.devices`` JAX
     devices) and return {"memory": MemoryReport json, "collectives": {axis: payload}}."""
     import jax  # see the note at the imports
-    from triax.sharding.introspect import collectives_from_compiled, memory_from_compiled
+    from triax.sharding.introspect import bytes_over, collectives_from_compiled, \
+        memory_from_compiled
     from triax.training.setup import build_run
 
     if len(jax.devices()) != lay.devices:
@@ -61,10 +62,11 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
                          f"use verify() (it starts a subprocess with the right count)")
     run = build_run(run_config(w, lay), w.cfg)
     compiled = run.compiled.step
-    by_axis: dict[str, int] = {}
-    for c in collectives_from_compiled(compiled, run.mesh):
-        for a in c.axes:   # a collective over several axes counts toward each
-            by_axis[a] = by_axis.get(a, 0) + c.bytes_per_device * c.count
+    cols = collectives_from_compiled(compiled, run.mesh)
+    # A collective over several axes counts toward each; one in a branch of unknown
+    # frequency counts at its bound (as if the branch ran every time), never per execution.
+    by_axis = {a: bytes_over(cols, axis=a, unknown="at_most")
+               for a in sorted({a for c in cols for a in c.axes})}
     return {"memory": memory_from_compiled(compiled).to_json(), "collectives": by_axis}
 
 

@@ -6,7 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from triax.cli.main import main
+from triax.sharding.introspect.memory import MemoryReport
+from triax.sharding.introspect.step_report import StepReport
 
 
 def test_inspect_json_contract(capsys, devices):
@@ -15,10 +19,37 @@ def test_inspect_json_contract(capsys, devices):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) >= {"collectives", "memory", "params"}
-    assert {"kind", "axes", "bytes_per_device", "count"} == set(report["collectives"][0])
+    assert {"kind", "axes", "bytes_per_device", "count", "frequency_known", "branch",
+            "at_most"} == set(report["collectives"][0])
+    assert report["op_costs"] == {}   # not pipelined
     assert any(c["kind"] == "all-reduce" and c["axes"] == ["tensor"] for c in report["collectives"])
     assert set(report["params"][0]) == {"path", "logical_axes", "spec", "global_shape",
                                         "shard_shape", "bytes_per_device"}
+
+
+def test_inspect_json_op_costs_for_a_pipelined_step(capsys, devices):
+    """Issue 12 contract: a pipelined step's report has ``op_costs`` per op kind the schedule
+    uses (one execution on stage 0), measured on the compiled tick switch's branches."""
+    assert main(["inspect", "--model", "tiny", "--num-layers", "2", "--mesh",
+                 "data=4,pipe=2", "--schedule", "1f1b", "--microbatches", "4",
+                 "--batch-size", "16", "--seq-len", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    costs = report["op_costs"]
+    assert set(costs) == {"F", "B"}
+    assert all(set(c) == {"flops", "bytes"} for c in costs.values())
+    assert costs["F"]["flops"] > 0 and costs["B"]["flops"] > 0 and costs["F"]["bytes"] > 0
+    assert costs["B"]["flops"] == pytest.approx(2 * costs["F"]["flops"], rel=0.02)
+    # collectives keep bytes per op and count per step
+    assert all({"bytes_per_device", "count"} <= set(c) for c in report["collectives"])
+
+
+def test_inspect_text_shows_op_costs():
+    report = StepReport("pipe=2", "dp", [], MemoryReport(1, 2, 3, 4, 5),
+                        op_costs={"F": {"flops": 2e9, "bytes": 1024},
+                                  "B": {"flops": 4e9, "bytes": 2048}})
+    text = report.to_text()
+    assert "cost of one pipeline op on stage 0" in text
+    assert any(line.split()[:2] == ["B", "4.0000"] for line in text.splitlines())
 
 
 def test_inspect_text_tables(capsys, devices):

@@ -58,7 +58,7 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
-    compiled = compiled_for(dict(cfg=cfg, mesh=mesh, strategy=run.strategy, pipeline=pipeline,
+    compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run.strategy, pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
                                  accum_steps=run.grad_accum),
                             run.batch_size, run.seq_len)

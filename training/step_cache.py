@@ -6,7 +6,7 @@ compiled program (all are hashable). The seed only picks an init.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
-    >>> args = dict(cfg=config.get("tiny", num_layers=1), mesh=make_mesh(data=8), strategy="dp")
+    >>> args = dict(model=config.get("tiny", num_layers=1), mesh=make_mesh(data=8), strategy="dp")
     >>> c = compiled_for(args, batch_size=8, seq_len=16)
     >>> c is compiled_for(dict(args), batch_size=8, seq_len=16)
     True

@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from triax.mesh.build import describe
+from triax.sharding.introspect.branch_costs import op_costs
 from triax.sharding.introspect.hlo import Collective, collectives_from_compiled, summarize
 from triax.sharding.introspect.memory import MemoryReport, memory_from_compiled
 from triax.sharding.introspect.placement import ParamPlacement, placement_table
@@ -29,12 +30,16 @@ class StepReport:
     collectives: list[Collective]
     memory: MemoryReport
     params: list[ParamPlacement] = field(default_factory=list)
+    # Pipelined steps: {op kind: {"flops", "bytes"}} for one execution of that op on stage 0
+    # (the tick switch's branch, measured on the compiled HLO); {} for an unpipelined step.
+    op_costs: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"mesh": self.mesh, "strategy": self.strategy,
                 "collectives": [c.to_json() for c in self.collectives],
                 "memory": self.memory.to_json(),
-                "params": [p.to_json() for p in self.params]}
+                "params": [p.to_json() for p in self.params],
+                "op_costs": self.op_costs}
 
     def dumps(self) -> str:
         return json.dumps(self.to_json(), indent=2)
@@ -62,6 +67,11 @@ class StepReport:
         for (kind, axes), s in sorted(summarize(self.collectives).items()):
             lines.append(f"  {kind:<20}{','.join(axes):<18}{s['count']:>6}{'':>14}"
                          f"{human_bytes(s['bytes']):>14}")
+        if self.op_costs:
+            lines += ["", "cost of one pipeline op on stage 0 (matmul FLOPs, bytes accessed)",
+                      f"  {'op':<8}{'GFLOP':>12}{'bytes':>14}"]
+            for kind, c in self.op_costs.items():
+                lines.append(f"  {kind:<8}{c['flops'] / 1e9:>12.4f}{human_bytes(c['bytes']):>14}")
         m = self.memory
         terms = (("arguments", m.argument_bytes), ("outputs", m.output_bytes),
                  ("temporaries", m.temp_bytes), ("aliased", m.alias_bytes),
@@ -80,23 +90,30 @@ class StepReport:
         return "\n".join(lines)
 
 
-def analyze(compiled, mesh, strategy_name: str = "", params=()) -> StepReport:
-    """Report for any compiled program on ``mesh``."""
+def analyze(compiled, mesh, strategy_name: str = "", params=(),
+            branch_kinds: tuple[str, ...] = ()) -> StepReport:
+    """Report for any compiled program on ``mesh``. ``branch_kinds``: a pipelined step's
+    tick-switch branches in order (``Pipeline.branch_kinds``), to measure each op's cost."""
+    costs = op_costs(compiled, branch_kinds) if branch_kinds else {}
+    costs.pop("idle", None)
     return StepReport(mesh=describe(mesh), strategy=strategy_name,
                       collectives=collectives_from_compiled(compiled, mesh),
-                      memory=memory_from_compiled(compiled), params=list(params))
+                      memory=memory_from_compiled(compiled), params=list(params),
+                      op_costs=costs)
 
 
 def inspect(trainer, batch, seq_len=None) -> StepReport:
     """Compile ``trainer``'s step on abstract inputs (no allocation) and report placement,
-    collectives and memory — for the built-in model or any ``Trainer.for_model``.
+    collectives and memory — for the built-in model or any ``Trainer.for_model`` — and, for
+    a pipelined step, what one execution of each op kind costs.
 
     ``batch``: a batch of arrays or ``ShapeDtypeStruct``s (only shapes and dtypes are used),
     or, for the built-in language model, ``batch_size`` with ``seq_len``.
     """
     compiled = trainer.lower(batch, seq_len).compile()
     rows = placement_table(trainer.abstract, trainer.mesh, trainer.strategy)
-    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows)
+    kinds = () if trainer.pipeline is None else trainer.pipeline.branch_kinds
+    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows, kinds)
 
 
 def inspect_trainer(trainer, batch_size: int, seq_len: int) -> StepReport:
