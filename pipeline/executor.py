@@ -89,7 +89,7 @@ def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
     ``acc`` the gradient sums.
     """
     apply = spec.apply
-    loss_apply = _loss_only(apply)  # what the backward differentiates
+    loss_apply = loss_only(apply)  # what the backward differentiates
 
     def chunk_of(i):
         return jax.tree.map(lambda a: _take(a, i["j"]), i["blocks"])
@@ -161,6 +161,23 @@ def branch_kinds(schedule: Schedule) -> tuple[str, ...]:
     return ("idle",) + tuple(LABELS[OpKind(k)] for k in kinds[1:])
 
 
+def _nbytes(sd) -> int:
+    return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
+
+
+def buffer_bytes(program: TickProgram, residuals, x_sd) -> dict[str, int]:
+    """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
+    them: each buffer holds its live slots plus one scratch slot; ``residuals``: the stored
+    leaves of one chunk's pullback for one micro-batch (``Residuals.shapes``), ``x_sd``: the
+    activation passed between stages. Forward-only schedules stash nothing."""
+    if not program.schedule.has_backward:
+        return {"stash": 0, "inbox": (program.fwd_slots + 2) * _nbytes(x_sd)}
+    x = _nbytes(x_sd)
+    inbox = program.fwd_slots + program.bwd_slots + program.ct_slots + 3 + 2   # + 2 received
+    return {"stash": (program.stash_slots + 1) * sum(_nbytes(r) for r in residuals),
+            "inbox": inbox * x}
+
+
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:
     """The body inside ``shard_map``, on this stage's shards.
 
@@ -185,7 +202,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
     res = None
     if backward:
-        res = Residuals.trace(_loss_only(spec.apply), chunk0, pieces, x0, extras0)
+        res = Residuals.trace(loss_only(spec.apply), chunk0, pieces, x0, extras0)
     zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
              "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
     if backward:
@@ -236,7 +253,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                       out["acc"])
 
 
-def _loss_only(apply):
+def loss_only(apply):
     """``(chunk, pieces, x, extras) -> (y, loss)``: the stateless part the backward needs."""
     def f(chunk, pieces, x, extras):
         y, loss, _, _ = apply(chunk, pieces, x, extras, {})

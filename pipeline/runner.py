@@ -31,10 +31,12 @@ from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.pipeline.executor import DATA, PIPE, StepSpec, branch_kinds, run_ticks
+from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
+                                     loss_only, run_ticks)
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
+from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
+                                  missing_protocol)
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import AbstractModel, abstract_model, specs_for
@@ -60,6 +62,33 @@ def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
         return (f"model {cfg.name!r} is MoE: the pipeline executor runs dense models only; "
                 f"run it without pipe (use expert/data axes)")
     return None
+
+
+def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig",
+                            exe: ExecConfig, rows: int, seq_len: int) -> dict[str, int]:
+    """Per-stage bytes of the training tick loop's activation buffers (``executor.
+    buffer_bytes``): the stash of pullback residuals and the inboxes, for micro-batches of
+    ``rows`` sequences of ``seq_len`` tokens on one data shard. Traced abstractly
+    (``jax.eval_shape``; nothing is allocated), so it prices a 70B model on a laptop.
+
+    Shapes are the stage's view inside ``shard_map``: whole over ``tensor`` (that axis stays
+    automatic; XLA may split some residuals over it, so this is an upper bound there).
+    """
+    am = abstract_model(cfg)
+    schedule = config.build(stages)
+    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
+    sd = jax.ShapeDtypeStruct
+    chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
+    pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
+    tokens = sd((rows, seq_len), jnp.int32)
+    inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
+    extras = (inputs, {"inv_total_weight": sd((), jnp.float32)}, sd((), jnp.bool_),
+              sd((), jnp.bool_))
+    stage = Stage(am.graphdef, exe, "loss")
+    x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
+    with using_constraint(None):
+        res = Residuals.trace(loss_only(stage), chunk, pieces, x, extras)
+    return buffer_bytes(compile_program(schedule), res.shapes, x)
 
 
 @dataclass(frozen=True)
@@ -122,6 +151,15 @@ class Pipeline:
     def branch_kinds(self) -> tuple[str, ...]:
         """The training step's tick-switch branches in order (``executor.branch_kinds``)."""
         return branch_kinds(self.schedule)
+
+    def activation_buffer_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
+        """:func:`activation_buffer_bytes` of this pipeline's training step."""
+        if self.cfg is None:
+            raise ValueError("activation_buffer_bytes prices the built-in decoder; for a "
+                             "user's model read the compiled step's memory_analysis")
+        rows = self._check_batch(batch_size, self.schedule.microbatches)
+        return activation_buffer_bytes(self.cfg, self.stages, self.config, self.exe, rows,
+                                       seq_len)
 
     @cached_property
     def param_specs(self):
