@@ -167,15 +167,20 @@ def _nbytes(sd) -> int:
 
 def buffer_bytes(program: TickProgram, residuals, x_sd) -> dict[str, int]:
     """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
-    them: each buffer holds its live slots plus one scratch slot; ``residuals``: the stored
-    leaves of one chunk's pullback for one micro-batch (``Residuals.shapes``), ``x_sd``: the
-    activation passed between stages. Forward-only schedules stash nothing."""
-    if not program.schedule.has_backward:
-        return {"stash": 0, "inbox": (program.fwd_slots + 2) * _nbytes(x_sd)}
+    them. ``residuals``: the stored leaves of one chunk's pullback for one micro-batch
+    (``Residuals.shapes``); ``x_sd``: the activation passed between stages.
+
+    ``stash``: live slots plus the scratch slot; ``op``: the slot read out for this tick's op
+    and the branch's result before it is written back (the switch's operand and output, two
+    more residual sets); ``inbox``: the forward, backward and cotangent inboxes (live slots
+    plus scratch) and the two activations in flight. Forward-only schedules stash nothing.
+    """
     x = _nbytes(x_sd)
-    inbox = program.fwd_slots + program.bwd_slots + program.ct_slots + 3 + 2   # + 2 received
-    return {"stash": (program.stash_slots + 1) * sum(_nbytes(r) for r in residuals),
-            "inbox": inbox * x}
+    if not program.schedule.has_backward:
+        return {"stash": 0, "op": 0, "inbox": (program.fwd_slots + 2) * x}
+    res = sum(_nbytes(r) for r in residuals)
+    inbox = program.fwd_slots + program.bwd_slots + program.ct_slots + 3 + 2
+    return {"stash": (program.stash_slots + 1) * res, "op": 2 * res, "inbox": inbox * x}
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:

@@ -22,21 +22,19 @@ from typing import Optional
 import jax
 
 from triax.models.config import ModelConfig
+from triax.models.layers import ExecConfig
 from triax.models.moe import capacity
 from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
+from triax.pipeline import ScheduleKind
+from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
 from triax.pipeline.stage_layers import pipeline_strategy
 from triax.sharding.rules import Rules, get_strategy
+from triax.training.config import PRECISIONS
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
 FP32 = 4
-# triax.pipeline's executor keeps each in-flight micro-batch's per-stage jax.vjp residuals,
-# plus its stash and cotangent slots. Fitted on tiny (data=2 × pipe=4; 1F1B and GPipe, M = 4
-# and 8; 4 and 8 layers) against the executor with explicit stash/cotangent write slots: the
-# fit leaves predicted/compiled peak at 0.93–1.11. Re-measure when the executor changes
-# (planner.verify.compile_figures against memory.estimate on those layouts).
-PIPELINE_STASH_FACTOR = 2.6
 
 
 @dataclass(frozen=True)
@@ -177,13 +175,33 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
         return 0.0 if cfg is None else _inference_activations(w, lay)
     local_batch = w.batch / lay.batch_shards
     mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
-    layers = ceil_div(cfg.num_layers, lay.pipe)
+    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
+    logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
+    if lay.pipe > 1:
+        return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
     per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat)
-    saved = layers * per_layer * in_flight * (PIPELINE_STASH_FACTOR if lay.pipe > 1 else 1.0)
-    saved += layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
-    logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
+    saved = cfg.num_layers * per_layer * in_flight + working
     return (saved + logits) * w.dtype_bytes
+
+
+def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
+    """The pipeline executor's activation buffers on one stage, asked of the executor
+    (``pipeline.runner.activation_buffer_bytes``: the schedule's slot counts × the traced
+    residual shapes, nothing allocated). The residuals are traced whole over ``tensor``; XLA
+    splits them over it as it splits the layer's weights, so they are divided by ``tensor``
+    (the activations passed between stages are not split)."""
+    sched = lay.schedule or ScheduleKind.ONE_F_ONE_B
+    config = PipelineConfig(sched.value, lay.microbatches, lay.virtual)
+    rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
+    exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
+    buf = _buffers(w.cfg, lay.pipe, config, exe, rows, w.seq)
+    return (buf["stash"] + buf["op"]) / lay.tensor + buf["inbox"]
+
+
+@functools.lru_cache(maxsize=64)
+def _buffers(cfg, stages, config, exe, rows, seq) -> dict[str, int]:
+    return activation_buffer_bytes(cfg, stages, config, exe, rows, seq)
 
 
 def _inference_activations(w: Workload, lay: Layout) -> float:
