@@ -28,6 +28,7 @@ import jax  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.planner import Layout, Workload, cluster, evaluate  # noqa: E402
+from triax.units import mib  # noqa: E402
 from triax.planner.comm import traffic  # noqa: E402
 from triax.sharding.experts import all_to_all_bytes  # noqa: E402
 from triax.sharding.introspect import bytes_over, collectives_from_compiled  # noqa: E402
@@ -53,7 +54,7 @@ def measure(cfg, ep: int, batch: int, seq: int, steps: int) -> dict:
     dt = (time.perf_counter() - t0) / steps
     return {"tokens_per_s": f"{batch * seq / dt:.0f}", "step_ms": f"{1e3 * dt:.1f}",
             "a2a_count": str(sum(c.count for c in colls if c.kind == "all-to-all")),
-            "a2a_measured": f"{bytes_over(colls, kind='all-to-all') / 2**20:.3f}"}
+            "a2a_measured": f"{mib(bytes_over(colls, kind='all-to-all')):.3f}"}
 
 
 def predict(cfg, ep: int, batch: int, seq: int, gpu: str) -> dict:
@@ -110,8 +111,8 @@ def main(argv=None) -> None:
                 ap.error(str(e))
             p = predict(cfg, ep, args.batch, args.seq, args.gpu)
             print(f"| {label} | {mesh} | {r['tokens_per_s']} | {r['step_ms']} | "
-                  f"{r['a2a_count']} | {r['a2a_measured']} | {p['closed'] / 2**20:.3f} | "
-                  f"{p['planner'] / 2**20:.3f} | {p['planner_tps']:.0f} |", flush=True)
+                  f"{r['a2a_count']} | {r['a2a_measured']} | {mib(p['closed']):.3f} | "
+                  f"{mib(p['planner']):.3f} | {p['planner_tps']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

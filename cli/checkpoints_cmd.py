@@ -9,6 +9,8 @@ import json
 import logging
 import os
 
+from triax.units import human_bytes
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("checkpoints", help="list checkpoints: steps, sizes, mesh, config",
@@ -57,7 +59,7 @@ def run(args) -> int:
         print(f"{'step':>7}  {'size':>10}  {'model':14} {'mesh':28} {'strategy':8} "
               f"{'batch×seq':10} data")
     for r in steps:
-        size = f"{r['bytes'] / 2**20:.2f} MiB"
+        size = human_bytes(r["bytes"])
         if "error" in r:
             print(f"{r['step']:>7}  {size:>10}  unreadable: {r['error']}")
             continue

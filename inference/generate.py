@@ -17,7 +17,7 @@ from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server, replica_meshes
 from triax.text.byte_tokenizer import ByteTokenizer
 
-TOKENIZER = ByteTokenizer()  # the presets' 264-token byte vocabulary (BOS 256, EOS 257)
+TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer.BYTE_VOCAB)
 
 
 def engine_config_for(cfg, mesh_sizes: Mapping[str, int], longest: int, max_new_tokens: int,

@@ -130,6 +130,24 @@ def loss_weight(model, batch):
     return jnp.float32(jax.tree.leaves(batch)[0].shape[0])
 
 
+def run_stack(model, x, batch):
+    """``model.block`` scanned over the ``blocks`` stack (any leading layer count, so a stage
+    runs it on its own chunk)."""
+    graphdef, stack = nnx.split(model.blocks)
+
+    def body(x, layer):
+        return type(model).block(nnx.merge(graphdef, layer), x, batch).astype(x.dtype), None
+    return jax.lax.scan(body, x, stack)[0]
+
+
+def protocol_loss(model, batch):
+    """The unpipelined loss of a :class:`PipelineModel`: ``(head_loss / loss_weight, {})`` —
+    what ``Trainer.for_model`` uses when no ``loss_fn`` is given, so pipelined and
+    unpipelined runs share one definition of the loss."""
+    y = run_stack(model, model.embed(batch), batch)
+    return model.head_loss(y, batch).astype(jnp.float32) / loss_weight(model, batch), {}
+
+
 def missing_protocol(model) -> list[str]:
     """The :class:`PipelineModel` members ``model`` lacks (empty when it can be pipelined)."""
     return [name for name in ("blocks", "embed", "block", "head_loss")
@@ -154,11 +172,7 @@ class ProtocolStage:
         inputs, consts, first, last = extras
         model = self.model(chunk, pieces)
         x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype), lambda: x_in)
-        graphdef, stack = nnx.split(model.blocks)
-
-        def body(x, layer):
-            return type(model).block(nnx.merge(graphdef, layer), x, inputs).astype(x.dtype), None
-        y, _ = jax.lax.scan(body, x, stack)
+        y = run_stack(model, x, inputs)
 
         def loss():
             return model.head_loss(y, inputs).astype(jnp.float32) * consts["inv_total_weight"]

@@ -148,6 +148,13 @@ def _is_axes(x) -> bool:
 
 def specs_for(rules: Rules, logical: PyTree, shapes: PyTree, mesh: Mesh) -> PyTree:
     sizes = mesh_sizes(mesh)
+    unknown = {}   # every unknown name at once, so one run shows the whole fix
+    for path, axes in jax.tree_util.tree_flatten_with_path(logical, is_leaf=_is_axes)[0]:
+        for name in axes:
+            if name is not None and name not in rules.names:
+                unknown.setdefault(name, f"parameter {path_str(path)!r}")
+    if unknown:
+        raise rules.unknown_names_error(unknown)
     return jax.tree_util.tree_map_with_path(
         lambda path, ax, sd: rules.spec(ax, sd.shape, sizes, what=f"parameter {path_str(path)!r}"),
         logical, shapes, is_leaf=_is_axes)
@@ -221,7 +228,7 @@ def init_fn(am: AbstractModel, seed: int = 0, dtype=None) -> Callable[[], PyTree
     Jit it with ``out_shardings`` so each device materialises only its own shard."""
     def init():
         with nnx.use_eager_sharding(False):
-            params = _to_plain(nnx.state(am.make(nnx.Rngs(seed))))
+            params = _to_plain(nnx.state(am.make(nnx.Rngs(jax.random.key(seed)))))
         return params if dtype is None else jax.tree.map(lambda x: x.astype(dtype), params)
     return init
 

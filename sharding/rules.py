@@ -72,12 +72,20 @@ class Rules:
         if logical is None:
             return ()
         if logical not in LOGICAL_AXES and logical not in self.user_names:
-            raise ShardingError(
-                f"unknown logical axis name {logical!r}; known names: {', '.join(self.names)}. "
-                f"Add a rule for it, e.g. rules={{{logical!r}: 'tensor'}} (a mesh axis), "
-                f"{{{logical!r}: 'embed'}} (follow a known name) or {{{logical!r}: None}} "
-                f"(replicate)")
+            raise self.unknown_names_error({logical: None})
         return self.as_dict().get(logical, ())
+
+    def unknown_names_error(self, where: Mapping[str, Optional[str]]) -> ShardingError:
+        """One error for every unknown name (``{name: where it was met}``), with the fix."""
+        names = sorted(where)
+        met = ", ".join(f"{n!r}" + (f" (in {where[n]})" if where[n] else "") for n in names)
+        plural = "s" if len(names) > 1 else ""
+        n0 = names[0]
+        return ShardingError(
+            f"unknown logical axis name{plural} {met}; known names: {', '.join(self.names)}. "
+            f"Add a rule for {'each' if plural else 'it'}, e.g. rules={{{n0!r}: 'tensor'}} "
+            f"(a mesh axis), {{{n0!r}: 'embed'}} (follow a known name) or {{{n0!r}: None}} "
+            f"(replicate)")
 
     def replace(self, **updates: MeshAxes) -> "Rules":
         unknown = sorted(set(updates) - set(self.names))
@@ -131,12 +139,9 @@ class Rules:
         """
         used: dict[str, str] = {}
         out = []
-        for name in logical_axes:   # name the array in an unknown-name error
-            if name is not None and name not in LOGICAL_AXES and name not in self.user_names:
-                try:
-                    self.mesh_axes(name)
-                except ShardingError as e:
-                    raise ShardingError(f"{what}: {e}") from None
+        unknown = {n: what for n in logical_axes if n is not None and n not in self.names}
+        if unknown:   # name the array in the error
+            raise self.unknown_names_error(unknown)
         for i, name in enumerate(logical_axes):
             axes = tuple(a for a in self.mesh_axes(name)
                          if mesh_shape is None or mesh_shape.get(a, 1) > 1)

@@ -147,6 +147,35 @@ def test_unknown_logical_name_lists_known_names_and_the_fix(devices):
                                 rules={"classes": None})
 
 
+def test_every_unknown_name_is_reported_at_once(devices):
+    with pytest.raises(ShardingError, match=r"unknown logical axis names 'classes' \(in "
+                                            r"parameter 'head_DK'\), 'pixels' \(in parameter "
+                                            r"'patch_CD'\)"):
+        triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), vit_loss, make_mesh(data=8), "dp")
+
+
+def test_protocol_defines_the_loss_when_none_is_given(devices):
+    """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss."""
+    mesh = make_mesh(devices=devices[:1])
+    own = vit_trainer(mesh)
+    derived = triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), None, mesh, "dp",
+                                      rules=VIT_RULES)
+    params = own.init(0)["params"]
+    (a, _), ga = own.grads(params, VIT_BATCHES[0])
+    (b, _), gb = derived.grads(params, VIT_BATCHES[0])
+    np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
+    assert_trees_close(gb, ga, rtol=1e-5, atol=1e-7, what="protocol-loss grads")
+    with pytest.raises(TypeError, match=r"lacks \['blocks', 'embed', 'block', 'head_loss'\]"):
+        triax.Trainer.for_model(Unannotated, None, mesh, "dp", default="replicate")
+
+
+def test_init_compiles_once_for_every_seed(devices):
+    trainer = vit_trainer(make_mesh(data=8))
+    a, b = trainer.init(0)["params"], trainer.init(1)["params"]
+    assert trainer._jitted_init._cache_size() == 1
+    assert not np.allclose(np.asarray(a["patch_CD"]), np.asarray(b["patch_CD"]))
+
+
 class Unannotated(nnx.Module):
     def __init__(self, rngs):
         self.lin = nnx.Linear(4, 4, rngs=rngs)     # no logical names on kernel or bias

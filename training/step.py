@@ -34,6 +34,7 @@ from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
                                       batch_sharding, init_fn, param_shardings)
+from triax.sharding.introspect.placement import placement_table
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.optim import OptimConfig, lr_schedule, make_optimizer
 from triax.training.user_model import UserModel, user_loss
@@ -95,16 +96,19 @@ class Trainer:
         self._custom_loss_and_grad = loss_and_grad
 
     @classmethod
-    def for_model(cls, make_model: Callable, loss_fn: Callable, mesh: Mesh,
+    def for_model(cls, make_model: Callable, loss_fn: Optional[Callable], mesh: Mesh,
                   strategy: str | Strategy = "fsdp_tp", rules: Optional[dict] = None, *,
                   default: Optional[str] = None, **kw) -> "Trainer":
         """A Trainer for any Flax NNX model whose parameters carry logical axis names.
 
-        ``make_model(rngs) -> nnx.Module``; ``loss_fn(model, batch) -> (loss, aux dict)``;
-        ``rules`` add the model's own logical names to the strategy preset (a value is mesh
-        axes, a name the preset knows, or None); ``default="replicate"`` replicates
-        parameters without names. ``pipeline=`` needs the model to follow
-        ``triax.pipeline.stage.PipelineModel``. See docs/your_model.md.
+        ``make_model(rngs) -> nnx.Module``; ``loss_fn(model, batch) -> (loss, aux dict)``, or
+        None when the model follows ``triax.pipeline.stage.PipelineModel`` (its
+        ``head_loss`` then defines the loss, pipelined or not); ``rules`` add the model's own
+        logical names to the strategy preset (a value is mesh axes, a name the preset knows,
+        or None); ``default="replicate"`` replicates parameters without names. Every other
+        keyword is the constructor's: ``pipeline=PipelineConfig(...)`` (needs the protocol),
+        ``optim=OptimConfig(...)``, ``total_steps``, ``accum_steps``. ``step`` donates the
+        state it is given: keep the returned one. See docs/your_model.md.
         """
         return cls(UserModel.of(make_model, loss_fn, rules, default), mesh, strategy, **kw)
 
@@ -135,8 +139,13 @@ class Trainer:
     def batch_sharding(self) -> NamedSharding:
         return batch_sharding(self.mesh, self.strategy)
 
+    def placement(self, optimizer: bool = False) -> list:
+        """Where every parameter lives (logical axes, spec, shard shape, bytes per device);
+        ``optimizer=True``: the optimizer state's layout. No compile."""
+        return placement_table(self.abstract, self.mesh, self.strategy, optimizer=optimizer)
+
     # ---- init ------------------------------------------------------------------------------
-    def _init_fn(self, seed: int):
+    def _init_fn(self, seed):
         tx, make_params = self.tx, init_fn(self.abstract, seed)
 
         def init():
@@ -145,9 +154,14 @@ class Trainer:
                     "step": jnp.zeros((), jnp.int32)}
         return init
 
+    @cached_property
+    def _jitted_init(self):
+        # The seed is an argument, not a constant: every seed and re-init shares one compile.
+        return jax.jit(lambda seed: self._init_fn(seed)(), out_shardings=self.state_shardings)
+
     def init(self, seed: int = 0) -> PyTree:
         """Parameters and optimizer state, created already sharded (never whole on one device)."""
-        return jax.jit(self._init_fn(seed), out_shardings=self.state_shardings)()
+        return self._jitted_init(jnp.int32(seed))
 
     # ---- step ------------------------------------------------------------------------------
     def loss_fn(self) -> Callable:

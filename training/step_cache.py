@@ -16,7 +16,7 @@ compiled program (all are hashable). The seed only picks an init.
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
@@ -35,7 +35,6 @@ class Compiled:
     seq_len: int
     _step: Any = None
     _eval: Any = None
-    _inits: dict = field(default_factory=dict)
 
     @property
     def is_step_compiled(self) -> bool:
@@ -60,10 +59,7 @@ class Compiled:
         return self._eval
 
     def init(self, seed: int):
-        if seed not in self._inits:
-            tr = self.trainer
-            self._inits[seed] = jax.jit(tr._init_fn(seed), out_shardings=tr.state_shardings)
-        return self._inits[seed]()
+        return self.trainer.init(seed)   # one compile for every seed (the seed is an argument)
 
 
 def compiled_for(trainer_args: dict, batch_size: int, seq_len: int) -> Compiled:

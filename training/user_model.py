@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from flax import nnx
 
+from triax.pipeline.stage import missing_protocol, protocol_loss
 from triax.sharding.partition import AbstractModel, abstract_module
 
 
@@ -37,8 +38,11 @@ class UserModel:
     default: Optional[str] = None     # "replicate": parameters without names are replicated
 
     @classmethod
-    def of(cls, make_model, loss_fn, rules: Optional[Mapping[str, Any]] = None,
+    def of(cls, make_model, loss_fn=None, rules: Optional[Mapping[str, Any]] = None,
            default: Optional[str] = None) -> "UserModel":
+        """``loss_fn=None``: the model's pipeline protocol defines the loss
+        (``head_loss`` of the stacked forward ÷ ``loss_weight``; see ``protocol_loss``)."""
+        loss_fn = protocol_loss if loss_fn is None else loss_fn
         if not callable(make_model) or not callable(loss_fn):
             raise TypeError("Trainer.for_model(make_model, loss_fn, ...): both must be callables "
                             "(rngs -> nnx.Module, and (model, batch) -> (loss, aux))")
@@ -46,7 +50,15 @@ class UserModel:
                    tuple(sorted((k, _freeze(v)) for k, v in (rules or {}).items())), default)
 
     def abstract(self) -> AbstractModel:
-        return abstract_module(self.make_model, default=self.default)
+        am = abstract_module(self.make_model, default=self.default)
+        if self.loss_fn is protocol_loss:
+            with nnx.use_eager_sharding(False):
+                missing = missing_protocol(nnx.eval_shape(lambda: self.make_model(nnx.Rngs(0))))
+            if missing:
+                raise TypeError(f"Trainer.for_model without loss_fn needs the model's pipeline "
+                                f"protocol (embed, block, head_loss over 'blocks'); it lacks "
+                                f"{missing}: pass loss_fn=(model, batch) -> (loss, aux)")
+        return am
 
 
 def user_loss(am: AbstractModel, loss_fn: Callable) -> Callable:
