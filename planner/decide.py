@@ -45,7 +45,7 @@ class Recommendation:
     plans: list[PlanResult]
     reasoning: list[str]
     assumptions: Assumptions = Assumptions()
-    op_costs: dict = dataclasses.field(default_factory=dict)   # schedule name -> OpCosts
+    op_costs: dict = dataclasses.field(default_factory=dict)  # "zb-h1 remat=none" -> OpCosts
 
     def to_json(self) -> dict:
         w = self.workload
@@ -172,11 +172,12 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
 def _op_costs(w: Workload, plans: list[PlanResult], why: list[str]) -> dict:
     """The op costs the pipelined training plans' bubbles were weighed with, said once per
     schedule (measured on the compiled executor, or the unit costs and why not)."""
-    kinds = sorted({p.layout.schedule for p in plans if w.train and p.layout.pipe > 1
-                    and p.layout.schedule is not None}, key=lambda k: k.value)
-    used = {k.value: op_costs_for(k) for k in kinds}
-    for name, c in used.items():
-        why.append(f"{name} bubble weighs each op by its cost: {c.describe()}.")
+    keys = sorted({(p.layout.schedule.value, p.workload.remat) for p in plans
+                   if w.train and p.layout.pipe > 1 and p.layout.schedule is not None})
+    used = {f"{name} remat={remat}": op_costs_for(ScheduleKind(name), remat)
+            for name, remat in keys}
+    for key, c in used.items():
+        why.append(f"{key}: the bubble weighs each op by its cost, {c.describe()}.")
     return used
 
 

@@ -83,7 +83,8 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
-        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
+        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual,
+                                 w.remat)
         return compute, bubble, compute / (1.0 - bubble)
     # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.
     M = max(lay.microbatches, 1)

@@ -10,7 +10,7 @@ out, so these are per-layer FLOPs), normalised to F = 1.
 The ratios are a property of the executor, not of the model's size: every op kind runs the
 same block, and every dense preset's block has the same dots (attention and SwiGLU
 projections), whose backward costs scale with the forward's. So one compile per op-kind set
-serves every dense workload, and the result is cached. GPipe, 1F1B and interleaved run the
+serves every dense workload, and the result is cached (per op-kind set and remat policy). GPipe, 1F1B and interleaved run the
 same F and B branches (measured on 1F1B); ZB-H1 runs F, B_in and W.
 
 Where this process cannot get two CPU devices (JAX started with one, or without a CPU
@@ -31,6 +31,7 @@ import jax
 
 from triax.mesh import make_mesh
 from triax.models import config
+from triax.models.layers import ExecConfig
 from triax.pipeline import DEFAULT_COSTS, OpKind, ScheduleKind
 from triax.pipeline.runner import PipelineConfig
 from triax.pipeline.timeline import LABELS
@@ -73,15 +74,16 @@ def assumed(why: str) -> OpCosts:
                    f"assumed unit costs, not measured: {why}", measured=False)
 
 
-def op_costs_for(schedule: Optional[ScheduleKind]) -> OpCosts:
-    """The op costs the planner weighs ``schedule``'s bubble with."""
+def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCosts:
+    """The op costs the planner weighs ``schedule``'s bubble with, under ``remat`` (a
+    rematerialised backward reruns the forward: B ≈ 3F under ``full``)."""
     if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
         return OpCosts(((OpKind.F, 1.0),), "forward only: one op kind", measured=True)
-    return _measure(_MEASURED_AS[schedule])
+    return _measure(_MEASURED_AS[schedule], remat)
 
 
 @functools.lru_cache(maxsize=None)
-def _measure(schedule: ScheduleKind) -> OpCosts:
+def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
     try:
         cpus = jax.devices("cpu")
     except RuntimeError as e:          # no CPU backend in this process (JAX_PLATFORMS)
@@ -91,8 +93,8 @@ def _measure(schedule: ScheduleKind) -> OpCosts:
                        f"{PROBE_STAGES} (start with JAX_NUM_CPU_DEVICES≥{PROBE_STAGES})")
     cfg = config.get(PROBE_MODEL, num_layers=PROBE_STAGES)
     mesh = make_mesh(pipe=PROBE_STAGES, devices=cpus[:PROBE_STAGES])
-    trainer = Trainer(cfg, mesh, "dp",
-                      pipeline=PipelineConfig(schedule.value, PROBE_MICROBATCHES))
+    trainer = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig(schedule.value, PROBE_MICROBATCHES),
+                      exe=ExecConfig(remat=remat))
     compiled = trainer.lower(PROBE_BATCH, PROBE_SEQ).compile()
     flops = {label: c["flops"] for label, c in
              op_costs(compiled, trainer.pipeline.branch_kinds).items() if label != "idle"}
@@ -103,4 +105,5 @@ def _measure(schedule: ScheduleKind) -> OpCosts:
     costs = tuple(sorted(((_KIND_OF_LABEL[k], v / flops["F"]) for k, v in flops.items()),
                          key=lambda kv: kv[0]))
     return OpCosts(costs, f"measured from the compiled executor: matmul FLOPs per layer of "
-                          f"the {schedule.value} tick switch's branches", measured=True)
+                          f"the {schedule.value} tick switch's branches, remat {remat}",
+                   measured=True)

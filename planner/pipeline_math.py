@@ -16,7 +16,7 @@ import functools
 from typing import Optional
 
 from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build
-from triax.planner.op_costs import OpCosts, op_costs_for
+from triax.planner.op_costs import op_costs_for
 
 
 @functools.lru_cache(maxsize=4096)
@@ -33,17 +33,17 @@ def schedule_table(schedule: Optional[ScheduleKind], stages: int, microbatches: 
 
 @functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
-                    virtual: int = 1, costs: Optional[OpCosts] = None) -> float:
-    """Idle fraction of a stage's time over one step: the table's, its ops weighted by
-    ``costs`` (default: :func:`.op_costs.op_costs_for` the schedule, measured), else the
-    closed form."""
+                    virtual: int = 1, remat: str = "none") -> float:
+    """Idle fraction of a stage's time over one step: the table's, its ops weighted by the
+    costs measured on the compiled executor under ``remat`` (:func:`.op_costs.op_costs_for`),
+    else the closed form."""
     S, M, v = stages, microbatches, virtual
     if S <= 1 or schedule is None:
         return 0.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
-        costs = costs or op_costs_for(schedule)
-        return float(table.bubble_fraction(costs=costs.as_dict()))
+        costs = op_costs_for(schedule, remat).as_dict()
+        return float(table.bubble_fraction(costs=costs))
     if schedule is ScheduleKind.INTERLEAVED:
         return (S - 1) / (v * M + S - 1)
     one_f_one_b = (S - 1) / (M + S - 1)
