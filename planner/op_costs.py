@@ -59,6 +59,11 @@ class OpCosts:
     def as_dict(self) -> dict[OpKind, float]:
         return dict(self.costs)
 
+    @property
+    def per_microbatch(self) -> float:
+        """Work of one micro-batch through one chunk: every op kind runs once for it."""
+        return sum(v for _, v in self.costs)
+
     def to_json(self) -> dict:
         return {**{LABELS[k]: v for k, v in self.costs}, "source": self.source,
                 "measured": self.measured}

@@ -52,6 +52,17 @@ def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches:
     return one_f_one_b     # GPipe, 1F1B, forward-only
 
 
+def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:
+    """A micro-batch's work under ``schedule`` over a forward plus one full backward (what
+    the model-FLOP compute time counts), both measured on the executor under ``remat``.
+    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (above 1 today: its W
+    reruns the whole pullback, issue 11)."""
+    if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
+        return 1.0
+    return (op_costs_for(schedule, remat).per_microbatch
+            / op_costs_for(ScheduleKind.ONE_F_ONE_B, remat).per_microbatch)
+
+
 def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
                    virtual: int = 1) -> float:
     """Micro-batches of activations the busiest stage holds (in whole-stage units).
