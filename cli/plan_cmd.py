@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+from triax.cli.common import start_devices
 from triax.training.config import PRECISIONS
 
 
@@ -41,8 +42,8 @@ def add_parser(sub) -> None:
 
 
 def _layout(args):
-    # Imported here: triax.mesh and the rules load JAX, which `--verify` may need to start
-    # with another device count.
+    # Imported here: triax.mesh and the rules load JAX, which must first see the simulated
+    # device count (run() sets it).
     from triax.mesh import parse_mesh
     from triax.pipeline import ScheduleKind
     from triax.planner.workload import Layout
@@ -64,6 +65,9 @@ def _layout(args):
 
 
 def run(args) -> int:
+    # The planner compiles a small pipelined step to measure op costs (planner.op_costs),
+    # which needs simulated CPU devices: set before anything starts JAX's backend.
+    start_devices()
     from triax.models import config
     from triax.planner import hardware
     from triax.planner.decide import plan

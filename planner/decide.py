@@ -28,6 +28,7 @@ from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
+from triax.planner.op_costs import op_costs_for
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.search import search
 from triax.planner.workload import Layout, Workload
@@ -44,6 +45,7 @@ class Recommendation:
     plans: list[PlanResult]
     reasoning: list[str]
     assumptions: Assumptions = Assumptions()
+    op_costs: dict = dataclasses.field(default_factory=dict)  # "zb-h1 remat=none" -> OpCosts
 
     def to_json(self) -> dict:
         w = self.workload
@@ -52,6 +54,7 @@ class Recommendation:
                 "min_devices_for_weights": self.min_devices,
                 "plans": [p.to_json() for p in self.plans],
                 "reasoning": self.reasoning,
+                "op_costs": {name: c.to_json() for name, c in self.op_costs.items()},
                 "assumptions": dataclasses.asdict(self.assumptions)}
 
 
@@ -162,7 +165,20 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
-    return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions())
+    used = _op_costs(w, res.fitting, why)
+    return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions(), used)
+
+
+def _op_costs(w: Workload, plans: list[PlanResult], why: list[str]) -> dict:
+    """The op costs the pipelined training plans' bubbles were weighed with, said once per
+    schedule (measured on the compiled executor, or the unit costs and why not)."""
+    keys = sorted({(p.layout.schedule.value, p.workload.remat) for p in plans
+                   if w.train and p.layout.pipe > 1 and p.layout.schedule is not None})
+    used = {f"{name} remat={remat}": op_costs_for(ScheduleKind(name), remat)
+            for name, remat in keys}
+    for key, c in used.items():
+        why.append(f"{key}: the bubble weighs each op by its cost, {c.describe()}.")
+    return used
 
 
 def _nothing_fits(w: Workload, cluster: Cluster, res) -> str:
@@ -192,7 +208,8 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
     r = evaluate(w, layout, cluster, assume)
     why.append(f"Evaluated the given plan {layout.describe()}: "
                + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
-    return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions())
+    used = _op_costs(w, [r], why)
+    return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions(), used)
 
 
 def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:

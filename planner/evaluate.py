@@ -16,7 +16,7 @@ from typing import Optional
 from triax.planner import comm
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions, Memory, estimate
-from triax.planner.pipeline_math import bubble_fraction
+from triax.planner.pipeline_math import bubble_fraction, work_factor
 from triax.planner.workload import Layout, Workload, ceil_div
 
 
@@ -83,7 +83,10 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
-        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
+        if lay.pipe > 1:     # what the executor's ops cost beyond F + B (ZB-H1's W today)
+            compute *= work_factor(lay.schedule, w.remat)
+        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual,
+                                 w.remat)
         return compute, bubble, compute / (1.0 - bubble)
     # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.
     M = max(lay.microbatches, 1)

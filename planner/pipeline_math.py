@@ -1,7 +1,7 @@
 """Pipeline bubble and in-flight micro-batches per schedule: the one place the planner asks.
 
-``triax.pipeline``'s validated schedule tables give the figures (cost-weighted bubble, peak
-in-flight), and its generators say which (S, M, v) a schedule can run
+``triax.pipeline``'s validated schedule tables give the figures (peak in-flight, and the
+bubble weighted by the op costs measured on the compiled executor: :mod:`.op_costs`), and its generators say which (S, M, v) a schedule can run
 (:func:`microbatch_constraint`). A request no table is built for falls back to the closed
 forms the tables reproduce (GPipe and 1F1B: (S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1);
 ZB-H1 about a third of 1F1B's). ``None`` is an unpipelined layout.
@@ -16,6 +16,7 @@ import functools
 from typing import Optional
 
 from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build
+from triax.planner.op_costs import op_costs_for
 
 
 @functools.lru_cache(maxsize=4096)
@@ -32,20 +33,34 @@ def schedule_table(schedule: Optional[ScheduleKind], stages: int, microbatches: 
 
 @functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
-                    virtual: int = 1) -> float:
-    """Idle fraction of a stage's time over one step (the table's, else the closed form)."""
+                    virtual: int = 1, remat: str = "none") -> float:
+    """Idle fraction of a stage's time over one step: the table's, its ops weighted by the
+    costs measured on the compiled executor under ``remat`` (:func:`.op_costs.op_costs_for`),
+    else the closed form."""
     S, M, v = stages, microbatches, virtual
     if S <= 1 or schedule is None:
         return 0.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
-        return float(table.bubble_fraction())
+        costs = op_costs_for(schedule, remat).as_dict()
+        return float(table.bubble_fraction(costs=costs))
     if schedule is ScheduleKind.INTERLEAVED:
         return (S - 1) / (v * M + S - 1)
     one_f_one_b = (S - 1) / (M + S - 1)
     if schedule is ScheduleKind.ZB_H1:
         return one_f_one_b / 3
     return one_f_one_b     # GPipe, 1F1B, forward-only
+
+
+def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:
+    """A micro-batch's work under ``schedule`` over a forward plus one full backward (what
+    the model-FLOP compute time counts), both measured on the executor under ``remat``.
+    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (above 1 today: its W
+    reruns the whole pullback, issue 11)."""
+    if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
+        return 1.0
+    return (op_costs_for(schedule, remat).per_microbatch
+            / op_costs_for(ScheduleKind.ONE_F_ONE_B, remat).per_microbatch)
 
 
 def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: int,

@@ -1,4 +1,5 @@
-"""The planner's decision rules, its CLI contract and its errors (no compiles: fast)."""
+"""The planner's decision rules, its CLI contract and its errors (no step compiles but the
+planner's own op-cost probe, once per process: planner.op_costs)."""
 import json
 
 import pytest

@@ -1,0 +1,114 @@
+"""Relative op costs (F, B, B_in, W) measured on the compiled pipeline executor.
+
+The planner weighs a schedule's bubble by what each op costs. Instead of assuming unit costs
+(``pipeline.DEFAULT_COSTS``: F=1, B=2, B_in=W=1) it compiles a small pipelined training
+step — ``tiny`` with one layer per stage, pipe=2, M=2, on two CPU devices, abstract inputs —
+and reads each op kind's matmul FLOPs from the executor's tick switch
+(``sharding.introspect.op_costs``: one execution on stage 0, the embedding and head left
+out, so these are per-layer FLOPs), normalised to F = 1.
+
+The ratios are a property of the executor, not of the model's size: every op kind runs the
+same block, and every dense preset's block has the same dots (attention and SwiGLU
+projections), whose backward costs scale with the forward's. So one compile per op-kind set
+serves every dense workload, and the result is cached (per op-kind set and remat policy). GPipe, 1F1B and interleaved run the
+same F and B branches (measured on 1F1B); ZB-H1 runs F, B_in and W.
+
+Where this process cannot get two CPU devices (JAX started with one, or without a CPU
+backend), the costs fall back to ``DEFAULT_COSTS`` and the source says so and why.
+
+    >>> from triax.pipeline import ScheduleKind
+    >>> c = op_costs_for(ScheduleKind.ONE_F_ONE_B)
+    >>> c.measured, round(c.as_dict()[OpKind.B])
+    (True, 2)
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.models.layers import ExecConfig
+from triax.pipeline import DEFAULT_COSTS, OpKind, ScheduleKind
+from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.timeline import LABELS
+from triax.sharding.introspect import op_costs
+from triax.training.step import Trainer
+
+# The measured step: the smallest pipelined program that runs every op kind.
+PROBE_MODEL, PROBE_STAGES, PROBE_MICROBATCHES, PROBE_BATCH, PROBE_SEQ = "tiny", 2, 2, 2, 16
+# Schedules whose tick switch has the same branches as the one measured for them.
+_MEASURED_AS = {ScheduleKind.GPIPE: ScheduleKind.ONE_F_ONE_B,
+                ScheduleKind.ONE_F_ONE_B: ScheduleKind.ONE_F_ONE_B,
+                ScheduleKind.INTERLEAVED: ScheduleKind.ONE_F_ONE_B,
+                ScheduleKind.ZB_H1: ScheduleKind.ZB_H1}
+_KIND_OF_LABEL = {label: kind for kind, label in LABELS.items()}
+
+
+@dataclass(frozen=True)
+class OpCosts:
+    """Cost of each op kind relative to F = 1, and where the figures come from."""
+
+    costs: tuple[tuple[OpKind, float], ...]
+    source: str
+    measured: bool
+
+    def as_dict(self) -> dict[OpKind, float]:
+        return dict(self.costs)
+
+    @property
+    def per_microbatch(self) -> float:
+        """Work of one micro-batch through one chunk: every op kind runs once for it."""
+        return sum(v for _, v in self.costs)
+
+    def to_json(self) -> dict:
+        return {**{LABELS[k]: v for k, v in self.costs}, "source": self.source,
+                "measured": self.measured}
+
+    def describe(self) -> str:
+        figures = ", ".join(f"{LABELS[k]}={v:.3g}" for k, v in self.costs)
+        return f"{figures} ({self.source})"
+
+
+def assumed(why: str) -> OpCosts:
+    """``DEFAULT_COSTS``, saying why they stand in for measured ones."""
+    return OpCosts(tuple(DEFAULT_COSTS.items()),
+                   f"assumed unit costs, not measured: {why}", measured=False)
+
+
+def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCosts:
+    """The op costs the planner weighs ``schedule``'s bubble with, under ``remat`` (a
+    rematerialised backward reruns the forward: B ≈ 3F under ``full``)."""
+    if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
+        return OpCosts(((OpKind.F, 1.0),), "forward only: one op kind", measured=True)
+    return _measure(_MEASURED_AS[schedule], remat)
+
+
+@functools.lru_cache(maxsize=None)
+def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
+    try:
+        cpus = jax.devices("cpu")
+    except RuntimeError as e:          # no CPU backend in this process (JAX_PLATFORMS)
+        return assumed(f"no CPU backend to compile the probe step on ({e})")
+    if len(cpus) < PROBE_STAGES:
+        return assumed(f"this process has {len(cpus)} CPU device(s) and the probe step needs "
+                       f"{PROBE_STAGES} (start with JAX_NUM_CPU_DEVICES≥{PROBE_STAGES})")
+    cfg = config.get(PROBE_MODEL, num_layers=PROBE_STAGES)
+    mesh = make_mesh(pipe=PROBE_STAGES, devices=cpus[:PROBE_STAGES])
+    trainer = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig(schedule.value, PROBE_MICROBATCHES),
+                      exe=ExecConfig(remat=remat))
+    compiled = trainer.lower(PROBE_BATCH, PROBE_SEQ).compile()
+    flops = {label: c["flops"] for label, c in
+             op_costs(compiled, trainer.pipeline.branch_kinds).items() if label != "idle"}
+    if not flops.get("F"):
+        raise ValueError(f"the compiled {schedule.value} probe step has no forward matmul "
+                         f"FLOPs ({flops}); the tick switch's branches are not what "
+                         f"pipeline.executor.branch_kinds says")
+    costs = tuple(sorted(((_KIND_OF_LABEL[k], v / flops["F"]) for k, v in flops.items()),
+                         key=lambda kv: kv[0]))
+    return OpCosts(costs, f"measured from the compiled executor: matmul FLOPs per layer of "
+                          f"the {schedule.value} tick switch's branches, remat {remat}",
+                   measured=True)
