@@ -18,6 +18,7 @@ built from a model, a mesh, a strategy and a schedule.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
@@ -74,9 +75,18 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
     Shapes are the stage's view inside ``shard_map``: whole over ``tensor`` (that axis stays
     automatic; XLA may split some residuals over it, so this is an upper bound there).
     """
-    am = abstract_model(cfg)
     schedule = config.build(stages)
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
+    res_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
+    return buffer_bytes(compile_program(schedule), res_shapes, x)
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                     seq_len: int):
+    """One chunk's pullback residual shapes and its activation: the costly trace, shared by
+    every schedule and micro-batch count with the same chunk (the planner asks many)."""
+    am = abstract_model(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
@@ -88,7 +98,7 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
         res = Residuals.trace(loss_only(stage), chunk, pieces, x, extras)
-    return buffer_bytes(compile_program(schedule), res.shapes, x)
+    return res.shapes, x
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ def test_report_json_contract(devices):
     report = inspect_trainer(trainer, B, T).to_json()
     assert set(report["memory"]) >= {"argument_bytes", "output_bytes", "temp_bytes"}
     assert report["collectives"] and set(report["collectives"][0]) == {
-        "kind", "axes", "bytes_per_device", "count"}
+        "kind", "axes", "bytes_per_device", "count", "frequency_known", "branch", "at_most"}
     row = next(p for p in report["params"] if p["path"] == "blocks/attn/wq_DNH")
     assert row["logical_axes"] == ["layers", "embed", "heads", "head_dim"]
     assert row["spec"] == [None, "data", "tensor"]
