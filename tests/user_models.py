@@ -65,6 +65,32 @@ class LayerNorm(nnx.Module):
                 + self.bias[...].reshape(shape))
 
 
+class StackedClassifier(nnx.Module):
+    """What both models share: the pipeline protocol's ``block`` and ``head_loss`` (mean-pool,
+    ``norm``, ``head_DK``), and the unpipelined forward over the ``blocks`` stack. Subclasses
+    give ``embed``, ``blocks``, ``norm`` and ``head_DK``."""
+
+    @staticmethod
+    def block(block, x_BPD, batch):
+        return block(x_BPD)
+
+    def head_loss(self, x_BPD, batch):
+        """Summed cross-entropy of the batch (the caller divides by the global count)."""
+        logits_BK = jnp.einsum("BD,DK->BK", self.norm(x_BPD).mean(1), self.head_DK[...])
+        logp = jax.nn.log_softmax(logits_BK, axis=-1)
+        return -jnp.take_along_axis(logp, batch["labels"][:, None], axis=-1).sum()
+
+    def __call__(self, batch):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def run(x, block):
+            return block(x)
+        return run(self.embed(batch), self.blocks)
+
+
+def classifier_loss(model: StackedClassifier, batch):
+    return model.head_loss(model(batch), batch) / batch["labels"].shape[0], {}
+
+
 class VitBlock(nnx.Module):
     """Pre-norm encoder block: Megatron pairs (qkv column-parallel, out row-parallel;
     MLP in column-parallel, out row-parallel) come from the names ``heads`` and ``mlp``."""
@@ -94,7 +120,7 @@ class VitBlock(nnx.Module):
         return constrain(x_BPD + self.down(h), ("batch", None, "act_embed"))
 
 
-class ViT(nnx.Module):
+class ViT(StackedClassifier):
     """Image classifier: patch embedding, ``layers`` encoder blocks, mean-pool head."""
 
     def __init__(self, c: VitConfig, rngs: nnx.Rngs):
@@ -118,27 +144,9 @@ class ViT(nnx.Module):
         x = jnp.einsum("BPC,CD->BPD", patchify(batch["images"], self.c.patch), self.patch_CD[...])
         return constrain(x + self.pos_PD[...][None], ("batch", None, "act_embed"))
 
-    @staticmethod
-    def block(block, x_BPD, batch):
-        return block(x_BPD)
-
-    def head_loss(self, x_BPD, batch):
-        """Summed cross-entropy of the batch (the caller divides by the global count)."""
-        logits_BK = jnp.einsum("BD,DK->BK", self.norm(x_BPD).mean(1), self.head_DK[...])
-        logp = jax.nn.log_softmax(logits_BK, axis=-1)
-        return -jnp.take_along_axis(logp, batch["labels"][:, None], axis=-1).sum()
-
-    def __call__(self, batch):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(x, block):
-            return block(x)
-        return run(self.embed(batch), self.blocks)
 
 
-def vit_loss(model: ViT, batch):
-    x = model(batch)
-    loss = model.head_loss(x, batch) / batch["labels"].shape[0]
-    return loss, {}
+vit_loss = classifier_loss
 
 
 def image_batch(c: VitConfig, batch: int, seed: int = 0) -> dict:
@@ -191,7 +199,7 @@ class MixerBlock(nnx.Module):
         return x_BPD + jnp.einsum("BPF,FD->BPD", h, self.ch_out[...])
 
 
-class Mixer(nnx.Module):
+class Mixer(StackedClassifier):
     def __init__(self, c: MixerConfig, rngs: nnx.Rngs):
         self.c = c
         self.stem = nnx.Param(part(init.lecun_normal(), "patch", "channels")(
@@ -203,30 +211,15 @@ class Mixer(nnx.Module):
             return MixerBlock(c, rngs)
         self.blocks = make_blocks(rngs)
         self.norm = LayerNorm(c.channels, "channels")
-        self.head = nnx.Param(part(init.lecun_normal(), "channels", "classes")(
+        self.head_DK = nnx.Param(part(init.lecun_normal(), "channels", "classes")(
             rngs.params(), (c.channels, c.classes)))
 
     def embed(self, batch):
         return jnp.einsum("BPC,CD->BPD", patchify(batch["images"], self.c.patch), self.stem[...])
 
-    @staticmethod
-    def block(block, x_BPD, batch):
-        return block(x_BPD)
-
-    def head_loss(self, x_BPD, batch):
-        logits = jnp.einsum("BD,DK->BK", self.norm(x_BPD).mean(1), self.head[...])
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        return -jnp.take_along_axis(logp, batch["labels"][:, None], axis=-1).sum()
-
-    def __call__(self, batch):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def run(x, block):
-            return block(x)
-        return run(self.embed(batch), self.blocks)
 
 
-def mixer_loss(model: Mixer, batch):
-    return model.head_loss(model(batch), batch) / batch["labels"].shape[0], {}
+mixer_loss = classifier_loss
 
 
 def mixer_batch(c: MixerConfig, batch: int, seed: int = 0) -> dict:
