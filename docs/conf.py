@@ -17,7 +17,7 @@ project = "triax"
 author = "triax authors"
 copyright = "triax authors"
 
-extensions = ["myst_nb", "sphinx.ext.autodoc", "sphinx.ext.viewcode"]
+extensions = ["myst_nb", "sphinx.ext.autodoc"]
 root_doc = "index"
 include_patterns = ["index.md", "docs/*.md", "notebooks/*.ipynb"]
 exclude_patterns = ["docs/_build"]
