@@ -29,6 +29,7 @@ myst_enable_extensions = ["colon_fence"]
 myst_heading_anchors = 3
 nb_execution_mode = "off"           # committed outputs; CI executes each notebook once, in pytest
 nb_execution_raise_on_error = True
+nb_merge_streams = True
 
 nitpicky = True                     # every unresolved cross-reference is an error
 # Types from other libraries (no network at build time, so no intersphinx inventories).

@@ -56,7 +56,7 @@ def execute(path: "str | Path") -> tuple[nbformat.NotebookNode, dict[int, int]]:
         if cell.cell_type == "code":
             cells.append(nbformat.v4.new_code_cell(_PROBE)), origin.append(("probe", i))
     probed.cells = cells
-    NotebookClient(probed, timeout=timeout, kernel_name="python3",
+    NotebookClient(probed, timeout=timeout, kernel_name="python3", coalesce_streams=True,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
 
     figures, count = {}, 0
