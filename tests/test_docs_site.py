@@ -112,5 +112,8 @@ def test_notebooks_are_committed_executed(nb_path):
     nb = nbformat.read(nb_path, as_version=4)
     unrun = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.source.strip()
              and c.execution_count is None]
-    assert not unrun, (f"{nb_path.name}: cells {unrun} have no outputs committed; run "
-                       f"`python notebooks/execute.py {nb_path.relative_to(ROOT)}`")
+    failed = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+              and any(o.output_type == "error" for o in c.outputs)]
+    assert not unrun and not failed, (
+        f"{nb_path.name}: cells {unrun} have no outputs committed, cells {failed} an error; "
+        f"run `python notebooks/execute.py {nb_path.relative_to(ROOT)}`")
