@@ -128,7 +128,7 @@ class Trainer:
 
     @cached_property
     def state_shardings(self) -> PyTree:
-        """Shardings of the train state ``{"params", "opt_state", "step"}`` (what ``init`` makes)."""
+        """Shardings of the train state ``{"params", "opt_state", "step"}``, as ``init`` has it."""
         return {"params": self.param_shardings, "opt_state": self.opt_shardings,
                 "step": NamedSharding(self.mesh, P())}
 
