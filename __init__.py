@@ -11,6 +11,11 @@ The public API is named here and loaded on first use, so ``import triax`` does n
     mesh = triax.make_mesh(data=2, tensor=4)
     trainer = triax.Trainer.for_model(make_model, loss_fn, mesh, "fsdp_tp", rules={...})
     report = triax.inspect(trainer, batch)
+    sched = triax.pipeline.build("1f1b", stages=4, microbatches=8)
+
+These names (and ``triax.pipeline``, ``triax.models.config``, ``triax.mesh.make_hybrid_mesh``)
+are the public API, documented in docs/api.md; every other module stays importable but may
+change.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ _PUBLIC = {
     "verify": ("triax.planner.verify", "verify_trainer"),
     "plan": "triax.planner",
     "generate": "triax.inference",
+    "pipeline": ("triax.pipeline", None),        # the subpackage: triax.pipeline.build(...)
 }
 __all__ = sorted(_PUBLIC)
 
@@ -38,7 +44,8 @@ __all__ = sorted(_PUBLIC)
 def __getattr__(name: str):
     if name in _PUBLIC:
         module, attr = _PUBLIC[name] if isinstance(_PUBLIC[name], tuple) else (_PUBLIC[name], name)
-        value = getattr(importlib.import_module(module), attr)
+        value = importlib.import_module(module)
+        value = value if attr is None else getattr(value, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'triax' has no attribute {name!r}")

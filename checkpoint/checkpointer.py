@@ -14,6 +14,7 @@ shardings, so nothing is materialised whole on one device.
 """
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Optional
 
@@ -22,8 +23,23 @@ import orbax.checkpoint as ocp
 from triax.checkpoint.layout import ITEMS, META, STATE, CheckpointError, first_line
 
 
+class _ReadOnlyNotice(logging.Filter):
+    """Orbax logs at WARNING that a manager opened for reading is read-only (``absl``, once
+    per open). Every read triax does is meant so; only that exact record is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg != "Given directory is read only=%s"
+
+
+logging.getLogger("absl").addFilter(_ReadOnlyNotice())
+
+
 class Checkpointer:
-    """A thin wrapper over ``ocp.CheckpointManager`` with triax's two items."""
+    """A thin wrapper over ``ocp.CheckpointManager`` with triax's two items.
+
+    A context manager: ``with Checkpointer.existing(d) as ckpt:`` closes Orbax's manager (its
+    background threads) on the way out, so nothing is left to fail at interpreter exit.
+    """
 
     def __init__(self, directory: str, keep: Optional[int] = 3, async_save: bool = True,
                  read_only: bool = False):
@@ -103,3 +119,9 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 
 from triax.units import human_bytes
@@ -22,25 +21,24 @@ def add_parser(sub) -> None:
 
 def list_checkpoints(directory: str) -> list[dict]:
     """One dict per committed step (partial saves are not listed)."""
-    logging.getLogger("absl").setLevel(logging.ERROR)  # Orbax's read-only notices
     # Loaded only now: Orbax loads JAX, which must not start while the parser is built.
     from triax.checkpoint import CheckpointError, Checkpointer
-    ckpt = Checkpointer.existing(directory)
     rows = []
-    for step in ckpt.steps():
-        row = {"step": step, "bytes": ckpt.step_size_bytes(step)}
-        try:
-            meta = ckpt.read_meta(step)
-        except CheckpointError as e:
-            row["error"] = str(e)
-        else:
-            run = meta.get("run", {})
-            row.update(mesh=meta.get("mesh"), strategy=meta.get("strategy"),
-                       model=meta.get("model", {}).get("name"),
-                       num_layers=meta.get("model", {}).get("num_layers"),
-                       data=run.get("data"), batch_size=run.get("batch_size"),
-                       seq_len=run.get("seq_len"), data_position=meta.get("data_position"))
-        rows.append(row)
+    with Checkpointer.existing(directory) as ckpt:
+        for step in ckpt.steps():
+            row = {"step": step, "bytes": ckpt.step_size_bytes(step)}
+            try:
+                meta = ckpt.read_meta(step)
+            except CheckpointError as e:
+                row["error"] = str(e)
+            else:
+                run = meta.get("run", {})
+                row.update(mesh=meta.get("mesh"), strategy=meta.get("strategy"),
+                           model=meta.get("model", {}).get("name"),
+                           num_layers=meta.get("model", {}).get("num_layers"),
+                           data=run.get("data"), batch_size=run.get("batch_size"),
+                           seq_len=run.get("seq_len"), data_position=meta.get("data_position"))
+            rows.append(row)
     partial = [n for n in os.listdir(directory) if "tmp" in n]
     if partial:
         rows.append({"partial": sorted(partial)})

@@ -35,10 +35,10 @@ def read_jsonl(path: str) -> list[dict]:
 
 def plot(rows: list[dict], output: str) -> str:
     """Two panels: training (and validation) loss; tokens/s per step."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    # A Figure outside pyplot: no global backend switch for a caller that also draws on screen.
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 4))
+    ax1, ax2 = fig.subplots(1, 2)
     ax1.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train")
     val = [(r["step"], r["val_loss"]) for r in rows if r.get("val_loss") is not None]
     if val:
@@ -50,7 +50,6 @@ def plot(rows: list[dict], output: str) -> str:
     ax2.set(xlabel="step", ylabel="tokens / s", title="throughput")
     fig.tight_layout()
     fig.savefig(output, dpi=100)
-    plt.close(fig)
     return output
 
 

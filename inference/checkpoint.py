@@ -27,11 +27,12 @@ CheckpointLoadError = CheckpointError
 
 
 def read_checkpoint_config(directory: str, step: Optional[int] = None) -> tuple[ModelConfig, int]:
-    ckpt = Checkpointer.existing(directory)
-    step = ckpt.latest_step() if step is None else step
-    if step is None:
-        raise CheckpointError(f"no committed checkpoint step in {directory!r}")
-    return model_from_meta(ckpt.read_meta(step), f"checkpoint step {step} in {directory!r}"), step
+    with Checkpointer.existing(directory) as ckpt:
+        step = ckpt.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no committed checkpoint step in {directory!r}")
+        meta = ckpt.read_meta(step)
+    return model_from_meta(meta, f"checkpoint step {step} in {directory!r}"), step
 
 
 def load_params(mesh: Mesh, checkpoint: Optional[str] = None, model: Optional[str] = None,
@@ -58,7 +59,8 @@ def load_params(mesh: Mesh, checkpoint: Optional[str] = None, model: Optional[st
                                                                           sharding=sh),
                                      am.shapes, shardings)}
     try:
-        state = Checkpointer.existing(checkpoint).restore_part(step, target)
+        with Checkpointer.existing(checkpoint) as ckpt:
+            state = ckpt.restore_part(step, target)
     except Exception as e:  # orbax raises many types; name the checkpoint and the cause
         raise CheckpointError(f"cannot restore params from checkpoint step {step} in "
                               f"{checkpoint!r} ({type(e).__name__}: {first_line(e)})") from None

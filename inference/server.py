@@ -108,6 +108,7 @@ class Server:
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy="tp",
                     ecfg: EngineConfig = EngineConfig(), sampling=SamplingConfig(), **kw):
+        """One replica engine per mesh in ``meshes``, all serving ``params``."""
         return cls([Engine(cfg, params, m, strategy, ecfg, sampling, **kw) for m in meshes])
 
     @classmethod
@@ -209,8 +210,10 @@ class Server:
     # ---- figures -----------------------------------------------------------------------------
     @property
     def prefill_tokens_per_s(self) -> float:
+        """Prompt tokens per second so far."""
         return self.stats["prefill_tokens"] / max(self.stats["prefill_s"], 1e-9)
 
     @property
     def decode_tokens_per_s(self) -> float:
+        """Generated tokens per second so far."""
         return self.stats["decode_tokens"] / max(self.stats["decode_s"], 1e-9)

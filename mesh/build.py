@@ -141,4 +141,5 @@ def mesh_sizes(mesh: Mesh) -> dict[str, int]:
 
 
 def describe(mesh: Mesh) -> str:
+    """The mesh in words, axes of size 1 left out: ``"data=2 × tensor=4"`` (or ``"1 device"``)."""
     return " × ".join(f"{a}={s}" for a, s in mesh_sizes(mesh).items() if s > 1) or "1 device"

@@ -28,6 +28,7 @@ class ExecConfig:
 
     @property
     def dtype(self):
+        """``compute_dtype`` as a NumPy dtype."""
         return jnp.dtype(self.compute_dtype)
 
 

@@ -103,16 +103,18 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Which schedule to run. ``microbatches=0`` means :func:`default_microbatches`."""
+    """Which schedule to run. ``microbatches=0`` means two per stage (``default_microbatches``)."""
 
     schedule: str = "1f1b"
     microbatches: int = 0
     virtual: int = 1
 
     def num_microbatches(self, stages: int) -> int:
+        """Micro-batches per step for ``stages`` pipeline stages."""
         return self.microbatches or default_microbatches(stages)
 
     def build(self, stages: int, kind: Optional[str] = None) -> Schedule:
+        """The schedule's tick table for ``stages`` stages (``kind`` overrides ``schedule``)."""
         return build(kind or self.schedule, stages, self.num_microbatches(stages), self.virtual)
 
 

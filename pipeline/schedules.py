@@ -41,6 +41,8 @@ DEFAULT_COSTS = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.B_IN: 1.0, OpKind.W: 1.0}
 
 @dataclass(frozen=True)
 class Op:
+    """One cell of a schedule: what (``kind``) for which micro-batch (``mb``) and model chunk."""
+
     kind: OpKind
     mb: int
     chunk: int
@@ -50,6 +52,8 @@ class Op:
 
 
 class ScheduleKind(enum.Enum):
+    """The schedules ``build`` knows, by the name the CLI and configs use."""
+
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
@@ -58,6 +62,7 @@ class ScheduleKind(enum.Enum):
 
     @classmethod
     def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
+        """The kind named ``name``; a ``ScheduleError`` lists the choices otherwise."""
         if isinstance(name, cls):
             return name
         try:

@@ -26,7 +26,7 @@ def draw(sched: Schedule, ax=None, title: str | None = None):
     from matplotlib.patches import Patch
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(6.0, 0.28 * sched.ticks), 0.45 * sched.stages + 1.2))
+        _, ax = plt.subplots(figsize=_figsize(sched))
     for t, row in enumerate(sched.table):
         for s, op in enumerate(row):
             if op is None:
@@ -51,6 +51,10 @@ def draw(sched: Schedule, ax=None, title: str | None = None):
     return ax.figure
 
 
+def _figsize(sched: Schedule) -> tuple[float, float]:
+    return max(6.0, 0.28 * sched.ticks), 0.45 * sched.stages + 1.2
+
+
 def _cell(t, s, color, shade):
     from matplotlib.colors import to_rgb
     from matplotlib.patches import Rectangle
@@ -63,10 +67,9 @@ def save(sched: Schedule, path: "str | Path") -> Path:
     path = Path(path)
     if path.suffix.lower() not in (".png", ".svg"):
         raise ValueError(f"timeline file {str(path)!r}: use a .png or .svg suffix")
-    import matplotlib
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-    fig = draw(sched)
+    # A Figure outside pyplot: no backend switch, so a notebook that saves still shows its plots.
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=_figsize(sched))
+    draw(sched, ax=fig.subplots())
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

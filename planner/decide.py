@@ -39,6 +39,8 @@ SLOW_LINK_MAX_TP = 2
 
 @dataclass
 class Recommendation:
+    """What ``triax.plan`` answers: the plans ranked best first, and why."""
+
     workload: Workload
     cluster: Cluster
     min_devices: int
@@ -48,6 +50,7 @@ class Recommendation:
     op_costs: dict = dataclasses.field(default_factory=dict)  # "zb-h1 remat=none" -> OpCosts
 
     def to_json(self) -> dict:
+        """The recommendation as plain JSON values (``triax plan --json``)."""
         w = self.workload
         return {"model": {"name": w.name, "params": w.params, "weight_bytes": int(w.weight_bytes)},
                 "cluster": self.cluster.describe(),

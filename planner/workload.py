@@ -40,6 +40,7 @@ class Workload:
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":
+        """The workload of model ``cfg`` (or of ``params`` parameters); ``kw`` sets the rest."""
         if cfg is None and not params:
             raise ValueError("give a model (--model NAME) or a parameter count (--params N)")
         if kw.get("dtype", "bf16") not in DTYPE_BYTES:

@@ -43,7 +43,7 @@ class AbstractModel:
     """Everything known about a model before any memory is spent.
 
     ``make`` builds the real module from ``nnx.Rngs`` (under ``jit(out_shardings=…)`` in
-    :func:`init_params`); ``cfg`` is the built-in model's config, None for a user's model.
+    ``init_params``); ``cfg`` is the built-in model's config, None for a user's model.
     """
 
     graphdef: Any                 # nnx.GraphDef of the module

@@ -199,6 +199,7 @@ class Strategy:
     fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
 
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
+        """This strategy with ``logical name=mesh axes`` rules added (parameters and optimizer)."""
         return dataclasses.replace(self, rules=self.rules.replace(**updates),
                                    optimizer_rules=self.optimizer_rules.replace(**updates))
 

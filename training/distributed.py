@@ -21,6 +21,8 @@ from typing import Optional
 
 import jax
 
+from triax.training.gloo_notice import drop_gloo_notices
+
 # Environment markers of the launchers JAX's cluster detection understands, with the
 # variable holding the process count.
 CLUSTERS = (("slurm", "SLURM_JOB_ID", "SLURM_NTASKS"),
@@ -41,6 +43,7 @@ def _use_gloo_on_cpu() -> None:
     platforms = os.environ.get("JAX_PLATFORMS", "")
     if platforms in ("", "cpu") or platforms.startswith("cpu"):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        drop_gloo_notices()
 
 
 def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] = None,

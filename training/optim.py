@@ -14,6 +14,9 @@ import optax
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """AdamW with linear warm-up, cosine decay to ``min_lr_ratio * lr``, and global-norm
+    clipping; zero warm-up or decay steps are derived from the run length by ``resolved``."""
+
     lr: float = 3e-3
     warmup_steps: int = 0       # 0: derive from total steps (see resolved)
     decay_steps: int = 0        # 0: derive from total steps
@@ -25,6 +28,7 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     def replace(self, **kw) -> "OptimConfig":
+        """A copy with the given fields changed."""
         return dataclasses.replace(self, **kw)
 
     def resolved(self, total_steps: int) -> "OptimConfig":

@@ -120,6 +120,7 @@ class Trainer:
 
     @cached_property
     def opt_shardings(self) -> PyTree:
+        """Shardings of the optimizer state: moments like the gradients, counters replicated."""
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract.shapes)
         replicated = NamedSharding(self.mesh, P())
         return optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.grad_shardings,
@@ -127,6 +128,7 @@ class Trainer:
 
     @cached_property
     def state_shardings(self) -> PyTree:
+        """Shardings of the train state ``{"params", "opt_state", "step"}``, as ``init`` has it."""
         return {"params": self.param_shardings, "opt_state": self.opt_shardings,
                 "step": NamedSharding(self.mesh, P())}
 
@@ -137,6 +139,7 @@ class Trainer:
                             shapes, self.state_shardings)
 
     def batch_sharding(self) -> NamedSharding:
+        """How a batch is laid out: rows split over the data-parallel axes."""
         return batch_sharding(self.mesh, self.strategy)
 
     def placement(self, optimizer: bool = False) -> list:
@@ -165,11 +168,13 @@ class Trainer:
 
     # ---- step ------------------------------------------------------------------------------
     def loss_fn(self) -> Callable:
+        """``(params, batch) -> (loss, aux)`` of the model, unpipelined."""
         if self.user_model is not None:
             return user_loss(self.abstract, self.user_model.loss_fn)
         return model_loss(self.abstract, self.exe)
 
     def loss_and_grad(self, params, batch):
+        """``((loss, aux), grads)`` for one batch: the pipeline's, a custom one, or autodiff."""
         if self._custom_loss_and_grad is not None:
             return self._custom_loss_and_grad(params, batch)
         return jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
@@ -221,6 +226,7 @@ class Trainer:
         return self._jitted_step(state, self.shard_batch(batch))
 
     def shard_batch(self, batch: Batch) -> Batch:
+        """Put each array of ``batch`` on the mesh with ``batch_sharding`` (already there: kept)."""
         sh = self.batch_sharding()
         return {k: v if isinstance(v, jax.Array) and v.sharding == sh else jax.device_put(v, sh)
                 for k, v in batch.items()}

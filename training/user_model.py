@@ -50,6 +50,7 @@ class UserModel:
                    tuple(sorted((k, _freeze(v)) for k, v in (rules or {}).items())), default)
 
     def abstract(self) -> AbstractModel:
+        """The model described abstractly (``abstract_module``), checked against the protocol."""
         am = abstract_module(self.make_model, default=self.default)
         if self.loss_fn is protocol_loss:
             with nnx.use_eager_sharding(False):

@@ -25,6 +25,8 @@ from triax.units import human_bytes
 
 @dataclass(frozen=True)
 class StepReport:
+    """What ``triax.inspect`` found in one compiled step: placement, collectives, memory."""
+
     mesh: str
     strategy: str
     collectives: list[Collective]
@@ -35,6 +37,7 @@ class StepReport:
     op_costs: dict[str, dict] = field(default_factory=dict)
 
     def to_json(self) -> dict:
+        """The report as plain JSON values (the CLI's ``--json``)."""
         return {"mesh": self.mesh, "strategy": self.strategy,
                 "collectives": [c.to_json() for c in self.collectives],
                 "memory": self.memory.to_json(),
@@ -42,9 +45,11 @@ class StepReport:
                 "op_costs": self.op_costs}
 
     def dumps(self) -> str:
+        """``to_json`` as an indented JSON string."""
         return json.dumps(self.to_json(), indent=2)
 
     def to_text(self) -> str:
+        """The report as the tables ``triax inspect`` prints."""
         lines = [f"mesh {self.mesh}   strategy {self.strategy}", "",
                  "communication per step (per device)",
                  f"  {'kind':<20}{'axes':<18}{'ops':>6}{'bytes/op':>14}{'bytes/step':>14}"]

@@ -1,0 +1,29 @@
+"""Each notebook here is one test: it runs top to bottom, and every cell that draws shows it.
+
+``pytest notebooks`` collects ``*.ipynb`` (one file, one test, so ``--dist loadfile`` spreads
+notebooks over workers); the work is in ``execute.py`` next to this file.
+"""
+from pathlib import Path
+
+import pytest
+
+from execute import check
+
+
+def pytest_collect_file(file_path: Path, parent):
+    if file_path.suffix == ".ipynb" and not file_path.name.startswith("."):
+        return NotebookFile.from_parent(parent, path=file_path)
+    return None
+
+
+class NotebookFile(pytest.File):
+    def collect(self):
+        yield NotebookItem.from_parent(self, name=self.path.name)
+
+
+class NotebookItem(pytest.Item):
+    def runtest(self):
+        check(self.path)
+
+    def reportinfo(self):
+        return self.path, 0, f"notebook {self.path.name}"
