@@ -76,8 +76,12 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def check_for_errors(self) -> None:
-        """Raise now if an async save already failed in the background (cheap: no wait)."""
+        """Raise now if an async save already failed in the background (cheap: no wait).
+        The manager's finalize thread keeps a failed commit's error until the next wait, so
+        once no save is in progress, that (instant) wait raises it."""
         self.manager.check_for_errors()
+        if not self.manager.is_saving_in_progress():
+            self.manager.wait_until_finished()
 
     def read_meta(self, step: int) -> dict:
         try:

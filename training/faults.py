@@ -15,8 +15,9 @@ A save that fails (a full disk, a storage error) stops the run with ``SaveFailed
 that trains on without saving loses hours. The previous checkpoint stays intact and the
 half-written step is never listed (Orbax commits by rename).
 
-    >>> print(SaveFailed.of(7, "/ck", OSError(28, "No space left on device"), 5))
-    saving checkpoint step 7 to /ck failed (OSError: [Errno 28] No space left on device); training stopped rather than run on without checkpoints. The last committed step 5 is intact; free space (or fix the storage) and rerun with --resume
+    >>> print(SaveFailed.of(7, "/ck", ValueError("RESOURCE_EXHAUSTED: Failed writing "
+    ...                     "/ck/7.orbax-checkpoint-tmp/d/1a: No space left on device"), 5))
+    saving checkpoint step 7 to /ck failed: No space left on device (ValueError: RESOURCE_EXHAUSTED: Failed writing /ck/7.orbax-checkpoint-tmp/d/1a: No space left on device); training stopped rather than run on without checkpoints. The last committed step 5 is intact; free space (or fix the storage) and rerun with --resume
 """
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ from typing import Optional
 
 from triax.checkpoint import CheckpointError
 from triax.checkpoint.layout import first_line
+from triax.training.config import NONFINITE_MODES
 
-NONFINITE_MODES = ("stop", "skip", "rollback")
 MAX_ROLLBACKS = 3   # a NaN that comes back after this many rollbacks is not one bad batch
+# Storage errors reach us wrapped (TensorStore, Orbax threads) in long messages: name the
+# cause up front when it is one of these.
+_STORAGE_CAUSES = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                   "Permission denied", "Input/output error")
 
 
 class NonFiniteLoss(ValueError):
@@ -41,8 +46,11 @@ class SaveFailed(CheckpointError):
            last: Optional[int]) -> "SaveFailed":
         kept = (f"The last committed step {last} is intact" if last is not None
                 else "No step was committed")
-        return cls(f"saving checkpoint step {step} to {directory} failed ({type(err).__name__}: "
-                   f"{first_line(err)}); training stopped rather than run on without "
+        text = str(err)
+        cause = next((f": {c}" for c in _STORAGE_CAUSES if c in text), "")
+        return cls(f"saving checkpoint step {step} to {directory} failed{cause} "
+                   f"({type(err).__name__}: {first_line(err)}); training stopped rather than "
+                   f"run on without "
                    f"checkpoints. {kept}; free space (or fix the storage) and rerun with "
                    f"--resume")
 

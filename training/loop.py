@@ -32,8 +32,8 @@ from triax.training import metrics
 from triax.training.checkpoint import open_checkpoints, restore_step
 from triax.training.config import RunConfig
 from triax.training.data import Batches, check_vocab, load_corpus
-from triax.training.faults import (MAX_ROLLBACKS, NonFiniteLoss, Rollback, SaveFailed,
-                                   nonfinite_message)
+from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
+                                   SaveFailed, nonfinite_message)
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
@@ -95,6 +95,9 @@ def train(run: RunConfig, note=print) -> TrainResult:
     t0 = time.perf_counter()
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
+    if run.on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite {run.on_nonfinite!r}: choose one of "
+                         f"{', '.join(NONFINITE_MODES)}")
     built = build_run(run)
     corpus = load_corpus(run.data, run.val_fraction)
     check_vocab(corpus, built.model.vocab_size)
