@@ -8,10 +8,11 @@ On CPU, collectives across processes go through gloo.
 
 A dead peer: every process sends heartbeats to the coordination service (on process 0);
 when one stops for ``heartbeat_timeout_s`` (``--heartbeat-timeout``, JAX's default 100 s),
-the service tells every survivor, which then exits non-zero with "The following tasks are
-unhealthy (stopped sending heartbeats): <process ids>" rather than hang in a collective. If
-process 0 itself dies, the others lose the service and exit the same way. Restart them all
-with ``--resume``.
+the service tells every survivor, which then aborts (exit status 134) with "The following
+tasks are unhealthy (stopped sending heartbeats): <process ids>" rather than hang in a
+collective. If process 0 itself dies, the others lose the service and abort at once with
+"Failed to send RPC to coordination service. Either the leader task was …". Restart them
+all with ``--resume``.
 
     >>> # needs process 1 and a JAX that has not started yet:
     >>> initialize(coordinator="127.0.0.1:1234", num_processes=2, process_id=0)  # doctest: +SKIP
