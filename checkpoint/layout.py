@@ -31,6 +31,16 @@ class ModelMismatch(CheckpointError):
     """The checkpoint holds another model than the one asked for."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A committed step that no longer reads back whole (files damaged, truncated, missing,
+    or an array that does not match its checksum). ``cause`` says what; ``hint`` what to do."""
+
+    def __init__(self, step: int, directory: str, cause: str, hint: str):
+        self.step, self.directory, self.cause = step, directory, cause
+        super().__init__(f"checkpoint step {step} in {directory!r} is corrupt or incomplete "
+                         f"({cause}); {hint}")
+
+
 # ---- config <-> JSON ----------------------------------------------------------------------
 def config_json(obj: Any) -> Any:
     """A (possibly nested) config dataclass as plain JSON values (tuples become lists)."""
@@ -103,6 +113,6 @@ def first_line(err: Exception) -> str:
     return text.splitlines()[0][:300] if text else type(err).__name__
 
 
-__all__ = ["ITEMS", "META", "STATE", "CheckpointError", "ModelMismatch", "check_same_model",
+__all__ = ["ITEMS", "META", "STATE", "CheckpointError", "CorruptCheckpoint", "ModelMismatch", "check_same_model",
            "config_from_json", "config_json", "first_line", "model_config_diff",
            "model_from_meta", "params_meta", "rng_json", "training_meta"]

@@ -2,6 +2,8 @@
 
     triax checkpoints ckpt/            # table
     triax checkpoints ckpt/ --json     # one object per step
+    triax checkpoints ckpt/ --verify   # read every step back and check its array checksums;
+                                       # exit status 1 if any step is damaged
 """
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ def add_parser(sub) -> None:
                        description=__doc__)
     p.add_argument("directory", help="a --checkpoint-dir of triax train")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--verify", action="store_true",
+                   help="read every step's arrays back and check their checksums")
     p.set_defaults(func=run)
 
 
-def list_checkpoints(directory: str) -> list[dict]:
-    """One dict per committed step (partial saves are not listed)."""
+def list_checkpoints(directory: str, verify: bool = False) -> list[dict]:
+    """One dict per committed step (partial saves are not listed); ``verify`` adds
+    ``"intact"`` (and ``"error"`` when it is not) from reading every array back."""
     # Loaded only now: Orbax loads JAX, which must not start while the parser is built.
     from triax.checkpoint import CheckpointError, Checkpointer
     rows = []
@@ -38,18 +43,28 @@ def list_checkpoints(directory: str) -> list[dict]:
                            num_layers=meta.get("model", {}).get("num_layers"),
                            data=run.get("data"), batch_size=run.get("batch_size"),
                            seq_len=run.get("seq_len"), data_position=meta.get("data_position"))
+            if verify:
+                problem = row.get("error") or ckpt.verify(step)
+                row["intact"] = problem is None
+                if problem:
+                    row["error"] = problem
             rows.append(row)
     partial = [n for n in os.listdir(directory) if "tmp" in n]
     if partial:
         rows.append({"partial": sorted(partial)})
+    aside = [n for n in os.listdir(directory) if n.split(".")[0].isdigit() and "." in n
+             and "tmp" not in n]
+    if aside:
+        rows.append({"set_aside": sorted(aside)})
     return rows
 
 
 def run(args) -> int:
-    rows = list_checkpoints(args.directory)
+    rows = list_checkpoints(args.directory, verify=args.verify)
+    status = 1 if any(r.get("intact") is False for r in rows) else 0
     if args.json:
         print(json.dumps(rows, indent=1))
-        return 0
+        return status
     steps = [r for r in rows if "step" in r]
     if not steps:
         print(f"no committed checkpoints in {args.directory}")
@@ -59,12 +74,18 @@ def run(args) -> int:
     for r in steps:
         size = human_bytes(r["bytes"])
         if "error" in r:
-            print(f"{r['step']:>7}  {size:>10}  unreadable: {r['error']}")
+            print(f"{r['step']:>7}  {size:>10}  DAMAGED: {r['error']}")
             continue
         model = f"{r['model']}/L{r['num_layers']}"
         print(f"{r['step']:>7}  {size:>10}  {model:14} {r['mesh']:28} {r['strategy']:8} "
-              f"{str(r['batch_size']) + '×' + str(r['seq_len']):10} {r['data']}")
+              f"{str(r['batch_size']) + '×' + str(r['seq_len']):10} {r['data']}"
+              + ("  intact" if r.get("intact") else ""))
     for r in rows:
         if "partial" in r:
             print(f"ignored partial saves: {', '.join(r['partial'])}")
-    return 0
+        if "set_aside" in r:
+            print(f"set aside (not resumed from, never deleted): {', '.join(r['set_aside'])}")
+    if args.verify:
+        print("every step is intact" if not status else "damaged steps found (see above); "
+              "triax train --resume falls back to the newest intact step")
+    return status

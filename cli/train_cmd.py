@@ -29,6 +29,9 @@ def add_parser(sub) -> None:
     g.add_argument("--coordinator", help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int)
     g.add_argument("--process-id", type=int)
+    g.add_argument("--heartbeat-timeout", type=int, metavar="SECONDS",
+                   help="a process silent this long is dead: the others exit non-zero naming "
+                        "it (default: JAX's, 100)")
     p.set_defaults(func=run)
 
 
@@ -46,7 +49,8 @@ def run(args) -> int:
     from triax.training import distributed
     from triax.training.loop import Interrupted, train
     from triax.training.run_summary import format_summary
-    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    how = distributed.initialize(args.coordinator, args.num_processes, args.process_id,
+                                 args.heartbeat_timeout)
     main = distributed.is_main_process()
     if main and how != "single process":
         print(f"triax train: multi-process ({how})", file=sys.stderr)

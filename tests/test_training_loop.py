@@ -100,10 +100,11 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
                     mesh="data=8", strategy="dp", steps=8, lr=1e30, clip_norm=1e30,
                     lr_warmup_steps=1, checkpoint_dir=str(ckdir), checkpoint_every=1,
                     progress=False)
-    with pytest.raises(NonFiniteLoss, match=r"at step (\d+); stopped without saving; the last "
+    with pytest.raises(NonFiniteLoss, match=r"at step (\d+) \(batch \d+\); stopped without "
+                                            r"saving; the last "
                                             r"good checkpoint \(step (\d+)\)") as e:
         train(run, note=lambda *_: None)
-    bad, kept = map(int, re.search(r"at step (\d+);.*\(step (\d+)\)", str(e.value)).groups())
+    bad, kept = map(int, re.search(r"at step (\d+) .*\(step (\d+)\)", str(e.value)).groups())
     assert kept == bad - 1 and "Try a lower --lr" in str(e.value)
     ck = Checkpointer(str(ckdir), read_only=True)
     assert ck.steps()[-1] == kept

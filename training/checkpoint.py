@@ -3,7 +3,15 @@
 * no ``--checkpoint-dir``: nothing is saved (``--resume`` is an error);
 * a directory with checkpoints and no ``--resume``: an error (never overwrite a run);
 * ``--resume``: restore the latest step onto this run's mesh and strategy, after checking
-  that it holds the same model; an empty directory starts from step 0.
+  that it holds the same model; an empty directory starts from step 0. A step that is
+  corrupt or incomplete (files damaged or missing, an array that fails its checksum) is
+  set aside as ``<step>.corrupt`` (never deleted) and the next older step is tried, saying
+  so; a model mismatch is not damage and stops the run;
+* ``--resume-from STEP``: restore exactly that step (no fallback); newer steps are set
+  aside as ``<step>.superseded`` so the run can write its own.
+
+The data position is read from a step's meta by ``data_position`` only, so a change of
+what the position is (a data-loader state) touches one function.
 
     >>> from triax.training.config import RunConfig
     >>> open_checkpoints(RunConfig(resume=True), None, None, print)
@@ -16,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from triax.checkpoint import CheckpointError, Checkpointer, check_same_model
+from triax.checkpoint import (CheckpointError, Checkpointer, CorruptCheckpoint,
+                              check_same_model)
 from triax.mesh import describe
 from triax.models.config import ModelConfig
 from triax.training.config import RunConfig
@@ -35,26 +44,75 @@ class Resumed:
 
 def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) -> Resumed:
     """Apply the resume policy above; ``trainer`` gives the restore target's shardings."""
+    resume = run.resume or run.resume_from is not None
     if not run.checkpoint_dir:
-        if run.resume:
-            raise ValueError("--resume needs --checkpoint-dir DIR")
+        if resume:
+            raise ValueError(f"{'--resume' if run.resume else '--resume-from'} needs "
+                             f"--checkpoint-dir DIR")
+        if run.on_nonfinite == "rollback":
+            raise ValueError("--on-nonfinite rollback needs --checkpoint-dir DIR (it restores "
+                             "the last checkpoint)")
         return Resumed()
     ckpt = Checkpointer(run.checkpoint_dir, keep=run.keep_checkpoints, read_only=run.no_save)
-    latest = ckpt.latest_step()
-    if latest is None:
-        if run.resume:
+    steps = ckpt.steps()
+    if run.resume_from is not None and run.resume_from not in steps:
+        raise CheckpointError(f"--resume-from {run.resume_from}: {ckpt.directory!r} holds "
+                              f"no such step (steps {steps})")
+    if not steps:
+        if resume:
             note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
         return Resumed(ckpt)
-    if not run.resume:
+    if not resume:
         raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
-                              f"{ckpt.steps()}); pass --resume to continue from step {latest}, "
+                              f"{steps}); pass --resume to continue from step {steps[-1]}, "
                               f"or choose another --checkpoint-dir")
-    meta = ckpt.read_meta(latest)
-    check_same_model(meta.get("model", {}), cfg,
-                     where=f"checkpoint step {latest} in {ckpt.directory!r}",
-                     fix="pass matching --model/--num-layers, or use another --checkpoint-dir")
-    state, meta = ckpt.restore(latest, trainer.abstract_state())
-    note(f"triax train: resumed step {latest} from {ckpt.directory} (saved on "
+    if run.resume_from is not None:
+        step = run.resume_from
+        state, meta = restore_step(ckpt, step, cfg, trainer)   # an explicit pick: no fallback
+        for newer in (s for s in steps if s > step and not run.no_save):
+            note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
+                 f"{ckpt.set_aside(newer, 'superseded')}")
+    else:
+        state, meta, step = _newest_intact(ckpt, steps, cfg, trainer, run.no_save, note)
+    note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
          f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
          f"{trainer.strategy.name})")
-    return Resumed(ckpt, state, int(meta["data_position"]), latest)
+    return Resumed(ckpt, state, data_position(meta), step)
+
+
+def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_place: bool,
+                   note: Callable):
+    """The newest step that restores whole; the damaged newer ones are set aside once an
+    intact one is found (with none, every step stays where it is and the run stops)."""
+    damaged = []
+    for step in reversed(steps):
+        try:
+            state, meta = restore_step(ckpt, step, cfg, trainer)
+        except CorruptCheckpoint as e:
+            damaged.append(e)
+            continue
+        for e in damaged:
+            kept = ("left in place (--no-save)" if keep_in_place else
+                    f"set aside as {ckpt.set_aside(e.step, 'corrupt')}, not deleted")
+            note(f"triax train: checkpoint step {e.step} in {ckpt.directory} is corrupt or "
+                 f"incomplete ({e.cause}); {kept}; falling back to step {step}")
+        return state, meta, step
+    causes = "; ".join(f"step {e.step}: {e.cause}" for e in damaged)
+    raise CheckpointError(f"no intact checkpoint in {ckpt.directory!r} ({causes}); every step "
+                          f"is kept for inspection; start a fresh run with another "
+                          f"--checkpoint-dir")
+
+
+def restore_step(ckpt: Checkpointer, step: int, cfg: ModelConfig, trainer) -> tuple[Any, dict]:
+    """Step ``step``'s state on ``trainer``'s shardings and its meta, after checking that it
+    holds ``cfg`` (``ModelMismatch``) and reads back whole (``CorruptCheckpoint``)."""
+    meta = ckpt.read_meta(step)
+    check_same_model(meta.get("model", {}), cfg,
+                     where=f"checkpoint step {step} in {ckpt.directory!r}",
+                     fix="pass matching --model/--num-layers, or use another --checkpoint-dir")
+    return ckpt.restore(step, trainer.abstract_state())
+
+
+def data_position(meta: dict) -> int:
+    """Where the data stream stands after a saved step (``training_meta`` writes it)."""
+    return int(meta["data_position"])

@@ -37,6 +37,8 @@ if TYPE_CHECKING:
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Schedules a training step can run (forward-only is for evaluation and inference).
 TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
+# What a NaN/inf loss does (``triax.training.faults``).
+NONFINITE_MODES = ("stop", "skip", "rollback")
 
 
 def _f(default, help: str, **meta):
@@ -81,6 +83,11 @@ class RunConfig:
     keep_checkpoints: int = _f(3, "keep the last N checkpoints")
     resume: bool = _f(False, "continue from the latest checkpoint in --checkpoint-dir")
     no_save: bool = _f(False, "do not write checkpoints")
+    resume_from: Optional[int] = _f(None, "resume from this checkpoint step (newer steps are "
+                                          "set aside, never deleted); implies --resume")
+    on_nonfinite: str = _f("stop", "a NaN/inf loss: stop | skip (drop that update) | rollback "
+                                   "(restore the last checkpoint, skip the data since)",
+                           choices=NONFINITE_MODES)
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")

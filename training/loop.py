@@ -3,8 +3,9 @@ checkpoints, signals.
 
 The loss is read one step late: step n+1 is dispatched before step n's loss is turned into
 a float, so the host prepares the next batch while the devices compute. Eval, checkpoint,
-signal and final steps read their own loss first, so a NaN still stops naming its step and
-the bad state is never saved.
+signal and final steps read their own loss first, so a NaN is handled (``--on-nonfinite``,
+``triax.training.faults``) naming its step and batch, and the bad state is never saved. A
+failed save (checked after every step, as Orbax saves in the background) stops the run.
 
     >>> from triax.training.config import RunConfig
     >>> result = train(RunConfig(model="tiny", num_layers=1, mesh="data=8", strategy="dp",
@@ -28,16 +29,14 @@ from jax.experimental import multihost_utils
 from triax.checkpoint import training_meta
 from triax.mesh import describe
 from triax.training import metrics
-from triax.training.checkpoint import open_checkpoints
+from triax.training.checkpoint import open_checkpoints, restore_step
 from triax.training.config import RunConfig
 from triax.training.data import Batches, check_vocab, load_corpus
+from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
+                                   SaveFailed, nonfinite_message)
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
-
-
-class NonFiniteLoss(ValueError):
-    """The loss became NaN or inf; the run stopped without saving the bad state."""
 
 
 class Interrupted(Exception):
@@ -51,6 +50,8 @@ class Interrupted(Exception):
 @dataclass
 class TrainResult:
     losses: list = field(default_factory=list)      # per optimizer step, this run's part
+    skipped: list = field(default_factory=list)     # (step, batch) dropped by --on-nonfinite skip
+    rollbacks: list = field(default_factory=list)   # (bad step, batch, restored step)
     val_losses: dict = field(default_factory=dict)  # step -> validation loss
     state: object = None
     trainer: Optional[Trainer] = None
@@ -94,6 +95,9 @@ def train(run: RunConfig, note=print) -> TrainResult:
     t0 = time.perf_counter()
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
+    if run.on_nonfinite not in NONFINITE_MODES:
+        raise ValueError(f"on_nonfinite {run.on_nonfinite!r}: choose one of "
+                         f"{', '.join(NONFINITE_MODES)}")
     built = build_run(run)
     corpus = load_corpus(run.data, run.val_fraction)
     check_vocab(corpus, built.model.vocab_size)
@@ -122,6 +126,7 @@ class _Pending:
     step: int
     metrics: dict
     dispatched: float  # perf_counter at dispatch
+    index: int         # the data position (batch index) the step consumed
 
 
 class _Loop:
@@ -142,6 +147,7 @@ class _Loop:
                                          append=run.resume, note=say)
         self.result = TrainResult(trainer=trainer)
         self._last_done = 0.0   # when the previous step's loss was read
+        self._saving: Optional[int] = None   # the step of the last save started
 
     def close(self):
         self.sinks.close()
@@ -161,14 +167,29 @@ class _Loop:
                  f"(excluded from averages)")
         self.bar = metrics.progress_bar(run.steps, start, self.main and run.progress)
         self._first = start + 1
+        self._start = start
+        step = start
+        while step < run.steps:
+            try:
+                state, step = self._steps(state, step, data, step_fn, sharding, sig)
+            except Rollback as bad:   # only in --on-nonfinite rollback
+                state, step = self._rollback(bad, data)
+        self.bar.close()
+        return self._finish(state, data.position, start)
+
+    def _steps(self, state, step, data, step_fn, sharding, sig):
+        """Run steps from ``step + 1`` to the end (a ``Rollback`` leaves early)."""
+        run = self.rc
         pending: Optional[_Pending] = None
-        for step in range(start + 1, run.steps + 1):
+        for step in range(step + 1, run.steps + 1):
+            index = data.position
             batch = data.next(sharding)
             t = time.perf_counter()
             state, m = step_fn(state, batch)
             if pending is not None:   # step-1's loss, read while this step runs
                 self._complete(pending)
-            pending = _Pending(step, m, t)
+            pending = _Pending(step, m, t, index)
+            self._check_saves()
             evaluate = step == run.steps or (run.eval_every and step % run.eval_every == 0)
             save = (self.ckpt and not run.no_save and run.checkpoint_every and
                     step % run.checkpoint_every == 0 and step < run.steps)
@@ -183,8 +204,33 @@ class _Loop:
                 self.save(step, state, data.position)
         if pending is not None:
             self._complete(pending)
-        self.bar.close()
-        return self._finish(state, data.position, start)
+        return state, step
+
+    def _rollback(self, bad: Rollback, data: Batches):
+        """Restore the last checkpoint; continue after the bad batch (the data in between is
+        skipped; the step counter goes back to the checkpoint's)."""
+        if len(self.result.rollbacks) >= MAX_ROLLBACKS:
+            raise NonFiniteLoss(nonfinite_message(
+                f"{bad.what} again after {MAX_ROLLBACKS} rollbacks", bad.step, bad.index,
+                self.ckpt.latest_step(), self.ckpt.directory))
+        self._guarded(self.ckpt.wait)
+        last = self.ckpt.latest_step()
+        if last is None or last < self._start:   # nothing saved yet: the run's first state
+            state, step = self.compiled.init(self.rc.seed), 0
+        else:
+            state, _ = restore_step(self.ckpt, last, self.trainer.cfg, self.trainer)
+            step = last
+        data.position = bad.index + 1
+        del self.result.losses[max(step - self._start, 0):]
+        self.result.rollbacks.append((bad.step, bad.index, step))
+        self.sinks.write({"step": bad.step, "event": "rollback", "batch": bad.index,
+                          "restored_step": step, "data_position": data.position})
+        self.say(f"triax train: {bad.what} at step {bad.step} (batch {bad.index}); rolled back "
+                 f"to step {step} and skipped the data up to batch {bad.index} (continuing "
+                 f"at data position {data.position})")
+        self.bar.n = step
+        self.bar.refresh()
+        return state, step
 
     def _complete(self, p: _Pending, state_to_eval=None) -> None:
         """Read step ``p.step``'s loss (waiting for it), stop on NaN, log, maybe evaluate."""
@@ -197,7 +243,14 @@ class _Loop:
         times = self.stats.times
         times["first_step_s" if p.step == self._first else "steps_s"] += dt
         if not math.isfinite(loss):
-            raise self._nonfinite(p.step, loss)
+            if self.rc.on_nonfinite != "skip":
+                raise self._nonfinite(p.step, f"loss {loss}", p.index)
+            self.result.skipped.append((p.step, p.index))
+            self.sinks.write({"step": p.step, "event": "skipped_nonfinite", "batch": p.index})
+            self.say(f"triax train: loss {loss} at step {p.step} (batch {p.index}); update "
+                     f"dropped (--on-nonfinite skip), parameters and optimizer state unchanged")
+            self.bar.update(1)
+            return
         self.result.losses.append(loss)
         rec = self._record(p.step, loss, p.metrics, dt)
         if state_to_eval is not None:
@@ -231,21 +284,36 @@ class _Loop:
     def save(self, step, state, position, wait=False):
         t = time.perf_counter()
         if not bool(_all_finite(state["params"])):  # never overwrite good with bad
-            raise self._nonfinite(step, "non-finite parameters")
+            raise self._nonfinite(step, "non-finite parameters", position - 1)
         tr = self.trainer
         meta = training_meta(step, position, self.rc.seed, tr.cfg, self.rc.to_json(), tr.mesh,
                              tr.strategy.name)
-        self.ckpt.save(step, state, meta, wait=wait)
+        if self._saving is not None:   # Orbax would wait too; this names the failed step
+            self._guarded(self.ckpt.wait)
+        self._saving = step
+        self._guarded(lambda: self.ckpt.save(step, state, meta, wait=wait))
         self.stats.times["ckpt_s"] += time.perf_counter() - t
         self._last_done = time.perf_counter()   # save time is not step time
 
-    def _nonfinite(self, step, loss) -> NonFiniteLoss:
+    def _check_saves(self):
+        """Orbax saves in the background: surface a failed save at the next step, not at the
+        next save (which may be hours later)."""
+        if self.ckpt is not None and self._saving is not None:
+            self._guarded(self.ckpt.check_for_errors)
+
+    def _guarded(self, fn):
+        try:
+            return fn()
+        except Exception as e:   # Orbax and the OS raise many types; name the step and cause
+            raise SaveFailed.of(self._saving, self.ckpt.directory, e,
+                                self.ckpt.latest_step()) from e
+
+    def _nonfinite(self, step, what, index) -> Exception:
+        if self.rc.on_nonfinite == "rollback":
+            return Rollback(step, index, what)
         last = self.ckpt.latest_step() if self.ckpt else None
-        kept = (f"; the last good checkpoint (step {last}) in {self.ckpt.directory} is untouched"
-                if last is not None else "; no checkpoint was written for this state")
-        what = loss if isinstance(loss, str) else f"loss {loss}"
-        return NonFiniteLoss(f"{what} at step {step}; stopped without saving{kept}. "
-                             f"Try a lower --lr or --precision fp32")
+        return NonFiniteLoss(nonfinite_message(what, step, index, last,
+                                               self.ckpt.directory if self.ckpt else None))
 
     def _interrupt(self, signum, step, state, position) -> Interrupted:
         name = signal.Signals(signum).name

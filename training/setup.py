@@ -60,7 +60,8 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     check_batch(run, mesh, pipeline)
     compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run.strategy, pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
-                                 accum_steps=run.grad_accum),
+                                 accum_steps=run.grad_accum,
+                                 skip_nonfinite=run.on_nonfinite == "skip"),
                             run.batch_size, run.seq_len)
     return Run(run, cfg, mesh, pipeline, compiled)
 

@@ -69,7 +69,7 @@ class Trainer:
                  pipeline: Optional[PipelineConfig] = None,
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
                  total_steps: int = 100, accum_steps: int = 1,
-                 loss_and_grad: Optional[Callable] = None):
+                 loss_and_grad: Optional[Callable] = None, skip_nonfinite: bool = False):
         if pipeline is not None and loss_and_grad is not None:
             raise ValueError("Trainer: give pipeline= or loss_and_grad=, not both (the "
                              "pipeline computes loss and gradients itself)")
@@ -84,6 +84,9 @@ class Trainer:
             self.cfg, self.user_model = model, None
             self.abstract = abstract_model(model)
         self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
+        # A NaN/inf loss or gradient keeps the old parameters and optimizer state (the step
+        # counter still advances with the data), decided on device: no host round trip.
+        self.skip_nonfinite = bool(skip_nonfinite)
         self.pipeline = None if pipeline is None else Pipeline(
             self.cfg if self.user_model is None else self.abstract, mesh, self.strategy,
             pipeline, exe)
@@ -212,6 +215,11 @@ class Trainer:
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}
+        if self.skip_nonfinite:
+            ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
+                                             (params, opt_state),
+                                             (state["params"], state["opt_state"]))
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     @cached_property

@@ -1,0 +1,84 @@
+"""A dead peer in a real 2-process run (`triax train` × 2, gloo on 127.0.0.1): SIGKILL one
+mid-training; the survivor exits non-zero within the heartbeat timeout naming the lost
+process, and restarting both with --resume continues from the last committed step with the
+losses of an uninterrupted run."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from triax.checkpoint import Checkpointer
+from triax.training.config import RunConfig
+from triax.training.loop import train
+
+# The schedule is pinned (warmup, decay), so losses depend on the step only, not on --steps.
+BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                 mesh="data=4,tensor=2", strategy="fsdp_tp", steps=100_000, lr=1e-2,
+                 lr_warmup_steps=1, lr_decay_steps=40, seed=5, eval_batches=0, progress=False,
+                 checkpoint_every=3)
+HEARTBEAT_S = 5
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path, steps, resume=False):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    coord = f"127.0.0.1:{_free_port()}"
+    flags = ["--model", "tiny", "--num-layers", "1", "--data", "markov", "--batch-size", "8",
+             "--seq-len", "16", "--mesh", "data=4,tensor=2", "--strategy", "fsdp_tp",
+             "--lr", "1e-2", "--lr-warmup-steps", "1", "--lr-decay-steps", "40", "--seed", "5",
+             "--eval-batches", "0", "--no-progress", "--checkpoint-every", "3",
+             "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "c"),
+             "--log-json", str(tmp_path / "log.jsonl")] + (["--resume"] if resume else [])
+    return [subprocess.Popen([sys.executable, "-m", "triax", "train", *flags, "--coordinator",
+                              coord, "--num-processes", "2", "--process-id", str(i),
+                              "--heartbeat-timeout", str(HEARTBEAT_S)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for i in range(2)]
+
+
+def _logged(tmp_path):
+    p = tmp_path / "log.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+@pytest.mark.slow
+def test_dead_peer_stops_the_survivor_and_resume_matches(tmp_path):
+    procs = _launch(tmp_path, BASE.steps)
+    deadline = time.time() + 600
+    while len(_logged(tmp_path)) < 7:   # past the save at step 6
+        assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+        assert time.time() < deadline, "the 2-process run never reached step 7"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    _, err = procs[0].communicate(timeout=HEARTBEAT_S + 90)
+    waited = time.time() - killed
+    procs[1].wait()
+    assert procs[0].returncode != 0
+    assert waited < HEARTBEAT_S + 60, f"the survivor took {waited:.0f}s to notice"
+    assert "unhealthy (stopped sending heartbeats):\n1" in err, err[-3000:]
+
+    last = Checkpointer(str(tmp_path / "c"), read_only=True).steps()[-1]
+    assert last >= 6
+    procs = _launch(tmp_path, last + 2, resume=True)
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (_, e) in zip(procs, outs):
+        assert p.returncode == 0, e[-3000:]
+    assert f"resumed step {last}" in outs[0][1]
+    resumed = [r["loss"] for r in _logged(tmp_path)[-2:]]
+    straight = train(BASE.replace(steps=last + 2, checkpoint_every=0),
+                     note=lambda *_: None).losses
+    np.testing.assert_allclose(resumed, straight[last:], rtol=1e-5)
