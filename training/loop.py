@@ -30,7 +30,9 @@ from triax.mesh import describe
 from triax.training import metrics
 from triax.training.checkpoint import open_checkpoints
 from triax.training.config import RunConfig
-from triax.training.data import Batches, check_vocab, load_corpus
+from triax.text.tokenizer import get_tokenizer
+from triax.training.data import process_rows
+from triax.training.data_source import DataSource, gather_states, open_data, restore_state
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
@@ -95,8 +97,8 @@ def train(run: RunConfig, note=print) -> TrainResult:
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
     built = build_run(run)
-    corpus = load_corpus(run.data, run.val_fraction)
-    check_vocab(corpus, built.model.vocab_size)
+    source = open_data(run.data, get_tokenizer(run.tokenizer), built.model.vocab_size,
+                       run.val_fraction)
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
     state = built.compiled.init(run.seed) if resumed.state is None else resumed.state
@@ -104,12 +106,12 @@ def train(run: RunConfig, note=print) -> TrainResult:
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)], strategy {trainer.strategy.name}, data "
-        f"{corpus.name} ({len(corpus.tokens):,} tokens)")
-    loop = _Loop(built, corpus, resumed.ckpt, main, say,
+        f"{source.name} ({source.size})")
+    loop = _Loop(built, source, resumed.ckpt, main, say,
                  {"setup_s": time.perf_counter() - t0})
     try:
         with _Signals() as sig:
-            result = loop.run(state, resumed.data_position, resumed.step, sig)
+            result = loop.run(state, resumed, sig)
     finally:
         loop.close()
     return result
@@ -125,8 +127,8 @@ class _Pending:
 
 
 class _Loop:
-    def __init__(self, built: Run, corpus, ckpt, main, say, times):
-        self.rc, self.compiled, self.corpus, self.ckpt = built.config, built.compiled, corpus, ckpt
+    def __init__(self, built: Run, source: DataSource, ckpt, main, say, times):
+        self.rc, self.compiled, self.source, self.ckpt = built.config, built.compiled, source, ckpt
         self.trainer = trainer = built.trainer
         self.main, self.say = main, say
         run = self.rc
@@ -135,7 +137,7 @@ class _Loop:
             steps=run.steps, tokens_per_step=run.batch_size * run.seq_len,
             flops_per_step=trainer.cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len,
             peak_flops=metrics.peak_flops_per_device(dev.device_kind) if dev.platform != "cpu"
-            else None, corpus_info=corpus.info,
+            else None, corpus_info=source.info,
             times={**times, "compile_s": 0.0, "first_step_s": 0.0, "steps_s": 0.0,
                    "eval_s": 0.0, "ckpt_s": 0.0})
         self.sinks = metrics.MetricSinks(run.log_json, run.tensorboard, main,
@@ -148,9 +150,16 @@ class _Loop:
         if self.ckpt is not None:
             self.ckpt.close()
 
-    def run(self, state, position, start, sig) -> TrainResult:
+    def loader(self, split: str):
+        """A fresh ``split`` loader for this process's rows of the batch."""
+        run, sh = self.rc, self.trainer.batch_sharding()
+        return self.source.loader(split, run.batch_size, run.seq_len, run.seed,
+                                  process_rows(sh, (run.batch_size, run.seq_len)))
+
+    def run(self, state, resumed, sig) -> TrainResult:
         run, tr, times = self.rc, self.trainer, self.stats.times
-        data = Batches(self.corpus.train, run.batch_size, run.seq_len, run.seed, "train", position)
+        start, data = resumed.step, self.loader("train")
+        restore_state(data, resumed.data_state, resumed.data_position)
         sharding = tr.batch_sharding()
         t = time.perf_counter()
         cached = self.compiled.is_step_compiled
@@ -178,13 +187,13 @@ class _Loop:
                 pending = None
             if signum is not None:
                 self.bar.close()
-                raise self._interrupt(signum, step, state, data.position)
+                raise self._interrupt(signum, step, state, data)
             if save:
-                self.save(step, state, data.position)
+                self.save(step, state, data)
         if pending is not None:
             self._complete(pending)
         self.bar.close()
-        return self._finish(state, data.position, start)
+        return self._finish(state, data, start)
 
     def _complete(self, p: _Pending, state_to_eval=None) -> None:
         """Read step ``p.step``'s loss (waiting for it), stop on NaN, log, maybe evaluate."""
@@ -221,20 +230,20 @@ class _Loop:
         if self.rc.eval_batches <= 0:
             return None
         t = time.perf_counter()
-        val = Batches(self.corpus.val, self.rc.batch_size, self.rc.seq_len, self.rc.seed, "val")
-        sh = self.trainer.batch_sharding()
-        losses = [float(self.compiled.eval_loss(state["params"], val.global_batch(i, sh)))
-                  for i in range(self.rc.eval_batches)]
+        val, sh = self.loader("val"), self.trainer.batch_sharding()
+        losses = [float(self.compiled.eval_loss(state["params"], val.next(sh)))
+                  for _ in range(self.rc.eval_batches)]
         self.stats.times["eval_s"] += time.perf_counter() - t
         return float(np.mean(losses))
 
-    def save(self, step, state, position, wait=False):
+    def save(self, step, state, data, wait=False):
+        """Save ``state`` with every process's ``data`` loader state (collective)."""
         t = time.perf_counter()
         if not bool(_all_finite(state["params"])):  # never overwrite good with bad
             raise self._nonfinite(step, "non-finite parameters")
         tr = self.trainer
-        meta = training_meta(step, position, self.rc.seed, tr.cfg, self.rc.to_json(), tr.mesh,
-                             tr.strategy.name)
+        meta = training_meta(step, data.position, self.rc.seed, tr.cfg, self.rc.to_json(),
+                             tr.mesh, tr.strategy.name, gather_states(data.get_state()))
         self.ckpt.save(step, state, meta, wait=wait)
         self.stats.times["ckpt_s"] += time.perf_counter() - t
         self._last_done = time.perf_counter()   # save time is not step time
@@ -247,20 +256,20 @@ class _Loop:
         return NonFiniteLoss(f"{what} at step {step}; stopped without saving{kept}. "
                              f"Try a lower --lr or --precision fp32")
 
-    def _interrupt(self, signum, step, state, position) -> Interrupted:
+    def _interrupt(self, signum, step, state, data) -> Interrupted:
         name = signal.Signals(signum).name
         if self.ckpt is None or self.rc.no_save:
             return Interrupted(signum, f"received {name} at step {step}; stopped (no checkpoint "
                                        f"directory, nothing saved)")
-        self.save(step, state, position, wait=True)
+        self.save(step, state, data, wait=True)
         return Interrupted(signum, f"received {name} at step {step}; saved checkpoint step "
                                    f"{step} to {self.ckpt.directory} (committed); resume with "
                                    f"--resume --checkpoint-dir {self.ckpt.directory}")
 
-    def _finish(self, state, position, start) -> TrainResult:
+    def _finish(self, state, data, start) -> TrainResult:
         run, result = self.rc, self.result
         if run.steps > start and self.ckpt and not run.no_save:
-            self.save(run.steps, state, position, wait=True)
+            self.save(run.steps, state, data, wait=True)
         result.state = state
         self.stats.losses = result.losses
         self.stats.val_loss = result.val_losses.get(run.steps)
