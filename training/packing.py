@@ -31,6 +31,7 @@ from triax.training.documents import to_example
 
 PACKED_KEYS = ("inputs", "targets", "weights", "segment_ids", "positions")
 _PIECE = ("inputs", "targets", "weights")
+PACK_BATCHES = 4   # batches packed together (first-fit over 4 × rows bins)
 
 
 class _ShiftAndCut(gx.FlatMapTransform):
@@ -68,9 +69,11 @@ class PackedBatches:
               .repeat(None))[shard::shards]
         ds = ds.map(lambda rec: to_example(rec, tokenizer)).to_iter_dataset()
         ds = gx.FlatMapIterDataset(ds, _ShiftAndCut(seq_len))
-        # As many bins as rows and no bin shuffling: each emission is one batch, in order.
+        # A multiple of the rows as bins (each emission is whole batches; more bins fill rows
+        # better) and no bin shuffling, so the order is the records' shuffled order.
         ds = gx.FirstFitPackIterDataset(ds, length_struct={k: seq_len for k in _PIECE},
-                                        num_packing_bins=self.rows, shuffle_bins=False)
+                                        num_packing_bins=self.rows * PACK_BATCHES,
+                                        shuffle_bins=False)
         self._iter = iter(ds.batch(self.rows, drop_remainder=True).map(_rename))
         self.position = 0   # batches drawn (reported; the Grain state is what resumes)
 
