@@ -67,7 +67,9 @@ class PackedBatches:
         shard, shards = local.start // self.rows, batch_size // self.rows
         ds = (grain.MapDataset.source(records).shuffle(seed=split_seed(seed, split))
               .repeat(None))[shard::shards]
-        ds = ds.map(lambda rec: to_example(rec, tokenizer)).to_iter_dataset()
+        # Tokenizing in the calling thread: cheap next to a step, and no thread pool to start.
+        ds = ds.map(lambda rec: to_example(rec, tokenizer)).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         ds = gx.FlatMapIterDataset(ds, _ShiftAndCut(seq_len))
         # A multiple of the rows as bins (each emission is whole batches; more bins fill rows
         # better) and no bin shuffling, so the order is the records' shuffled order.
