@@ -8,7 +8,7 @@ the byte and HF tokenizers behave alike.
     >>> load_tokenizer("/nonexistent")
     Traceback (most recent call last):
     ...
-    triax.text.hf_tokenizer.TokenizerError: --tokenizer '/nonexistent' does not exist; give a directory holding tokenizer.json, or the tokenizer.json file
+    triax.text.hf_tokenizer.TokenizerError: --tokenizer '/nonexistent' does not exist; give ...
 """
 from __future__ import annotations
 

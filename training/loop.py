@@ -27,10 +27,10 @@ from jax.experimental import multihost_utils
 
 from triax.checkpoint import training_meta
 from triax.mesh import describe
+from triax.text.tokenizer import get_tokenizer
 from triax.training import metrics
 from triax.training.checkpoint import open_checkpoints
 from triax.training.config import RunConfig
-from triax.text.tokenizer import get_tokenizer
 from triax.training.data import process_rows
 from triax.training.data_source import DataSource, gather_states, open_data, restore_state
 from triax.training.run_summary import RunStats, summary

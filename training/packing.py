@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import grain
 import grain.experimental as gx
-import numpy as np
 
 from triax.text.tokenizer import Tokenizer
 from triax.training.data import split_seed, to_global
