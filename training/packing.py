@@ -17,7 +17,7 @@ state (``get_state``) goes into the checkpoint, so a resumed run continues bit-i
     >>> it = PackedBatches(docs, ByteTokenizer(), batch_size=1, seq_len=8, seed=0)
     >>> b = it.numpy_next()
     >>> b["segment_ids"].tolist(), b["positions"].tolist()
-    ([[1, 1, 2, 2, 2, 0, 0, 0]], [[0, 1, 0, 1, 2, 0, 0, 0]])
+    ([[1, 1, 2, 2, 2, 3, 3, 0]], [[0, 1, 0, 1, 2, 0, 1, 0]])
 """
 from __future__ import annotations
 
