@@ -77,7 +77,7 @@ class RunConfig:
                             "pairs whose prompts get no loss; packed)")
     tokenizer: Optional[str] = _f(None, "Hugging Face tokenizer: a directory holding "
                                         "tokenizer.json, or the file",
-                                  default_help="bytes (no files needed)")
+                                  default_help="bytes, no files needed")
     val_fraction: float = _f(0.05, "fraction of the data held out for validation")
     eval_every: int = _f(0, "validation loss every N steps (0: at the end only)")
     eval_batches: int = _f(4, "batches per validation")
