@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from jax.sharding import Mesh
@@ -88,9 +88,11 @@ def model_from_meta(meta: dict, where: str) -> ModelConfig:
 
 
 def training_meta(step: int, data_position: int, seed: int, cfg: ModelConfig, run: dict,
-                  mesh: Mesh, strategy: str) -> dict:
-    """The meta item training writes with every step (``inference`` reads only "model")."""
-    return {"step": step, "data_position": data_position, "rng": rng_json(seed, step),
+                  mesh: Mesh, strategy: str, data_state: Optional[list] = None) -> dict:
+    """The meta item training writes with every step (``inference`` reads only "model");
+    ``data_state``: each process's data-iterator state, in process order."""
+    return {"step": step, "data_position": data_position, "data_state": data_state,
+            "rng": rng_json(seed, step),
             "model": config_json(cfg), "run": config_json(run), "mesh": describe(mesh),
             "mesh_sizes": mesh_sizes(mesh), "strategy": strategy,
             "num_devices": jax.device_count(), "num_processes": jax.process_count()}

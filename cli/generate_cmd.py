@@ -22,6 +22,8 @@ def add_parser(sub) -> None:
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")
+    p.add_argument("--tokenizer", metavar="DIR|FILE", help="Hugging Face tokenizer: a directory "
+                   "holding tokenizer.json, or the file (default: bytes)")
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -53,16 +55,18 @@ def run(args) -> int:
     from triax.inference.generate import build_server, generate
     from triax.inference.sampling import SamplingConfig
     from triax.mesh import parse_mesh
+    from triax.text.tokenizer import get_tokenizer
+    tokenizer = get_tokenizer(args.tokenizer)
     prompts = _prompts(args)
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_tokens=tuple(args.stop_token))
-    longest = max((len(p.encode("utf-8")) for p in prompts), default=1)
+    longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
     server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers)
-    out = generate(server, prompts, args.max_new_tokens)
+    out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")
         print(json.dumps({"results": [{k: r[k] for k in keep} for r in out["results"]],

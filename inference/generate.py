@@ -16,6 +16,7 @@ from triax.inference.engine import EngineConfig, InferenceError
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server, replica_meshes
 from triax.text.byte_tokenizer import ByteTokenizer
+from triax.text.tokenizer import Tokenizer
 
 TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer.BYTE_VOCAB)
 
@@ -45,11 +46,18 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
     return Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
 
 
-def generate(server: Server, prompts: Sequence[str], max_new_tokens: int) -> dict:
-    """Generate for every prompt; the CLI's ``--json`` shape plus per-request stats."""
+def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
+             tokenizer: Optional[Tokenizer] = None) -> dict:
+    """Generate for every prompt; the CLI's ``--json`` shape plus per-request stats.
+    ``tokenizer``: the byte tokenizer when None (``triax.text.get_tokenizer``)."""
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
-    encoded = [TOKENIZER.encode(p) for p in prompts]
+    tok = tokenizer or TOKENIZER
+    vocab = server.engines[0].cfg.vocab_size
+    if tok.vocab_size > vocab:
+        raise InferenceError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary "
+                             f"is {vocab}; pass the model's own --tokenizer")
+    encoded = [tok.encode(p) for p in prompts]
     for e in encoded:  # reject bad requests before compiling anything
         server.engines[0].check_prompt(len(e), max_new_tokens)
     server.warmup([len(e) for e in encoded])  # so the reported rates exclude compilation
@@ -58,7 +66,7 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int) -> dic
     out = []
     for p, rid in zip(prompts, ids):
         r = results[rid]
-        out.append({"prompt": p, "text": TOKENIZER.decode(r.tokens), "tokens": r.tokens,
+        out.append({"prompt": p, "text": tok.decode(r.tokens), "tokens": r.tokens,
                     "finish_reason": r.finish_reason, "ttft_s": r.ttft_s,
                     "tokens_per_s": r.tokens_per_s})
     return {"results": out, "prefill_tokens_per_s": server.prefill_tokens_per_s,

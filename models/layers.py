@@ -86,6 +86,13 @@ def causal_mask(T: int, B: int = 1):
     return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
 
 
+def segment_mask(segment_ids_BT):
+    """Causal attention inside each packed document: a query sees a key only when both
+    carry the same segment id (``triax.training.packing``; padding is segment 0)."""
+    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return same_BTS & causal_mask(segment_ids_BT.shape[1], segment_ids_BT.shape[0])
+
+
 class Attention(nnx.Module):
     """Megatron layout: QKV column-parallel over heads, output row-parallel."""
 

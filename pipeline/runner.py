@@ -275,7 +275,9 @@ class Pipeline:
         if weights is None:
             weights = jnp.ones(batch["inputs"].shape, jnp.float32)
         weights = weights.astype(jnp.float32)
-        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights}
+        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights,
+                  # packed documents: their boundaries travel with each micro-batch's tokens
+                  **{k: batch[k] for k in ("segment_ids", "positions") if k in batch}}
         consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0)}
         loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
                                                    inputs, consts)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.layers import ExecConfig
+from triax.models.layers import ExecConfig, segment_mask
 from triax.models.loss import weighted_nll_sum
 
 
@@ -58,7 +58,8 @@ class Stage:
 
     ``extras`` is ``(inputs, consts, first, last)``: this micro-batch's inputs, step-wide
     constants, and the chunk's place in the model. ``head="loss"``: inputs ``tokens``,
-    ``targets``, ``weights``, consts ``inv_total_weight``; the last chunk adds
+    ``targets``, ``weights`` (and, for packed documents, ``segment_ids`` and ``positions``),
+    consts ``inv_total_weight``; the last chunk adds
     ``Σ w·nll / total weight`` to the loss, ``out`` and ``state`` are empty. ``head="logits"``
     (decode): inputs ``tokens``, ``positions``; ``state`` is the chunk's KV cache for this
     micro-batch, ``out`` the logits (zeros on chunks that are not the last).
@@ -88,7 +89,10 @@ class Stage:
                              x_in_BTD.dtype),
                          lambda: x_in_BTD)
         if self.head == "loss":
-            y_BTD, _, _ = model.run_blocks(x, exe=self.exe)
+            seg = inputs.get("segment_ids")
+            y_BTD, _, _ = model.run_blocks(x, inputs.get("positions"),
+                                           None if seg is None else segment_mask(seg),
+                                           exe=self.exe)
 
             def loss():
                 nll = weighted_nll_sum(model.logits(y_BTD, self.exe), inputs["targets"],

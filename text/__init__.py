@@ -1,4 +1,7 @@
-"""Text in and out: tokenizers (the byte-level one today)."""
+"""Text in and out: one tokenizer interface, the byte tokenizer and Hugging Face ones."""
 from triax.text.byte_tokenizer import BYTE_VOCAB, ByteTokenizer
+from triax.text.hf_tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from triax.text.tokenizer import Tokenizer, get_tokenizer
 
-__all__ = ["BYTE_VOCAB", "ByteTokenizer"]
+__all__ = ["BYTE_VOCAB", "ByteTokenizer", "HFTokenizer", "Tokenizer", "TokenizerError",
+           "get_tokenizer", "load_tokenizer"]

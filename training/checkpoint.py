@@ -34,12 +34,13 @@ from triax.training.config import RunConfig
 @dataclass
 class Resumed:
     """Where a run starts: its checkpointer (None without a directory), the restored state
-    (None: initialise), the data position and the step."""
+    (None: initialise), the data position and per-process data states, and the step."""
 
     ckpt: Optional[Checkpointer] = None
     state: Any = None
     data_position: int = 0
     step: int = 0
+    data_state: Optional[list] = None   # None: a checkpoint from before data states
 
 
 def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) -> Resumed:
@@ -77,7 +78,7 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) 
     note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
          f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
          f"{trainer.strategy.name})")
-    return Resumed(ckpt, state, data_position(meta), step)
+    return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
 
 
 def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_place: bool,

@@ -74,7 +74,12 @@ class RunConfig:
                        choices=TRAIN_SCHEDULES)
     microbatches: int = _f(0, "pipeline micro-batches per step (0: 2 × pipe)")
     virtual: int = _f(1, "pipeline chunks per stage (interleaved only)")
-    data: str = _f("pydoc", "pydoc | markov | path to a .txt or .npy token file")
+    data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
+                            ".parquet file (documents with a text field, or prompt/completion "
+                            "pairs whose prompts get no loss; packed)")
+    tokenizer: Optional[str] = _f(None, "Hugging Face tokenizer: a directory holding "
+                                        "tokenizer.json, or the file",
+                                  default_help="bytes, no files needed")
     val_fraction: float = _f(0.05, "fraction of the data held out for validation")
     eval_every: int = _f(0, "validation loss every N steps (0: at the end only)")
     eval_batches: int = _f(4, "batches per validation")

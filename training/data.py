@@ -1,14 +1,17 @@
 """Token data for training: built-in corpora, user files, deterministic resumable batches.
 
-Sources (``--data``):
-  * ``pydoc``  – English text shipped inside Python (``pydoc_data.topics``, ~0.47 MB), bytes.
+Token streams (``--data``):
+  * ``pydoc``  – English text shipped inside Python (``pydoc_data.topics``, ~0.47 MB).
   * ``markov`` – a random first-order Markov chain whose optimal loss (its entropy rate) is
     known exactly, so tests can check learning against it.
-  * a path to a UTF-8 text file (byte-tokenized) or a ``.npy`` of token ids (memory-mapped).
+  * a path to a UTF-8 text file (tokenized with ``--tokenizer``, bytes by default) or a
+    ``.npy`` of token ids (memory-mapped).
+Document files (``.jsonl``, ``.parquet``) are packed instead: ``triax.training.packing``.
 
-Batches are windows at offsets drawn from ``rng(seed, split, batch_index)``: the whole data
-position is one integer, saved in checkpoints, and batch ``i`` is the same on any mesh.
-Each process reads only the rows its devices hold.
+A stream is cut into windows of ``seq_len + 1`` tokens; a Grain ``MapDataset`` shuffles the
+window ids globally (a new order every epoch) and batches them, so batch ``i`` is a pure
+function of ``(seed, split, i)``: the data position is one integer, saved in checkpoints, and
+batch ``i`` is the same on any mesh. Each process reads only the rows its devices hold.
 
     >>> corpus = load_corpus("markov")
     >>> loader = Batches(corpus.train, batch_size=8, seq_len=16, seed=0)
@@ -18,11 +21,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Optional
 
+import grain
 import jax
 import numpy as np
 
-from triax.text.byte_tokenizer import ByteTokenizer
+from triax.text.tokenizer import Tokenizer, get_tokenizer
 
 
 class DataError(ValueError):
@@ -91,20 +96,24 @@ def unigram_loss(tokens: np.ndarray, sample: int = 1_000_000) -> float:
     return float(-(p * np.log(p)).sum())
 
 
-def load_corpus(source: str, val_fraction: float = 0.05) -> Corpus:
-    """Resolve ``--data``: a built-in name, a text file or a ``.npy`` token file."""
+def load_corpus(source: str, val_fraction: float = 0.05,
+                tokenizer: Optional[Tokenizer] = None) -> Corpus:
+    """Resolve ``--data``: a built-in name, a text file or a ``.npy`` token file; text is
+    tokenized with ``tokenizer`` (bytes when None)."""
+    tokenizer = tokenizer or get_tokenizer(None)
     if source == "pydoc":
-        toks = ByteTokenizer().encode(pydoc_text())
+        toks = tokenizer.encode(pydoc_text())
         return Corpus("pydoc", toks, val_fraction, {"unigram_loss": unigram_loss(toks)})
     if source == "markov":
         toks, h = markov_chain()
         return Corpus("markov", toks, val_fraction,
                       {"optimal_loss": h, "unigram_loss": unigram_loss(toks)})
-    return Corpus(os.path.basename(source), _read_file(source), val_fraction)
+    return Corpus(os.path.basename(source), _read_file(source, tokenizer), val_fraction)
 
 
-def _read_file(path: str) -> np.ndarray:
-    hint = f"pass --data {' | '.join(BUILTIN)} or a path to a .txt or .npy file"
+def _read_file(path: str, tokenizer: Tokenizer) -> np.ndarray:
+    hint = (f"pass --data {' | '.join(BUILTIN)} or a path to a .txt, .npy, .jsonl or "
+            f".parquet file")
     if not os.path.exists(path):
         raise DataError(f"data file {path!r} does not exist; {hint}")
     if not os.path.isfile(path) or not os.access(path, os.R_OK):
@@ -117,7 +126,7 @@ def _read_file(path: str) -> np.ndarray:
                                 f"got {toks.dtype} with shape {toks.shape}")
             return toks
         with open(path, "rb") as f:
-            return ByteTokenizer().encode(f.read())
+            return tokenizer.encode(f.read())
     except (OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise
@@ -132,7 +141,7 @@ def check_vocab(corpus: Corpus, vocab_size: int) -> None:
 
 
 class Batches:
-    """Deterministic windows over a token array; ``position`` = batches already drawn.
+    """Shuffled windows of a token stream, batched by Grain; ``position`` = batches drawn.
 
     Batch ``i`` depends only on ``(seed, split, i)``, so a resumed run (position restored
     from the checkpoint) sees exactly the batches an uninterrupted run would.
@@ -146,13 +155,13 @@ class Batches:
                             f"shorter --seq-len)")
         self.tokens, self.B, self.T = tokens, batch_size, seq_len
         self.seed, self.split, self.position = seed, split, position
-
-    def offsets(self, index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.split], index])
-        return rng.integers(0, len(self.tokens) - self.T - 1, size=self.B)
+        windows = (len(tokens) - 1) // seq_len   # window w: tokens[w*T : w*T + T + 1]
+        self.window_ids = (grain.MapDataset.range(windows)
+                           .shuffle(seed=split_seed(seed, split)).repeat(None)
+                           .batch(batch_size))
 
     def numpy_batch(self, index: int, rows: slice = slice(None)) -> dict:
-        starts = self.offsets(index)[rows]
+        starts = np.asarray(self.window_ids[index])[rows] * self.T
         win = np.stack([np.asarray(self.tokens[s:s + self.T + 1]) for s in starts])
         win = win.astype(np.int32)
         return {"inputs": win[:, :-1], "targets": win[:, 1:]}
@@ -160,14 +169,34 @@ class Batches:
     def global_batch(self, index: int, sharding) -> dict:
         """Batch ``index`` as global ``jax.Array``s; this process reads only its rows."""
         rows = process_rows(sharding, (self.B, self.T))
-        local = self.numpy_batch(index, rows)
-        return {k: jax.make_array_from_process_local_data(sharding, v, (self.B, self.T))
-                for k, v in local.items()}
+        return to_global(self.numpy_batch(index, rows), sharding, (self.B, self.T))
 
     def next(self, sharding) -> dict:
         batch = self.global_batch(self.position, sharding)
         self.position += 1
         return batch
+
+    def get_state(self) -> dict:
+        """This process's iterator state (the checkpoint's ``data_state``)."""
+        return {"position": self.position}
+
+    def set_state(self, state: dict) -> None:
+        self.position = int(state["position"])
+
+    def seek(self, position: int) -> None:
+        """Continue at batch ``position`` (``--on-nonfinite rollback`` skips a window)."""
+        self.position = int(position)
+
+
+def split_seed(seed: int, split: str) -> int:
+    """One shuffle seed per (run seed, split), so validation never replays training order."""
+    return int(np.random.SeedSequence([seed, _SPLIT_IDS[split]]).generate_state(1)[0])
+
+
+def to_global(local: dict, sharding, shape) -> dict:
+    """This process's rows of a batch -> global ``jax.Array``s of ``shape`` (rows, seq)."""
+    return {k: jax.make_array_from_process_local_data(sharding, v, shape)
+            for k, v in local.items()}
 
 
 def process_rows(sharding, shape) -> slice:

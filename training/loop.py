@@ -28,10 +28,12 @@ from jax.experimental import multihost_utils
 
 from triax.checkpoint import training_meta
 from triax.mesh import describe
+from triax.text.tokenizer import get_tokenizer
 from triax.training import metrics
 from triax.training.checkpoint import open_checkpoints, restore_step
 from triax.training.config import RunConfig
-from triax.training.data import Batches, check_vocab, load_corpus
+from triax.training.data import process_rows
+from triax.training.data_source import DataSource, gather_states, open_data, restore_state
 from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
                                    SaveFailed, nonfinite_message)
 from triax.training.run_summary import RunStats, summary
@@ -99,8 +101,8 @@ def train(run: RunConfig, note=print) -> TrainResult:
         raise ValueError(f"on_nonfinite {run.on_nonfinite!r}: choose one of "
                          f"{', '.join(NONFINITE_MODES)}")
     built = build_run(run)
-    corpus = load_corpus(run.data, run.val_fraction)
-    check_vocab(corpus, built.model.vocab_size)
+    source = open_data(run.data, get_tokenizer(run.tokenizer), built.model.vocab_size,
+                       run.val_fraction)
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
     state = built.compiled.init(run.seed) if resumed.state is None else resumed.state
@@ -108,12 +110,12 @@ def train(run: RunConfig, note=print) -> TrainResult:
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)], strategy {trainer.strategy.name}, data "
-        f"{corpus.name} ({len(corpus.tokens):,} tokens)")
-    loop = _Loop(built, corpus, resumed.ckpt, main, say,
+        f"{source.name} ({source.size})")
+    loop = _Loop(built, source, resumed.ckpt, main, say,
                  {"setup_s": time.perf_counter() - t0})
     try:
         with _Signals() as sig:
-            result = loop.run(state, resumed.data_position, resumed.step, sig)
+            result = loop.run(state, resumed, sig)
     finally:
         loop.close()
     return result
@@ -130,8 +132,8 @@ class _Pending:
 
 
 class _Loop:
-    def __init__(self, built: Run, corpus, ckpt, main, say, times):
-        self.rc, self.compiled, self.corpus, self.ckpt = built.config, built.compiled, corpus, ckpt
+    def __init__(self, built: Run, source: DataSource, ckpt, main, say, times):
+        self.rc, self.compiled, self.source, self.ckpt = built.config, built.compiled, source, ckpt
         self.trainer = trainer = built.trainer
         self.main, self.say = main, say
         run = self.rc
@@ -140,7 +142,7 @@ class _Loop:
             steps=run.steps, tokens_per_step=run.batch_size * run.seq_len,
             flops_per_step=trainer.cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len,
             peak_flops=metrics.peak_flops_per_device(dev.device_kind) if dev.platform != "cpu"
-            else None, corpus_info=corpus.info,
+            else None, corpus_info=source.info,
             times={**times, "compile_s": 0.0, "first_step_s": 0.0, "steps_s": 0.0,
                    "eval_s": 0.0, "ckpt_s": 0.0})
         self.sinks = metrics.MetricSinks(run.log_json, run.tensorboard, main,
@@ -154,9 +156,16 @@ class _Loop:
         if self.ckpt is not None:
             self.ckpt.close()
 
-    def run(self, state, position, start, sig) -> TrainResult:
+    def loader(self, split: str):
+        """A fresh ``split`` loader for this process's rows of the batch."""
+        run, sh = self.rc, self.trainer.batch_sharding()
+        return self.source.loader(split, run.batch_size, run.seq_len, run.seed,
+                                  process_rows(sh, (run.batch_size, run.seq_len)))
+
+    def run(self, state, resumed, sig) -> TrainResult:
         run, tr, times = self.rc, self.trainer, self.stats.times
-        data = Batches(self.corpus.train, run.batch_size, run.seq_len, run.seed, "train", position)
+        start, data = resumed.step, self.loader("train")
+        restore_state(data, resumed.data_state, resumed.data_position)
         sharding = tr.batch_sharding()
         t = time.perf_counter()
         cached = self.compiled.is_step_compiled
@@ -175,7 +184,7 @@ class _Loop:
             except Rollback as bad:   # only in --on-nonfinite rollback
                 state, step = self._rollback(bad, data)
         self.bar.close()
-        return self._finish(state, data.position, start)
+        return self._finish(state, data, start)
 
     def _steps(self, state, step, data, step_fn, sharding, sig):
         """Run steps from ``step + 1`` to the end (a ``Rollback`` leaves early)."""
@@ -199,14 +208,14 @@ class _Loop:
                 pending = None
             if signum is not None:
                 self.bar.close()
-                raise self._interrupt(signum, step, state, data.position)
+                raise self._interrupt(signum, step, state, data)
             if save:
-                self.save(step, state, data.position)
+                self.save(step, state, data)
         if pending is not None:
             self._complete(pending)
         return state, step
 
-    def _rollback(self, bad: Rollback, data: Batches):
+    def _rollback(self, bad: Rollback, data):
         """Restore the last checkpoint; continue after the bad batch (the data in between is
         skipped; the step counter goes back to the checkpoint's)."""
         if len(self.result.rollbacks) >= MAX_ROLLBACKS:
@@ -220,7 +229,7 @@ class _Loop:
         else:
             state, _ = restore_step(self.ckpt, last, self.trainer.cfg, self.trainer)
             step = last
-        data.position = bad.index + 1
+        data.seek(bad.index + 1)
         del self.result.losses[max(step - self._start, 0):]
         self.result.rollbacks.append((bad.step, bad.index, step))
         self.sinks.write({"step": bad.step, "event": "rollback", "batch": bad.index,
@@ -274,20 +283,20 @@ class _Loop:
         if self.rc.eval_batches <= 0:
             return None
         t = time.perf_counter()
-        val = Batches(self.corpus.val, self.rc.batch_size, self.rc.seq_len, self.rc.seed, "val")
-        sh = self.trainer.batch_sharding()
-        losses = [float(self.compiled.eval_loss(state["params"], val.global_batch(i, sh)))
-                  for i in range(self.rc.eval_batches)]
+        val, sh = self.loader("val"), self.trainer.batch_sharding()
+        losses = [float(self.compiled.eval_loss(state["params"], val.next(sh)))
+                  for _ in range(self.rc.eval_batches)]
         self.stats.times["eval_s"] += time.perf_counter() - t
         return float(np.mean(losses))
 
-    def save(self, step, state, position, wait=False):
+    def save(self, step, state, data, wait=False):
+        """Save ``state`` with every process's ``data`` loader state (collective)."""
         t = time.perf_counter()
         if not bool(_all_finite(state["params"])):  # never overwrite good with bad
-            raise self._nonfinite(step, "non-finite parameters", position - 1)
+            raise self._nonfinite(step, "non-finite parameters", data.position - 1)
         tr = self.trainer
-        meta = training_meta(step, position, self.rc.seed, tr.cfg, self.rc.to_json(), tr.mesh,
-                             tr.strategy.name)
+        meta = training_meta(step, data.position, self.rc.seed, tr.cfg, self.rc.to_json(),
+                             tr.mesh, tr.strategy.name, gather_states(data.get_state()))
         if self._saving is not None:   # Orbax would wait too; this names the failed step
             self._guarded(self.ckpt.wait)
         self._saving = step
@@ -315,20 +324,20 @@ class _Loop:
         return NonFiniteLoss(nonfinite_message(what, step, index, last,
                                                self.ckpt.directory if self.ckpt else None))
 
-    def _interrupt(self, signum, step, state, position) -> Interrupted:
+    def _interrupt(self, signum, step, state, data) -> Interrupted:
         name = signal.Signals(signum).name
         if self.ckpt is None or self.rc.no_save:
             return Interrupted(signum, f"received {name} at step {step}; stopped (no checkpoint "
                                        f"directory, nothing saved)")
-        self.save(step, state, position, wait=True)
+        self.save(step, state, data, wait=True)
         return Interrupted(signum, f"received {name} at step {step}; saved checkpoint step "
                                    f"{step} to {self.ckpt.directory} (committed); resume with "
                                    f"--resume --checkpoint-dir {self.ckpt.directory}")
 
-    def _finish(self, state, position, start) -> TrainResult:
+    def _finish(self, state, data, start) -> TrainResult:
         run, result = self.rc, self.result
         if run.steps > start and self.ckpt and not run.no_save:
-            self.save(run.steps, state, position, wait=True)
+            self.save(run.steps, state, data, wait=True)
         result.state = state
         self.stats.losses = result.losses
         self.stats.val_loss = result.val_losses.get(run.steps)

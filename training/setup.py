@@ -29,6 +29,7 @@ from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
 from triax.pipeline.runner import PipelineConfig, unpipelinable_reason
 from triax.training.config import RunConfig
+from triax.training.data_source import batch_keys
 from triax.training.step import Trainer
 from triax.training.step_cache import Compiled, compiled_for
 
@@ -62,7 +63,7 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
                                  optim=run.optim_config(), exe=exe,
                                  accum_steps=run.grad_accum,
                                  skip_nonfinite=run.on_nonfinite == "skip"),
-                            run.batch_size, run.seq_len)
+                            run.batch_size, run.seq_len, batch_keys(run.data))
     return Run(run, cfg, mesh, pipeline, compiled)
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
-from triax.models.layers import ExecConfig
+from triax.models.layers import ExecConfig, segment_mask
 from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
@@ -40,14 +40,25 @@ from triax.training.optim import OptimConfig, lr_schedule, make_optimizer
 from triax.training.user_model import UserModel, user_loss
 
 PyTree = Any
-Batch = dict  # {"inputs": int32[B, T], "targets": int32[B, T], optional "weights": f32[B, T]}
+# {"inputs": int32[B, T], "targets": int32[B, T]}, optional "weights": f32[B, T] (loss
+# weights) and, for packed documents, "segment_ids" and "positions": int32[B, T].
+Batch = dict
+BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32,
+                "segment_ids": jnp.int32, "positions": jnp.int32}
+
+
+def packed_inputs(batch: Batch) -> tuple:
+    """``(positions_BT, mask_BTS)`` for the model: None, None (causal over ``0..T-1``) unless
+    the batch packs documents (``segment_ids``, ``positions``)."""
+    seg = batch.get("segment_ids")
+    return batch.get("positions"), None if seg is None else segment_mask(seg)
 
 
 def model_loss(am: AbstractModel, exe: ExecConfig):
     """``loss(params, batch) -> (loss, aux)`` on the plain (unpipelined) model."""
     def loss(params, batch):
         model = nnx.merge(am.graphdef, params)
-        logits, aux = model(batch["inputs"], exe=exe)
+        logits, aux = model(batch["inputs"], *packed_inputs(batch), exe=exe)
         ce = cross_entropy(logits, batch["targets"], batch.get("weights"))
         total = ce + sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
         return total, {"ce": ce, **aux}
@@ -239,19 +250,20 @@ class Trainer:
         return {k: v if isinstance(v, jax.Array) and v.sharding == sh else jax.device_put(v, sh)
                 for k, v in batch.items()}
 
-    def lower(self, batch: "int | Batch", seq_len: Optional[int] = None):
+    def lower(self, batch: "int | Batch", seq_len: Optional[int] = None,
+              keys: tuple = ("inputs", "targets")):
         """Lower the step on abstract inputs (no allocation): for inspection and AOT compiles.
 
         ``batch``: a batch (arrays or ``ShapeDtypeStruct``s; only shapes and dtypes are used),
-        or, for the built-in language model, ``batch_size`` with ``seq_len``.
+        or, for the built-in language model, ``batch_size`` with ``seq_len`` (and the batch's
+        ``keys``, from ``BATCH_DTYPES``).
         """
         sh = self.batch_sharding()
         if isinstance(batch, int):
             if seq_len is None:
                 raise ValueError("Trainer.lower(batch_size, seq_len): give seq_len, or pass "
                                  "a batch of arrays / ShapeDtypeStructs")
-            batch = {"inputs": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                     "targets": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
+            batch = {k: jax.ShapeDtypeStruct((batch, seq_len), BATCH_DTYPES[k]) for k in keys}
         batch = {k: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v), sharding=sh)
                  for k, v in batch.items()}
         return self._jitted_step.lower(self.abstract_state(), batch)

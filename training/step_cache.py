@@ -33,6 +33,7 @@ class Compiled:
     trainer: Trainer
     batch_size: int
     seq_len: int
+    batch_keys: tuple = ("inputs", "targets")   # the batch dict's keys (step.BATCH_DTYPES)
     _step: Any = None
     _eval: Any = None
 
@@ -44,7 +45,8 @@ class Compiled:
     def step(self) -> Callable:
         """The AOT-compiled step ``(state, batch) -> (state, metrics)`` (donates ``state``)."""
         if self._step is None:
-            self._step = self.trainer.lower(self.batch_size, self.seq_len).compile()
+            self._step = self.trainer.lower(self.batch_size, self.seq_len,
+                                             self.batch_keys).compile()
         return self._step
 
     @property
@@ -62,14 +64,15 @@ class Compiled:
         return self.trainer.init(seed)   # one compile for every seed (the seed is an argument)
 
 
-def compiled_for(trainer_args: dict, batch_size: int, seq_len: int) -> Compiled:
-    """The cached ``Compiled`` for ``Trainer(**trainer_args)`` at this batch shape, building
-    the trainer on a miss."""
-    key = (tuple(sorted(trainer_args.items())), batch_size, seq_len)
+def compiled_for(trainer_args: dict, batch_size: int, seq_len: int,
+                 batch_keys: tuple = ("inputs", "targets")) -> Compiled:
+    """The cached ``Compiled`` for ``Trainer(**trainer_args)`` at this batch shape (and
+    batch keys), building the trainer on a miss."""
+    key = (tuple(sorted(trainer_args.items())), batch_size, seq_len, tuple(batch_keys))
     if key in _CACHE:
         _CACHE.move_to_end(key)
         return _CACHE[key]
-    entry = Compiled(Trainer(**trainer_args), batch_size, seq_len)
+    entry = Compiled(Trainer(**trainer_args), batch_size, seq_len, tuple(batch_keys))
     _CACHE[key] = entry
     while len(_CACHE) > _MAX_ENTRIES:
         _CACHE.popitem(last=False)
