@@ -31,6 +31,7 @@ from triax.training import metrics
 from triax.training.checkpoint import open_checkpoints
 from triax.training.config import RunConfig
 from triax.training.data import Batches, check_vocab, load_corpus
+from triax.training.init_from import initial_state
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
@@ -99,7 +100,12 @@ def train(run: RunConfig, note=print) -> TrainResult:
     check_vocab(corpus, built.model.vocab_size)
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
-    state = built.compiled.init(run.seed) if resumed.state is None else resumed.state
+    if resumed.state is not None:
+        state = resumed.state
+    elif run.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
+        state = initial_state(trainer, built.model, run.init_from)
+    else:
+        state = built.compiled.init(run.seed)
     cfg = built.model
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
