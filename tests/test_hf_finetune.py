@@ -15,7 +15,7 @@ from triax.hf import Checkpoint, read_model_config
 def test_init_from_then_export_gives_the_fixture_back(tmp_path, capsys, devices):
     ck, out = tmp_path / "ck", tmp_path / "hf"
     assert main(["train", "--init-from", fixture("llama"), "--data", "markov", "--mesh",
-                 "data=2,tensor=2,pipe=2", "--strategy", "fsdp_tp", "--steps", "1", "--lr",
+                 "data=4,tensor=2", "--strategy", "fsdp_tp", "--steps", "1", "--lr",
                  "0", "--batch-size", "8", "--seq-len", "16", "--eval-batches", "0",
                  "--checkpoint-dir", str(ck), "--no-progress"]) == 0
     assert main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 0
