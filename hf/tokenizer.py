@@ -4,9 +4,13 @@ model's vocabulary.
 Prompts are encoded with the tokenizer's own template (a Llama 3 ``tokenizer.json`` adds
 ``<|begin_of_text|>`` itself), as ``transformers``' ``tokenizer(text)`` does by default.
 
-    >>> tok = load_tokenizer("tests/fixtures/hf/llama")            # doctest: +SKIP
-    >>> tok.decode(tok.encode("Hello world")), tok.vocab_size      # doctest: +SKIP
-    ('Hello world', 320)
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> t = Tokenizer(models.WordLevel({"hi": 0, "mesh": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    >>> t.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> t.save("tokenizer.json")
+    >>> tok = load_tokenizer(".")
+    >>> tok.encode("hi mesh").tolist(), tok.vocab_size
+    ([0, 1], 3)
 """
 from __future__ import annotations
 
