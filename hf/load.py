@@ -1,11 +1,12 @@
 """Load a Hugging Face model directory straight onto a mesh, each process reading only the
 slices its own devices hold.
 
-For every triax parameter, ``jax.make_array_from_callback`` asks for the regions this
-process's devices own under the strategy's rules; each region is read from the HF tensors it
-covers with ``safe_open(...).get_slice`` (``triax.hf.layout.read_region``), so stacked layers,
-the fused ``w_in_D2F`` and the stacked experts are assembled slice by slice and no process
-ever holds the whole model. Host memory peaks at one device's region of one parameter.
+Per Hugging Face tensor, ``jax.make_array_from_callback`` asks for the regions this process's
+devices own under the strategy's rules, and each region is read with
+``safe_open(...).get_slice`` (``triax.hf.layout.read_region``). A stacked triax parameter
+(layers, the fused ``w_in_D2F``, the stacked experts) is zero-initialised on its devices and
+filled one HF tensor at a time by a jitted in-place update, so no process ever holds the
+whole model, and host memory holds one tensor's slice at a time, not the stack.
 
     >>> from triax.mesh import make_mesh
     >>> mesh = make_mesh(tensor=2, devices=jax.devices()[:2])
@@ -13,12 +14,15 @@ ever holds the whole model. Host memory peaks at one device's region of one para
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import jax
-from jax.sharding import Mesh
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.hf.config import model_config, read_config
 from triax.hf.files import Checkpoint, HFError
@@ -69,16 +73,59 @@ def _nest(flat: dict[str, Any]) -> dict:
     return out
 
 
-def _array(src: Source, sharding, ckpt: Checkpoint) -> jax.Array:
+def _from_callback(shape, sharding, read) -> jax.Array:
     cache: dict = {}  # devices holding the same region (replicas) share one read
 
     def region(index):
         key = tuple((s.start, s.stop) if isinstance(s, slice) else s for s in index)
         if key not in cache:
-            cache[key] = read_region(src, index, ckpt.read)
+            cache[key] = read(index)
         return cache[key]
 
-    return jax.make_array_from_callback(src.triax_shape, sharding, region)
+    return jax.make_array_from_callback(shape, sharding, region)
+
+
+@functools.lru_cache(maxsize=None)
+def _placer(sharding: NamedSharding, shape: tuple, lead_axes: tuple):
+    """Jitted ``(zeros, put)`` for one stacked parameter: ``put`` writes one HF tensor's body
+    at its lead index in place (the stack is donated)."""
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+
+    def put(stack, body, idx):
+        starts = [jnp.int32(0)] * len(shape)
+        for a, i in zip(lead_axes, idx):
+            starts[a] = i
+        return jax.lax.dynamic_update_slice(stack, jnp.expand_dims(body, lead_axes), starts)
+    return zeros, jax.jit(put, out_shardings=sharding, donate_argnums=0)
+
+
+def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
+    """One triax parameter on ``sharding``. A stacked one is built on the devices one HF
+    tensor at a time (each read only where this process's devices hold it), so host memory
+    holds one tensor's slice, never the stack."""
+    shape = src.triax_shape
+    if not src.lead:
+        return _from_callback(shape, sharding, lambda index: read_region(src, index, ckpt.read))
+    lead_axes = tuple(sorted(src._perm[j] for j in range(len(src.lead))))
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    body_axes = [a for a in range(len(shape)) if a not in lead_axes]
+    body_shape = tuple(shape[a] for a in body_axes)
+    body_sharding = NamedSharding(sharding.mesh, P(*(spec[a] for a in body_axes)))
+    zeros, put = _placer(sharding, shape, lead_axes)
+    stack = zeros()
+    for li in src.lead_indices():
+        at = {src._perm[j]: i for j, i in enumerate(li)}
+
+        def read(index, at=at):
+            full = list(index) + [slice(None)] * (len(body_axes) - len(index))
+            it = iter(full)
+            region = [slice(at[a], at[a] + 1) if a in at else next(it) for a in range(len(shape))]
+            return read_region(src, tuple(region), ckpt.read).reshape(
+                [len(range(*s.indices(body_shape[k]))) for k, s in enumerate(full)])
+
+        body = _from_callback(body_shape, body_sharding, read)
+        stack = put(stack, body, tuple(np.int32(at[a]) for a in lead_axes))
+    return stack
 
 
 def load_params(directory: str, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "tp",
