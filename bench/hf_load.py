@@ -91,7 +91,8 @@ def run_layout(directory: str, sizes: dict, strategy: str) -> dict:
 def table(rows: dict, nbytes: int, largest: int) -> str:
     mb = 2**20
     lines = [f"`small` ({nbytes / mb:.0f} MiB of float32 safetensors, largest tensor "
-             f"{largest / mb:.1f} MiB), CPU, `python bench/hf_load.py`.", "",
+             f"{largest / mb:.1f} MiB), CPU, `python bench/hf_load.py`. Import time includes "
+             f"compiling the per-parameter placement programs.", "",
              "| layout | import s | memmap read s | import ÷ memmap | bytes read ÷ file bytes "
              "| peak anon RSS growth ÷ largest tensor | staging ÷ largest tensor |",
              "|---|---|---|---|---|---|---|"]
