@@ -15,6 +15,7 @@ whole model, and host memory holds one tensor's slice at a time, not the stack.
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,7 +23,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from triax.hf.config import model_config, read_config
 from triax.hf.files import Checkpoint, HFError
@@ -85,46 +86,76 @@ def _from_callback(shape, sharding, read) -> jax.Array:
     return jax.make_array_from_callback(shape, sharding, region)
 
 
-@functools.lru_cache(maxsize=None)
-def _placer(sharding: NamedSharding, shape: tuple, lead_axes: tuple):
-    """Jitted ``(zeros, put)`` for one stacked parameter: ``put`` writes one HF tensor's body
-    at its lead index in place (the stack is donated)."""
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+def _shards(mesh, entry) -> int:
+    """How many ways a spec entry (None, an axis, or a tuple of axes) splits its dimension."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    return int(np.prod([mesh.shape[x] for x in axes]))
 
-    def put(stack, body, idx):
-        starts = [jnp.int32(0)] * len(shape)
-        for a, i in zip(lead_axes, idx):
-            starts[a] = i
-        return jax.lax.dynamic_update_slice(stack, jnp.expand_dims(body, lead_axes), starts)
+
+@functools.lru_cache(maxsize=None)
+def _placer(sharding: NamedSharding, shape: tuple, splits: tuple):
+    """Jitted ``(zeros, put)`` for one stacked parameter. ``splits[a]`` is how many shards
+    stacked axis ``a`` has (1 on body axes); a chunk holds one entry of each shard (size
+    ``splits[a]`` on that axis) and ``put(stack, chunk, ks)`` writes it in place (donated) at
+    entries ``j·(shape[a]/splits[a]) + ks[a]`` of each stacked axis."""
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+    lead = [a for a, n in enumerate(splits) if n]
+
+    def put(stack, chunk, ks):
+        split_shape, chunk_shape, starts = [], [], []
+        for a, size in enumerate(shape):
+            if a in lead:  # this axis as (shards, entries per shard): local to each shard
+                split_shape += [splits[a], size // splits[a]]
+                chunk_shape += [splits[a], 1]
+                starts += [0, ks[lead.index(a)]]
+            else:
+                split_shape.append(size)
+                chunk_shape.append(size)
+                starts.append(0)
+        out = jax.lax.dynamic_update_slice(stack.reshape(split_shape),
+                                           chunk.reshape(chunk_shape), starts)
+        return out.reshape(shape)
     return zeros, jax.jit(put, out_shardings=sharding, donate_argnums=0)
 
 
 def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
-    """One triax parameter on ``sharding``. A stacked one is built on the devices one HF
-    tensor at a time (each read only where this process's devices hold it), so host memory
-    holds one tensor's slice, never the stack."""
+    """One triax parameter on ``sharding``. A stacked one is built on the devices one chunk at
+    a time, a chunk being one HF tensor per shard of the stacked axes (one layer per pipeline
+    stage, say), each read only where this process's devices hold it: host memory holds about
+    one tensor's slice per device, never the stack."""
     shape = src.triax_shape
     if not src.lead:
         return _from_callback(shape, sharding, lambda index: read_region(src, index, ckpt.read))
-    lead_axes = tuple(sorted(src._perm[j] for j in range(len(src.lead))))
+    lead_axes = sorted(src._perm[j] for j in range(len(src.lead)))
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-    body_axes = [a for a in range(len(shape)) if a not in lead_axes]
-    body_shape = tuple(shape[a] for a in body_axes)
-    body_sharding = NamedSharding(sharding.mesh, P(*(spec[a] for a in body_axes)))
-    zeros, put = _placer(sharding, shape, lead_axes)
+    splits = tuple(_shards(sharding.mesh, spec[a]) if a in lead_axes else 0
+                   for a in range(len(shape)))
+    per = {a: shape[a] // splits[a] for a in lead_axes}   # entries per shard
+    chunk_shape = tuple(splits[a] if a in lead_axes else n for a, n in enumerate(shape))
+    zeros, put = _placer(sharding, shape, splits)
     stack = zeros()
-    for li in src.lead_indices():
-        at = {src._perm[j]: i for j, i in enumerate(li)}
+    for ks in itertools.product(*(range(per[a]) for a in lead_axes)):
+        k = dict(zip(lead_axes, ks))
 
-        def read(index, at=at):
-            full = list(index) + [slice(None)] * (len(body_axes) - len(index))
-            it = iter(full)
-            region = [slice(at[a], at[a] + 1) if a in at else next(it) for a in range(len(shape))]
-            return read_region(src, tuple(region), ckpt.read).reshape(
-                [len(range(*s.indices(body_shape[k]))) for k, s in enumerate(full)])
+        def read(index, k=k):
+            full = [range(*sl.indices(n)) for sl, n in zip(
+                tuple(index) + (slice(None),) * (len(shape) - len(index)), chunk_shape)]
+            out = np.empty([len(r) for r in full], np.float32)
+            for pos in itertools.product(*(range(len(full[a])) for a in lead_axes)):
+                region, where = [], []
+                for a, r in enumerate(full):
+                    if a in k:
+                        e = full[a][pos[lead_axes.index(a)]] * per[a] + k[a]
+                        region.append(slice(e, e + 1))
+                        where.append(slice(pos[lead_axes.index(a)], pos[lead_axes.index(a)] + 1))
+                    else:
+                        region.append(slice(r.start, r.stop))
+                        where.append(slice(None))
+                out[tuple(where)] = read_region(src, tuple(region), ckpt.read)
+            return out
 
-        body = _from_callback(body_shape, body_sharding, read)
-        stack = put(stack, body, tuple(np.int32(at[a]) for a in lead_axes))
+        chunk = _from_callback(chunk_shape, sharding, read)
+        stack = put(stack, chunk, tuple(np.int32(x) for x in ks))
     return stack
 
 

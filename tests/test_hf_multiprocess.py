@@ -1,6 +1,7 @@
 """Sharded HF load on 2 processes × 4 simulated CPU devices: each process reads only its own
-half of the weights (bytes counted by the reader) and the forward still equals the logits
-``transformers`` computed."""
+half of the weights (bytes counted by the reader), with ``data`` (FSDP) or ``pipe`` (the
+layers) across the processes, and the forward still equals the logits ``transformers``
+computed."""
 import json
 import os
 import socket
@@ -34,7 +35,10 @@ WORKER = textwrap.dedent("""
     rows = prompts(g)[:2]
     err = max(float(np.abs(l - g[f"logits_{i}"]).max())
               for i, l in enumerate(forward_logits(cfg, params, mesh, "fsdp_tp", rows)))
-    print("RESULT " + json.dumps({"bytes": report.bytes_read, "err": err}), flush=True)
+    # pipe spanning the processes: each reads only its own stage's layers
+    _, _, by_stage = load(model_dir, make_mesh(pipe=2, tensor=4), "tp")
+    print("RESULT " + json.dumps({"bytes": report.bytes_read, "err": err,
+                                  "pipe_bytes": by_stage.bytes_read}), flush=True)
 """)
 
 
@@ -67,7 +71,10 @@ def test_two_processes_each_read_half(tmp_path):
         read_model_config(d))}
     scales = sum(b for n, b in nbytes.items() if n.endswith("norm.weight"))
     split = sum(nbytes.values()) - scales
+    unstacked = sum(b for n, b in nbytes.items() if not n.startswith("model.layers."))
+    stacked = sum(nbytes.values()) - unstacked
     for r in results:
         assert r["err"] < 1e-5, r
         assert r["bytes"] == split // 2 + scales, (r, split, scales)
         assert r["bytes"] < 0.52 * sum(nbytes.values())
+        assert r["pipe_bytes"] == stacked // 2 + unstacked, (r, stacked, unstacked)
