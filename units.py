@@ -4,6 +4,8 @@
     '3.0 MiB'
     >>> human_bytes(512)
     '512 B'
+    >>> parse_bytes("5GB"), parse_bytes("2MiB"), parse_bytes("1000")
+    (5000000000, 2097152, 1000)
 """
 from __future__ import annotations
 
@@ -20,3 +22,18 @@ def human_bytes(n: float) -> str:
 def mib(n: float) -> float:
     """Bytes as MiB, for tables that share one unit per column."""
     return n / 2**20
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"5GB"`` (decimal, as Hugging Face's ``max_shard_size``) or ``"5GiB"`` (binary)."""
+    s = str(text).strip().upper().replace(" ", "")
+    num = s.rstrip("KMGTIB")
+    try:
+        return int(float(num) * _UNITS[s[len(num):]])
+    except (KeyError, ValueError):
+        raise ValueError(f"size {text!r}: give a number with an optional unit (B, KB, MB, "
+                         f"GB, TB, or KiB, MiB, GiB, TiB), e.g. 5GB") from None

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from triax.mesh import describe, mesh_sizes
-from triax.models.config import ModelConfig, MoEConfig
+from triax.models.config import ModelConfig, MoEConfig, RopeScaling
 
 STATE, META = "state", "meta"
 ITEMS = (STATE, META)   # the Orbax item names of every step directory
@@ -58,6 +58,8 @@ def config_from_json(d: dict) -> ModelConfig:
     d = dict(d)
     if d.get("moe") is not None:
         d["moe"] = MoEConfig(**d["moe"])
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
     return ModelConfig(**d)
 
 

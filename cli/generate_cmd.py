@@ -1,7 +1,11 @@
-"""``triax generate``: text from a checkpoint or a seeded init, on any serving layout.
+"""``triax generate``: text from a checkpoint, a Hugging Face model directory or a seeded
+init, on any serving layout.
 
     triax generate --model tiny --seed 0 --prompt "Hello" --max-new-tokens 16 \\
         --mesh tensor=2 --replicas 4 --greedy --json
+    triax generate --model-dir Llama-3.2-1B --prompt "Hello" --max-new-tokens 16 --mesh tensor=2
+
+With ``--model-dir`` the prompts go through the directory's ``tokenizer.json``.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ def add_parser(sub) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")
     src.add_argument("--model", help="preset name for a seeded random init (e.g. tiny)")
+    src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
+                     "(config.json, safetensors, tokenizer.json)")
     p.add_argument("--seed", type=int, default=0, help="init seed (with --model) and sampling seed")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
     prm = p.add_mutually_exclusive_group(required=True)
@@ -62,10 +68,14 @@ def run(args) -> int:
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_tokens=tuple(args.stop_token))
+    if args.model_dir and not args.tokenizer:   # an HF directory brings its own tokenizer
+        from triax.hf.load import read_model_config
+        from triax.hf.tokenizer import load_tokenizer
+        tokenizer = load_tokenizer(args.model_dir, read_model_config(args.model_dir))
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
     server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
-                          num_layers=args.num_layers)
+                          num_layers=args.num_layers, model_dir=args.model_dir)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

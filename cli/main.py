@@ -9,7 +9,7 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "inspect", "schedule", "plan", "generate", "plot", "checkpoints")
+COMMANDS = ("train", "inspect", "schedule", "plan", "generate", "plot", "checkpoints", "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,8 @@ def add_parser(sub) -> None:
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--model", help="preset name (see triax.models.config.PRESETS)")
     what.add_argument("--params", type=float, help="parameter count for a quick estimate")
+    what.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory (its "
+                      "config.json; no weights are read)")
     p.add_argument("--dtype", choices=tuple(PRECISIONS), default="bf16")
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--train", action="store_true")
@@ -77,6 +79,10 @@ def run(args) -> int:
     cat = hardware.load_catalog(args.hardware)
     cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
     cfg = config.get(args.model, args.num_layers) if args.model else None
+    if args.model_dir:
+        from triax.hf.load import read_model_config
+        cfg = read_model_config(args.model_dir)
+        cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat)

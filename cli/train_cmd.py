@@ -39,6 +39,10 @@ def run_config_from_args(args) -> RunConfig:
     """RunConfig defaults < ``--config`` file < explicit flags."""
     values = load_config_file(args.config) if args.config else {}
     values.update(run_values(args))
+    if values.get("init_from") and "model" in values:
+        raise ValueError(f"--model {values['model']!r} conflicts with --init-from "
+                         f"{values['init_from']!r}: the model comes from its config.json; "
+                         f"drop --model")
     return RunConfig(**values)
 
 

@@ -31,6 +31,7 @@ from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, cache_shape
 from triax.models.layers import ExecConfig
+from triax.models.moe import inference_routing
 from triax.pipeline.runner import default_decode_microbatches
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
@@ -121,6 +122,11 @@ class Engine:
 
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
+        with inference_routing():  # MoE: dropless, so padding and batch-mates take nothing
+            return self._prefill_body(params, cache, tokens_bT, lengths_b, slots_b, seeds_b,
+                                      rule)
+
+    def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
         b, T = tokens_bT.shape
         shape = cache_shape(self.cfg, b, T)
         tmp = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
@@ -133,7 +139,9 @@ class Engine:
         return cache, tok, last_bV
 
     def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule):
-        logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None], cache)
+        with inference_routing():
+            logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None],
+                                          cache)
         tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1)
         return cache, tok, logits_B1V[:, 0]
 

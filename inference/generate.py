@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional, Sequence
 
+from triax.hf.load import load as hf_load
 from triax.inference.checkpoint import load_params
 from triax.inference.engine import EngineConfig, InferenceError
 from triax.inference.sampling import SamplingConfig
@@ -36,12 +37,20 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
                  mesh_sizes: Optional[Mapping[str, int]] = None, replicas: int = 1,
                  sampling: SamplingConfig = SamplingConfig(), longest: int = 64,
                  max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
-                 num_layers: Optional[int] = None, devices=None) -> Server:
-    """Load weights once (onto the first replica) and start ``replicas`` engines."""
+                 num_layers: Optional[int] = None, devices=None,
+                 model_dir: Optional[str] = None) -> Server:
+    """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
+    come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
+    preset ``model`` initialised from ``seed``."""
     mesh_sizes = dict(mesh_sizes or {})
     meshes = replica_meshes(mesh_sizes, replicas, devices)
-    cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
-                              num_layers=num_layers)
+    if model_dir is not None:
+        if checkpoint or model:
+            raise InferenceError("give one of --model-dir, --checkpoint, --model")
+        cfg, params, _ = hf_load(model_dir, meshes[0], strategy)
+    else:
+        cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
+                                  num_layers=num_layers)
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
     return Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
 

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from triax.models.config import ModelConfig
+from triax.models.moe import inference_routing
 from triax.sharding.partition import abstract_model
 
 
@@ -42,7 +43,8 @@ def greedy_reference(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[i
 
     @jax.jit
     def step_logits(params, seq_BT, last_B):
-        logits, _ = nnx.merge(graphdef, params)(seq_BT)
+        with inference_routing():  # MoE routes dropless at inference, as in the engine
+            logits, _ = nnx.merge(graphdef, params)(seq_BT)
         return jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
 
     out_tokens, out_logits = np.zeros((n, max_new_tokens), np.int64), []

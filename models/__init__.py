@@ -1,11 +1,12 @@
 """Model math, written once. Logical axis names only: no mesh names live here."""
 from triax.models import config
 from triax.models.axes import constrain, using_constraint
-from triax.models.config import ModelConfig, MoEConfig
+from triax.models.config import ModelConfig, MoEConfig, RopeScaling
 from triax.models.layers import ExecConfig
 from triax.models.loss import cross_entropy, weighted_nll_sum
 from triax.models.transformer import REMAT_POLICIES, Block, Transformer, scan_blocks
 
-__all__ = ["Block", "ExecConfig", "ModelConfig", "MoEConfig", "REMAT_POLICIES", "Transformer",
+__all__ = ["Block", "ExecConfig", "ModelConfig", "MoEConfig", "REMAT_POLICIES", "RopeScaling",
+           "Transformer",
            "config", "constrain", "cross_entropy", "scan_blocks", "using_constraint",
            "weighted_nll_sum"]

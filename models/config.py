@@ -50,6 +50,27 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's RoPE frequency scaling (Hugging Face ``rope_scaling`` type ``llama3``).
+
+    Wavelengths longer than ``original_max_seq_len / low_freq_factor`` are stretched by
+    ``factor``, those shorter than ``original_max_seq_len / high_freq_factor`` are kept, and
+    the band between is interpolated (see ``triax.models.layers.rope_frequencies``).
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __post_init__(self):
+        if not (self.factor > 0 and self.original_max_seq_len > 0
+                and 0 < self.low_freq_factor < self.high_freq_factor):
+            raise ValueError(f"RopeScaling: need factor > 0, original_max_seq_len > 0 and "
+                             f"0 < low_freq_factor < high_freq_factor; got {self}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder. All sizes are global (unsharded)."""
 
@@ -67,6 +88,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     moe: Optional[MoEConfig] = None
+    rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
 
     def __post_init__(self):
         for field in ("vocab_size", "embed_dim", "num_layers", "num_heads",
@@ -125,10 +147,10 @@ class ModelConfig:
         return 6.0 * self.active_params() + attn
 
 
-def _llama(name, V, D, L, N, K, F, theta=500000.0, tie=False, seq=8192):
+def _llama(name, V, D, L, N, K, F, theta=500000.0, tie=False, seq=8192, scaling=None):
     return ModelConfig(name=name, vocab_size=V, embed_dim=D, num_layers=L, num_heads=N,
                        num_kv_heads=K, head_dim=D // N, mlp_dim=F, max_seq_len=seq,
-                       rope_theta=theta, tie_embeddings=tie)
+                       rope_theta=theta, tie_embeddings=tie, rope_scaling=scaling)
 
 
 
@@ -139,10 +161,14 @@ TINY = ModelConfig(name="tiny", vocab_size=BYTE_VOCAB, embed_dim=64, num_layers=
 SMALL = ModelConfig(name="small", vocab_size=BYTE_VOCAB, embed_dim=768, num_layers=12,
                     num_heads=16, num_kv_heads=4, head_dim=48, mlp_dim=3840,
                     max_seq_len=1024)
-LLAMA3_1B = _llama("llama3-1b", 128256, 2048, 16, 32, 8, 8192, tie=True)
+# Llama 3.2 1B and 3.1 405B ship rope_scaling {type llama3, factor 32 / 8, low 1, high 4,
+# original 8192}; 3.0's 8B and 70B have none.
+LLAMA3_1B = _llama("llama3-1b", 128256, 2048, 16, 32, 8, 8192, tie=True,
+                   scaling=RopeScaling(factor=32.0))
 LLAMA3_8B = _llama("llama3-8b", 128256, 4096, 32, 32, 8, 14336)
 LLAMA3_70B = _llama("llama3-70b", 128256, 8192, 80, 64, 8, 28672)
-LLAMA3_405B = _llama("llama3-405b", 128256, 16384, 126, 128, 8, 53248)
+LLAMA3_405B = _llama("llama3-405b", 128256, 16384, 126, 128, 8, 53248,
+                     scaling=RopeScaling(factor=8.0))
 
 TINY_MOE = TINY.replace(name="tiny-moe", moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=64))
 SMALL_MOE = SMALL.replace(name="small-moe", num_layers=6,

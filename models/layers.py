@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.models.axes import constrain
-from triax.models.config import ModelConfig
+from triax.models.config import ModelConfig, RopeScaling
 from triax.models.decode import Cache, cache_mask, write_layer
 
 
@@ -53,10 +53,28 @@ class RMSNorm(nnx.Module):
         return (y * scale).astype(x_BTD.dtype)
 
 
-def rope(x_BTNH, positions_BT, theta: float):
+def rope_frequencies(head_dim: int, theta: float, scaling: Optional[RopeScaling] = None):
+    """RoPE inverse frequencies ``[H/2]``, with Llama 3.1's scaling when given (the formula
+    of Hugging Face's ``_compute_llama3_parameters``)."""
+    freq = theta ** (-jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2.0 / head_dim)
+    if scaling is None:
+        return freq
+    s = scaling
+    wavelen = 2 * math.pi / freq
+    low_wavelen = s.original_max_seq_len / s.low_freq_factor   # longer: stretched by factor
+    high_wavelen = s.original_max_seq_len / s.high_freq_factor  # shorter: kept
+    scaled = jnp.where(wavelen > low_wavelen, freq / s.factor, freq)
+    smooth = ((s.original_max_seq_len / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return jnp.where(medium, smoothed, scaled)
+
+
+def rope(x_BTNH, positions_BT, theta: float, scaling: Optional[RopeScaling] = None):
     """Rotary position embedding (half-split layout)."""
     H = x_BTNH.shape[-1]
-    freq = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) * 2.0 / H)
+    freq = rope_frequencies(H, theta, scaling)
     angle_BTh = positions_BT[..., None].astype(jnp.float32) * freq[None, None, :]
     sin, cos = jnp.sin(angle_BTh)[:, :, None, :], jnp.cos(angle_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
@@ -103,14 +121,16 @@ class Attention(nnx.Module):
         self.wk_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wv_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wo_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), std)
-        self.theta = cfg.rope_theta
+        self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
 
     def project_qkv(self, x_BTD, positions_BT, dtype):
         q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dtype))
         k = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dtype))
         v = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dtype))
-        q = constrain(rope(q, positions_BT, self.theta), ("batch", "seq", "act_heads", None))
-        k = constrain(rope(k, positions_BT, self.theta), ("batch", "seq", "act_kv_heads", None))
+        q = rope(q, positions_BT, self.theta, self.rope_scaling)
+        k = rope(k, positions_BT, self.theta, self.rope_scaling)
+        q = constrain(q, ("batch", "seq", "act_heads", None))
+        k = constrain(k, ("batch", "seq", "act_kv_heads", None))
         v = constrain(v, ("batch", "seq", "act_kv_heads", None))
         return q, k, v
 

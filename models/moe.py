@@ -18,6 +18,13 @@ over the ``expert`` mesh axis, so models/ never names a mesh.
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
 (``capacity_factor=None``) uses C = T, the most any expert can receive from one sequence.
 
+Capacity is a training device (static buffers, balanced all-to-all). Inference routes
+dropless (``inference_routing``, which the engine and the no-cache reference trace under):
+with capacity a token's output would depend on what else shares its forward call: the other
+requests of a batch, a prefill bucket's padding (whose first choices would sort ahead of real
+tokens' second choices), or whether it is decoded one token at a time. Dropless, a request's
+tokens are the same in every batch, bucket and cache mode, and equal ``transformers``' Mixtral.
+
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from triax.models import config
@@ -50,6 +57,8 @@ AUX_KEYS = ("moe_lb_loss", "moe_z_loss", "moe_dropped_tokens", "moe_loss_weighte
 MoERunner = Callable[..., tuple]
 _RUNNER: contextvars.ContextVar[Optional[MoERunner]] = contextvars.ContextVar(
     "triax_moe_runner", default=None)
+_INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("triax_moe_inference",
+                                                                  default=False)
 
 
 def aux_zeros() -> dict:
@@ -68,6 +77,16 @@ def using_moe_runner(fn: Optional[MoERunner]):
         _RUNNER.reset(token)
 
 
+@contextlib.contextmanager
+def inference_routing():
+    """Trace inference under this: every MoE layer routes dropless (see the module doc)."""
+    token = _INFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _INFERENCE.reset(token)
+
+
 def _run(token_fn, x_BTD, router_DE, weights):
     runner = _RUNNER.get()
     if runner is None:
@@ -76,8 +95,9 @@ def _run(token_fn, x_BTD, router_DE, weights):
 
 
 def capacity(moe: MoEConfig, seq_len: int) -> int:
-    """Slots per expert per sequence: ``ceil(cf·T·k/E)`` capped at T; T when dropless."""
-    if moe.capacity_factor is None:
+    """Slots per expert per sequence: ``ceil(cf·T·k/E)`` capped at T; T when dropless (or
+    under ``inference_routing``)."""
+    if moe.capacity_factor is None or _INFERENCE.get():
         return seq_len
     c = math.ceil(moe.capacity_factor * seq_len * moe.top_k / moe.num_experts)
     return max(1, min(seq_len, c))

@@ -52,6 +52,9 @@ class RunConfig:
 
     model: str = _f("tiny", "model preset (tiny, small, llama3-1b, …)")
     num_layers: Optional[int] = _f(None, "override the preset's layer count")
+    init_from: Optional[str] = _f(None, "Hugging Face model directory to fine-tune: the model "
+                                        "from its config.json (no --model), the weights from "
+                                        "its safetensors")
     mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
                        "(the remaining devices)",
                    default_help="data × tensor × pipe picked from the devices")
@@ -101,6 +104,9 @@ class RunConfig:
         return dataclasses.replace(self, **kw)
 
     def model_config(self) -> "ModelConfig":
+        if self.init_from:
+            from triax.training.init_from import init_from_config  # loads JAX
+            return init_from_config(self)
         from triax.models import config as model_config  # loads JAX: see the imports
         return model_config.get(self.model, self.num_layers)
 

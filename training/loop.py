@@ -36,6 +36,7 @@ from triax.training.data import process_rows
 from triax.training.data_source import DataSource, gather_states, open_data, restore_state
 from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
                                    SaveFailed, nonfinite_message)
+from triax.training.init_from import initial_state
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
@@ -101,11 +102,17 @@ def train(run: RunConfig, note=print) -> TrainResult:
         raise ValueError(f"on_nonfinite {run.on_nonfinite!r}: choose one of "
                          f"{', '.join(NONFINITE_MODES)}")
     built = build_run(run)
-    source = open_data(run.data, get_tokenizer(run.tokenizer), built.model.vocab_size,
-                       run.val_fraction)
+    # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
+    source = open_data(run.data, get_tokenizer(run.tokenizer or run.init_from),
+                       built.model.vocab_size, run.val_fraction)
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
-    state = built.compiled.init(run.seed) if resumed.state is None else resumed.state
+    if resumed.state is not None:
+        state = resumed.state
+    elif run.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
+        state = initial_state(trainer, built.model, run.init_from)
+    else:
+        state = built.compiled.init(run.seed)
     cfg = built.model
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
