@@ -1,51 +1,24 @@
-"""A model directory's ``tokenizer.json`` (Hugging Face ``tokenizers``), checked against the
-model's vocabulary.
+"""An imported model's tokenizer: its directory's ``tokenizer.json`` through
+``triax.text.hf_tokenizer`` with the tokenizer's own template (as ``transformers``'
+``tokenizer(text)`` encodes prompts), checked against the model's vocabulary.
 
-Prompts are encoded with the tokenizer's own template (a Llama 3 ``tokenizer.json`` adds
-``<|begin_of_text|>`` itself), as ``transformers``' ``tokenizer(text)`` does by default.
-
+    >>> import os, tempfile
     >>> from tokenizers import Tokenizer, models, pre_tokenizers
     >>> t = Tokenizer(models.WordLevel({"hi": 0, "mesh": 1, "[UNK]": 2}, unk_token="[UNK]"))
     >>> t.pre_tokenizer = pre_tokenizers.Whitespace()
-    >>> t.save("tokenizer.json")
-    >>> tok = load_tokenizer(".")
+    >>> d = tempfile.mkdtemp()
+    >>> t.save(os.path.join(d, "tokenizer.json"))
+    >>> tok = load_tokenizer(d)
     >>> tok.encode("hi mesh").tolist(), tok.vocab_size
     ([0, 1], 3)
 """
 from __future__ import annotations
 
-import os
-
-import numpy as np
-from tokenizers import Tokenizer
-
 from triax.hf.files import HFError
 from triax.models.config import ModelConfig
+from triax.text.hf_tokenizer import FILE, HFTokenizer, load_tokenizer as _load
 
-FILE = "tokenizer.json"
-
-
-class HFTokenizer:
-    """``encode(text) -> ids``, ``decode(ids) -> text``, ``vocab_size``."""
-
-    def __init__(self, path: str):
-        file = os.path.join(path, FILE) if os.path.isdir(path) else path
-        if not os.path.isfile(file):
-            raise HFError(f"no {FILE} at {path!r}; give a model directory holding one, or "
-                          f"the file itself")
-        try:
-            self.tok = Tokenizer.from_file(file)
-        except Exception as e:  # the Rust side raises a bare Exception on bad JSON
-            raise HFError(f"{file} is not a valid {FILE} ({str(e)[:200]})") from None
-        self.file = file
-        self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text).ids, np.int32)
-
-    def decode(self, ids) -> str:
-        return self.tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
-                               skip_special_tokens=True)
+__all__ = ["FILE", "HFTokenizer", "check_vocab", "load_tokenizer"]
 
 
 def check_vocab(vocab_size: int, cfg: ModelConfig, where: str) -> None:
@@ -57,7 +30,7 @@ def check_vocab(vocab_size: int, cfg: ModelConfig, where: str) -> None:
 
 def load_tokenizer(path: str, cfg: ModelConfig | None = None) -> HFTokenizer:
     """The tokenizer at ``path`` (directory or file), checked against ``cfg`` when given."""
-    tok = HFTokenizer(path)
+    tok = _load(path, template=True)
     if cfg is not None:
-        check_vocab(tok.vocab_size, cfg, tok.file)
+        check_vocab(tok.vocab_size, cfg, tok.source)
     return tok

@@ -3,7 +3,10 @@
 ``load_tokenizer(path)`` takes a model directory (it reads ``tokenizer.json`` and, when there,
 ``tokenizer_config.json`` for the BOS/EOS/PAD tokens) or the ``tokenizer.json`` file itself.
 Special tokens are added by ``encode(bos=, eos=)``, never by the tokenizer's own template, so
-the byte and HF tokenizers behave alike.
+the byte and HF tokenizers behave alike; ``load_tokenizer(path, template=True)`` instead
+encodes as ``transformers``' ``tokenizer(text)`` does, with the tokenizer's own template (a
+Llama 3 ``tokenizer.json`` adds ``<|begin_of_text|>`` itself): how prompts to an imported
+model are encoded (``triax.hf.tokenizer``).
 
     >>> load_tokenizer("/nonexistent")
     Traceback (most recent call last):
@@ -34,8 +37,9 @@ class TokenizerError(ValueError):
 class HFTokenizer:
     """``tokenizers.Tokenizer`` with ``encode``/``decode``/``vocab_size``/special ids."""
 
-    def __init__(self, tok: _HFTokenizer, specials: dict, source: str = ""):
-        self.tok, self.source = tok, source
+    def __init__(self, tok: _HFTokenizer, specials: dict, source: str = "",
+                 template: bool = False):
+        self.tok, self.source, self.template = tok, source, template
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         ids = {k: _token_id(tok, specials.get(k), _GUESS[k]) for k in _GUESS}
         self.bos_id, self.eos_id = ids["bos"], ids["eos"]
@@ -44,7 +48,7 @@ class HFTokenizer:
     def encode(self, text: str | bytes, bos: bool = False, eos: bool = False) -> np.ndarray:
         if isinstance(text, bytes):
             text = text.decode("utf-8", "replace")
-        ids = self.tok.encode(text, add_special_tokens=False).ids
+        ids = self.tok.encode(text, add_special_tokens=self.template).ids
         for want, tid, name in ((bos, self.bos_id, "BOS"), (eos, self.eos_id, "EOS")):
             if want and tid is None:
                 raise TokenizerError(f"tokenizer {self.source!r} has no {name} token; add "
@@ -60,8 +64,9 @@ class HFTokenizer:
         return f"HFTokenizer({self.source!r}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(path: str) -> HFTokenizer:
-    """Load ``path`` (a directory with ``tokenizer.json``, or the file); clear errors."""
+def load_tokenizer(path: str, template: bool = False) -> HFTokenizer:
+    """Load ``path`` (a directory with ``tokenizer.json``, or the file); clear errors.
+    ``template``: ``encode`` applies the tokenizer's own template (see the module doc)."""
     hint = f"give a directory holding {FILE}, or the {FILE} file"
     if not os.path.exists(path):
         raise TokenizerError(f"--tokenizer {path!r} does not exist; {hint}")
@@ -73,7 +78,7 @@ def load_tokenizer(path: str) -> HFTokenizer:
     except Exception as e:  # the Rust side raises a bare Exception on bad JSON
         raise TokenizerError(f"--tokenizer {file!r} is not a valid {FILE} ({e}); {hint}") \
             from None
-    return HFTokenizer(tok, _specials(os.path.dirname(os.path.abspath(file))), file)
+    return HFTokenizer(tok, _specials(os.path.dirname(os.path.abspath(file))), file, template)
 
 
 def _specials(directory: str) -> dict:
