@@ -29,7 +29,6 @@ evaluation and pipeline decode run the same tick loop.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
