@@ -151,6 +151,21 @@ def table(rows, args) -> str:
     return "\n".join(head + body) + "\n"
 
 
+def targets(rows) -> list[str]:
+    """Issue 11's per-tick-tax targets, where the run measured them: at a fixed global batch,
+    1F1B at M=32 over M=4 (<= 1.3) and 1F1B over the unpipelined step at M = 4S (<= 1.15)."""
+    step = {(r["kind"], r["M"]): r for r in rows}
+    out = []
+    if ("1f1b", 4) in step and ("1f1b", 32) in step:
+        out.append(f"1f1b step M=32 / M=4: "
+                   f"{step[('1f1b', 32)]['step_s'] / step[('1f1b', 4)]['step_s']:.2f} "
+                   f"(target <= 1.3)")
+    if ("1f1b", 16) in step:   # S = 4
+        out.append(f"1f1b / unpipelined at M=4S=16: {step[('1f1b', 16)]['ratio']:.2f} "
+                   f"(target <= 1.15)")
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="small")
@@ -163,8 +178,10 @@ def main(argv=None):
                    default=["gpipe", "1f1b", "interleaved", "zb-h1", "maxtext-vmap"])
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
-    md = table(run(args), args)
+    rows = run(args)
+    md = table(rows, args)
     print(md)
+    print("\n".join(targets(rows)))
     if args.write:
         write_section(BENCHMARKS_MD, "## Pipeline", md)
 

@@ -1,12 +1,23 @@
 """One executor for every schedule: ``shard_map`` over ``pipe`` (and ``data``), one ``lax.scan``
-over the tick program, ``lax.switch`` on each device's op, ``ppermute`` between stages.
+over the tick program, one gated op per op kind, ``ppermute`` between stages.
 
 Per tick, every stage (1) files the messages that arrived into its inbox slots, (2) runs its
-op from the program — idle, F, B, B_in or W — as one ``lax.switch`` branch, so an idle tick
-computes nothing, and (3) sends the forward activation to the next stage and (schedules with
-a backward) the input gradient to the previous one with ``ppermute``. A forward stashes its
-pullback's residuals (parameters excluded) in a slot the program assigned; the backward reads
-them, adds the weight gradients to the carry and frees the slot. ``data`` is manual too, so
+op from the program — idle, F, B, B_in or W — and (3) sends the forward activation to the
+next stage and (schedules with a backward) the input gradient to the previous one with
+``ppermute``. A forward stashes what its backward needs (parameters excluded) in a slot the
+program assigned; the backward reads it, adds the weight gradients to the accumulator and
+frees the slot (ZB-H1: B_in stashes its cut for W, W frees both).
+
+**No per-tick tax.** Each op kind is its own two-branch conditional, "skip" or "run",
+carrying only the buffers that op writes (F: the stash, the outgoing activation, the loss,
+outputs and state; B: the gradient accumulator and the outgoing gradient; B_in: the cut
+buffer and the outgoing gradient; W: the accumulator), and reading the rest as operands. A
+conditional whose only writing branch updates a buffer with a dynamic-update-slice, the
+other passing it through, is compiled in place on XLA:CPU; one ``lax.switch`` carrying every
+buffer through every branch (idle included) is not: it copied the whole accumulator and
+zero-filled every output each tick. Each conditional's branch index is a lookup in a
+constant table (so ``sharding.introspect`` counts how often it runs), and it sits in the
+named scope ``OP_SCOPE + label`` (so ``op_costs`` finds it). ``data`` is manual too, so
 gradients are summed locally over micro-batches and reduced over ``data`` once per step;
 ``tensor`` and ``expert`` stay automatic.
 
@@ -18,7 +29,6 @@ evaluation and pipeline decode run the same tick loop.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -26,10 +36,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triax.pipeline.full_pullback import FullPullbackBackward as StageBackward  # stand-in
 from triax.pipeline.schedules import OpKind, Schedule
-from triax.pipeline.stage import Residuals
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
 from triax.pipeline.timeline import LABELS
+from triax.sharding.introspect.branch_costs import OP_SCOPE
 
 PIPE, DATA = "pipe", "data"
 
@@ -81,106 +92,59 @@ def _state_put(a, x, j, mb, axis):
     return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
 
 
-def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
-    """Branches ``(inp, acc) -> (acc', out)`` for idle, F, B, B_in, W.
-
-    ``inp`` is read-only (never returned, so XLA does not copy it per tick); ``out`` holds
-    what the op produced (zeros where it produced nothing; the state slice unchanged),
-    ``acc`` the gradient sums.
-    """
-    apply = spec.apply
-    loss_apply = loss_only(apply)  # what the backward differentiates
-
-    def chunk_of(i):
-        return jax.tree.map(lambda a: _take(a, i["j"]), i["blocks"])
-
-    def idle(i, acc):
-        return acc, {**zeros, "state": i["state"]}
-
-    def fwd(i, acc):
-        chunk = chunk_of(i)
-        if res is None:
-            y, loss, out, state = apply(chunk, i["pieces"], i["x_in"], i["extras"], i["state"])
-            produced = {"out": out, "state": state}
-        else:
-            (y, loss), stored = res.forward(loss_apply, chunk, i["pieces"], i["x_in"],
-                                            i["extras"])
-            produced = {"res": stored, "state": i["state"]}
-        return acc, {**zeros, **produced, "msg_f": y.astype(spec.dtype), "loss": loss}
-
-    def grads(i, dy):
-        pb = res.pullback(i["res"], chunk_of(i), i["pieces"])
-        return pb((dy, i["last"].astype(jnp.float32)))
-
-    def accumulate(i, acc, d_chunk, d_pieces):
-        return {"blocks": jax.tree.map(lambda a, d: a.at[i["j"]].add(d), acc["blocks"], d_chunk),
-                "pieces": jax.tree.map(jnp.add, acc["pieces"], d_pieces)}
-
-    def bwd(i, acc):
-        d_chunk, d_pieces, dx, _ = grads(i, i["dy"])
-        return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"],
-                                                       "msg_b": dx.astype(spec.dtype)}
-
-    def bwd_in(i, acc):
-        _, _, dx, _ = grads(i, i["dy"])
-        return acc, {**zeros, "state": i["state"], "msg_b": dx.astype(spec.dtype),
-                     "ct": i["dy"]}
-
-    def wgt(i, acc):
-        d_chunk, d_pieces, _, _ = grads(i, i["ct"])
-        return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"]}
-
-    return {0: idle, int(OpKind.F): fwd, int(OpKind.B): bwd, int(OpKind.B_IN): bwd_in,
-            int(OpKind.W): wgt}
-
-
 def _perms(S: int, circular: bool):
     fwd = [(s, (s + 1) % S) for s in range(S) if circular or s + 1 < S]
     bwd = [(s, (s - 1) % S) for s in range(S) if circular or s > 0]
     return fwd, bwd
 
 
-def _dense_kinds(ticks: Ticks):
-    """Op kinds → dense branch indices (only the branches the schedule uses get traced)."""
-    kinds = sorted({int(k) for k in ticks.kind.ravel()} | {0})
-    lookup = np.zeros(max(kinds) + 1, np.int32)
-    lookup[kinds] = np.arange(len(kinds))
-    return kinds, dataclasses.replace(ticks, kind=lookup[ticks.kind])
+def _used_kinds(ticks: Ticks) -> list[OpKind]:
+    """The op kinds a program runs, in ``OpKind`` order (only those get traced)."""
+    return [OpKind(k) for k in sorted({int(k) for k in ticks.kind.ravel()} - {0})]
 
 
 def branch_kinds(schedule: Schedule) -> tuple[str, ...]:
-    """The tick switch's branches in order, as ``triax.sharding.introspect.op_costs`` takes
-    them: ``"idle"``, then the op kinds ``schedule`` uses in ``OpKind`` order (1F1B:
+    """The tick's ops, as ``triax.sharding.introspect.op_costs`` takes them: ``"idle"``
+    (every op skipped), then the op kinds ``schedule`` uses in ``OpKind`` order (1F1B:
     ``("idle", "F", "B")``; ZB-H1: ``("idle", "F", "B_in", "W")``).
 
         >>> from triax.pipeline import build
         >>> branch_kinds(build("zb-h1", stages=2, microbatches=4))
         ('idle', 'F', 'B_in', 'W')
     """
-    kinds, _ = _dense_kinds(compile_program(schedule).ticks)
-    return ("idle",) + tuple(LABELS[OpKind(k)] for k in kinds[1:])
+    return ("idle",) + tuple(LABELS[k] for k in _used_kinds(compile_program(schedule).ticks))
 
 
 def _nbytes(sd) -> int:
     return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
 
 
-def buffer_bytes(program: TickProgram, residuals, x_sd) -> dict[str, int]:
+def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, int]:
     """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
-    them. ``residuals``: the stored leaves of one chunk's pullback for one micro-batch
-    (``Residuals.shapes``); ``x_sd``: the activation passed between stages.
+    them. ``residuals``: what one chunk's F stashes for one micro-batch
+    (``StageBackward.shapes``); ``x_sd``: the activation passed between stages; ``cut``: what
+    B_in stashes for W (``StageBackward.cut_shapes``; default: one activation).
 
-    ``stash``: live slots plus the scratch slot; ``op``: the slot read out for this tick's op
-    and the branch's result before it is written back (the switch's operand and output, two
-    more residual sets); ``inbox``: the forward, backward and cotangent inboxes (live slots
-    plus scratch) and the two activations in flight. Forward-only schedules stash nothing.
+    ``stash``: live slots plus the scratch slot; ``op``: one stashed set, read out by the
+    backward op of the tick or produced by its F before it is written in place; ``inbox``:
+    the forward and backward inboxes (live slots plus scratch), the two activations in
+    flight and the two being sent, plus (split backwards) the cut buffer. Forward-only
+    schedules stash nothing.
     """
     x = _nbytes(x_sd)
     if not program.schedule.has_backward:
-        return {"stash": 0, "op": 0, "inbox": (program.fwd_slots + 2) * x}
+        return {"stash": 0, "op": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
     res = sum(_nbytes(r) for r in residuals)
-    inbox = program.fwd_slots + program.bwd_slots + program.ct_slots + 3 + 2
-    return {"stash": (program.stash_slots + 1) * res, "op": 2 * res, "inbox": inbox * x}
+    inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
+    if program.schedule.kind.value == "zb-h1":
+        inbox += (program.ct_slots + 1) * sum(_nbytes(c) for c in (cut or [x_sd]))
+    return {"stash": (program.stash_slots + 1) * res, "op": res, "inbox": inbox}
+
+
+def _gated(flag, run, live: dict) -> dict:
+    """``run(live)`` where ``flag`` is 1, else ``live`` untouched: a two-branch conditional
+    carrying only the buffers the op writes, so XLA updates them in place."""
+    return jax.lax.switch(flag, [lambda w: w, run], live)
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:
@@ -198,64 +162,107 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                          f"{prog.schedule.kind.value} has a backward")
     stage = jax.lax.axis_index(PIPE)
     ax = spec.state_mb_axis
+    apply, loss_apply = spec.apply, loss_only(spec.apply)
     chunk0 = jax.tree.map(lambda a: a[0], blocks)
     inputs0 = jax.tree.map(lambda a: a[0], inputs)
     extras0 = (inputs0, consts, jnp.bool_(True), jnp.bool_(True))
     state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
-    x_sd = spec.apply.activation(chunk0, pieces, inputs0)
+    x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
-    _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
-    res = None
-    if backward:
-        res = Residuals.trace(loss_only(spec.apply), chunk0, pieces, x0, extras0)
-    zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
-             "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
-    if backward:
-        zeros.update(res=[jnp.zeros(r.shape, r.dtype) for r in res.shapes], msg_b=x0, ct=x0)
-    table = _branches(spec, res, zeros)
-    kinds, ticks = _dense_kinds(prog.ticks)
-    branches = [table[k] for k in kinds]
+    _, _, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
+    sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
+    kinds = _used_kinds(prog.ticks)
+    flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
     fperm, bperm = _perms(spec.stages, spec.virtual > 1)
-    buf = lambda n, like: jnp.zeros((n + 1,) + like.shape, like.dtype)  # noqa: E731 (+1 scratch)
     M = prog.out_slots
 
-    def tick(c, row):
-        r = jax.tree.map(lambda a: _take(a, stage), row)
-        j, mb, last = r.chunk, r.mb, r.last > 0
-        fin = _put(c["fin"], c["recv_f"], r.fwd_in_w)
-        inp = {"blocks": blocks, "pieces": pieces, "j": j, "x_in": _take(fin, r.fwd_in_r),
-               "extras": (jax.tree.map(lambda a: _take(a, mb), inputs), consts,
-                          r.first > 0, last),
-               "state": jax.tree.map(lambda a: _state_take(a, j, mb, ax), c["state"])}
-        new = {"fin": fin}
-        if backward:
-            new["bin"] = bin_ = _put(c["bin"], c["recv_b"], r.bwd_in_w)
-            dy = _take(bin_, r.bwd_in_r)  # the last chunk has no incoming gradient
-            inp.update(dy=jnp.where(last, jnp.zeros_like(dy), dy), last=last,
-                       ct=_take(c["ctb"], r.ct_r), res=[_take(s, r.stash_r) for s in c["stash"]])
-        acc, o = jax.lax.switch(r.kind, branches, inp, c["acc"])
-        new.update(acc=acc, loss=c["loss"] + o["loss"],
-                   out=jax.tree.map(lambda b, x: _put(b, x, r.out_w), c["out"], o["out"]),
-                   state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax), c["state"],
-                                      o["state"]),
-                   recv_f=jax.lax.ppermute(o["msg_f"], PIPE, fperm))
-        if backward:
-            new.update(ctb=_put(c["ctb"], o["ct"], r.ct_w),
-                       stash=[_put(s, x, r.stash_w) for s, x in zip(c["stash"], o["res"])],
-                       recv_b=jax.lax.ppermute(o["msg_b"], PIPE, bperm))
-        return new, None
+    def slots(n, sd):  # n live slots + 1 scratch
+        return jnp.zeros((n + 1,) + tuple(sd.shape), sd.dtype)
 
-    carry = {"fin": buf(prog.fwd_slots, x0), "recv_f": x0, "loss": jnp.zeros((), jnp.float32),
-             "out": jax.tree.map(lambda z: buf(M, z), zeros["out"]), "state": state,
-             "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
-                     "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}
+    def tick(c, xs):
+        row, flag = jax.tree.map(lambda a: _take(a, stage), xs)
+        j, mb, last = row.chunk, row.mb, row.last > 0
+        c = dict(c, fin=_put(c["fin"], c["recv_f"], row.fwd_in_w))
+        if backward:
+            c["bin"] = _put(c["bin"], c["recv_b"], row.bwd_in_w)
+        # Read-only views, computed inside whichever op reads them.
+        chunk = lambda: jax.tree.map(lambda a: _take(a, j), blocks)  # noqa: E731
+        extras = lambda: (jax.tree.map(lambda a: _take(a, mb), inputs), consts,  # noqa: E731
+                          row.first > 0, last)
+        dloss = last.astype(jnp.float32)
+
+        def dy():  # the last chunk has no incoming gradient
+            d = _take(c["bin"], row.bwd_in_r)
+            return jnp.where(last, jnp.zeros_like(d), d)
+
+        def add_grads(acc, d_chunk, d_pieces):
+            return {"blocks": jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)),
+                                           acc["blocks"], d_chunk),
+                    "pieces": jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc["pieces"],
+                                           d_pieces)}
+
+        def fwd(w):
+            x_in = _take(c["fin"], row.fwd_in_r)
+            if sb is None:
+                st = jax.tree.map(lambda a: _state_take(a, j, mb, ax), w["state"])
+                y, loss, out, st = apply(chunk(), pieces, x_in, extras(), st)
+                w = dict(w, state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax),
+                                               w["state"], st),
+                         out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
+            else:
+                (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
+                w = dict(w, stash=[_put(s, x, row.stash_w) for s, x in zip(w["stash"], res)])
+            return dict(w, send_f=y.astype(spec.dtype), loss=w["loss"] + loss)
+
+        def stored():
+            return [_take(s, row.stash_r) for s in c["stash"]]
+
+        def bwd(w):
+            d_chunk, d_pieces, dx = sb.backward(stored(), chunk(), pieces, dy(), dloss)
+            return {"acc": add_grads(w["acc"], d_chunk, d_pieces),
+                    "send_b": dx.astype(spec.dtype)}
+
+        def bwd_in(w):
+            dx, cut = sb.backward_input(stored(), chunk(), pieces, dy(), dloss)
+            return {"cut": [_put(b, x, row.ct_w) for b, x in zip(w["cut"], cut)],
+                    "send_b": dx.astype(spec.dtype)}
+
+        def wgt(w):
+            cut = [_take(b, row.ct_r) for b in c["cut"]]
+            d_chunk, d_pieces = sb.backward_weight(stored(), cut, chunk(), pieces)
+            return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
+
+        # Each op: what it runs, and the buffers it writes. Writers run before readers (F
+        # writes the stash B, B_in and W read; B_in writes the cut W reads): a buffer read by
+        # one conditional and then written in place by a later one is copied whole first.
+        # One op runs per tick, so the order changes nothing else.
+        ops = {OpKind.F: (fwd, ("stash", "send_f", "loss", "out", "state")),
+               OpKind.B_IN: (bwd_in, ("cut", "send_b")),
+               OpKind.W: (wgt, ("acc",)), OpKind.B: (bwd, ("acc", "send_b"))}
+        for k in (OpKind.F, OpKind.B_IN, OpKind.W, OpKind.B):
+            if k in kinds:
+                run, writes = ops[k]
+                with jax.named_scope(OP_SCOPE + LABELS[k]):
+                    c.update(_gated(flag[k], run, {n: c[n] for n in writes if n in c}))
+        c["recv_f"] = jax.lax.ppermute(c["send_f"], PIPE, fperm)
+        if backward:
+            c["recv_b"] = jax.lax.ppermute(c["send_b"], PIPE, bperm)
+        return c, None
+
+    carry = {"fin": slots(prog.fwd_slots, x0), "recv_f": x0, "send_f": x0,
+             "loss": jnp.zeros((), jnp.float32), "state": state,
+             "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
-        carry.update(bin=buf(prog.bwd_slots, x0), ctb=buf(prog.ct_slots, x0), recv_b=x0,
-                     stash=[jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
-                            for s in res.shapes])
-    out, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, ticks))
-    return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"],
-                      out["acc"])
+        carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
+                     stash=[slots(prog.stash_slots, r) for r in sb.shapes],
+                     acc={"blocks": jax.tree.map(jnp.zeros_like, blocks),
+                          "pieces": jax.tree.map(jnp.zeros_like, pieces)})
+        if OpKind.B_IN in kinds:
+            carry["cut"] = [slots(prog.ct_slots, r) for r in sb.cut_shapes]
+    xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))
+    out, _ = jax.lax.scan(tick, carry, xs)
+    acc = out["acc"] if backward else {"blocks": {}, "pieces": {}}
+    return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"], acc)
 
 
 def loss_only(apply):

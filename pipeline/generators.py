@@ -65,23 +65,21 @@ def forward_only_orders(S: int, M: int, v: int) -> Orders:
 
 
 def zb_h1_orders(S: int, M: int, v: int) -> Orders:
-    """Zero-bubble H1: backward split into B_in and W; W waits to fill what would idle.
+    """Zero-bubble H1: backward split into B_in and W; W fills what would idle.
 
-    Greedy list scheduling with unit op times: a stage runs B_in when its gradient has
-    arrived, else F while fewer than S-s micro-batches await B_in (1F1B's bound) and at most
-    S-1 W's are deferred, else a deferred W. The deferred W's fill the drain phase, so the
-    bubble is about a third of 1F1B's; the residuals kept for them raise ``peak_in_flight``
-    (counted until W) to at most 2S-1.
+    Greedy list scheduling with unit op times, each stage taking the first op that can run,
+    in priority F > B_in > W. F may run while fewer than S-s micro-batches await their B_in
+    (1F1B's warm-up bound) and fewer than S await their W, so a micro-batch's stash is
+    held from F until W on at most S micro-batches: 1F1B's peak on every stage. For M >= S
+    the table reaches the bubble (S-1)/(3M+S-1), a third of 1F1B's.
     """
     orders: Orders = [[] for _ in range(S)]
     done: dict[Op, int] = {}
     nf, nb, nw = [0] * S, [0] * S, [0] * S
     t = 0
     while any(nw[s] < M for s in range(S)):
-        ran = {}
-        for s in range(S):
-            ran[s] = _zb_pick(s, S, M, nf[s], nb[s], nw[s], done, t)
-        for s, op in ran.items():
+        ran = [_zb_pick(s, S, M, nf[s], nb[s], nw[s], done, t) for s in range(S)]
+        for s, op in enumerate(ran):
             if op is None:
                 continue
             orders[s].append(op)
@@ -98,10 +96,10 @@ def zb_h1_orders(S: int, M: int, v: int) -> Orders:
 def _zb_pick(s, S, M, nf, nb, nw, done, t):
     def ready(op):
         return op in done and done[op] < t
+    if nf < M and nf - nb < S - s and nf - nw < S and (s == 0 or ready(Op(F, nf, s - 1))):
+        return Op(F, nf, s)
     if nb < nf and (s == S - 1 or ready(Op(B_IN, nb, s + 1))) and ready(Op(F, nb, s)):
         return Op(B_IN, nb, s)
-    if nf < M and nf - nb < S - s and nb - nw < S and (s == 0 or ready(Op(F, nf, s - 1))):
-        return Op(F, nf, s)
     if nw < nb:
         return Op(W, nw, s)
     return None

@@ -1,6 +1,6 @@
 """Introspection of real compiled pipelined steps (tiny, L=2, data=2 × pipe=2 × tensor=2,
-tp, M=4): collectives inside the executor's tick switch are weighted by how often their
-branch runs, and each op kind's FLOPs are measured per branch."""
+tp, M=4): collectives inside the executor's per-op conditionals are weighted by how often
+their branch runs, and each op kind's FLOPs are measured on its branch."""
 import pytest
 
 from triax.mesh import make_mesh

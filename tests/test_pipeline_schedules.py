@@ -5,6 +5,7 @@ import pytest
 
 from triax.pipeline import (Op, OpKind, ScheduleError, ScheduleKind, build, closed_form_bubble,
                             validate)
+from triax.pipeline.schedules import in_flight_profile
 
 GRID = [(S, M) for S in (2, 3, 4, 8) for M in (1, 2, 4, 8, 16, 32) if M >= 1]
 
@@ -31,8 +32,8 @@ def test_peak_in_flight(S, M):
     assert build("1f1b", S, M).peak_in_flight == S
     assert build("gpipe", S, M).peak_in_flight == M
     assert build("forward-only", S, M).peak_in_flight == 0
-    # ZB-H1 keeps residuals until W: at most S waiting for B_in plus S-1 deferred W's.
-    assert S <= build("zb-h1", S, M).peak_in_flight <= 2 * S - 1
+    # ZB-H1 keeps residuals until W, and still holds 1F1B's S on every stage.
+    assert in_flight_profile(build("zb-h1", S, M)) == [S] * S
     # Megatron's interleaved warm-up: 2(S-1) + (v-1)S + 1 chunk-micro-batches on stage 0.
     if M % S == 0:
         assert build("interleaved", S, M, 2).peak_in_flight == 2 * (S - 1) + S + 1
@@ -42,6 +43,7 @@ def test_peak_in_flight(S, M):
 def test_zb_h1_bubble_about_a_third_of_1f1b(S, M):
     zb, ofob = build("zb-h1", S, M).bubble_fraction(), build("1f1b", S, M).bubble_fraction()
     assert zb == pytest.approx((S - 1) / (3 * M + S - 1), abs=1e-12)
+    assert build("zb-h1", S, M).ticks == 3 * M + S - 1
     assert 0.3 < zb / ofob < 0.5
 
 

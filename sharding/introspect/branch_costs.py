@@ -1,8 +1,9 @@
 """What one execution of each branch of a compiled ``lax.switch`` costs: FLOPs and bytes.
 
-For a pipelined step the switch is the executor's tick switch and its branches are the op
-kinds (idle, F, B, B_in, W), so this says what each tick costs, measured on the program XLA
-runs rather than assumed (F=1, B=2, ...).
+For a pipelined step each op kind (F, B, B_in, W) is one two-branch conditional of the
+executor's tick loop, "skip" or "run", found by its named scope (``OP_SCOPE`` + label;
+:func:`op_branch_costs`), so this says what each op costs, measured on the program XLA runs
+rather than assumed (F=1, B=2, ...).
 
 * FLOPs: matmul FLOPs, ``2 · output elements · contracted size`` of every ``dot`` (and
   ``convolution``), fused or not; loops inside a branch multiply by their trip count.
@@ -41,6 +42,7 @@ import numpy as np
 
 from triax.sharding.introspect.hlo_text import Instr, Module, compiled_text, parse_module
 
+OP_SCOPE = "pipeline_op_"   # the named scope of each pipeline op's conditional (+ its label)
 _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
          "partition-id", "replica-id"}
 
@@ -123,28 +125,15 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
 
 def _find_switch(m: Module, num_branches: int) -> tuple[str, Instr]:
     """The first conditional with ``num_branches`` branches inside a loop and inside no
-    other conditional: the pipeline executor's tick switch."""
-    seen, frontier = set(), [(m.entry, False)]
-    while frontier:
-        nxt = []
-        for comp, in_loop in frontier:
-            for ins in m.comps.get(comp, ()):
-                if ins.branches:
-                    if in_loop and len(ins.branches) == num_branches:
-                        return comp, ins
-                    continue        # do not look inside other conditionals
-                for role, c in ins.calls:
-                    if c not in seen and role in ("body", "calls") and \
-                            (ins.op in ("while", "call") or role == "body"):
-                        seen.add(c)
-                        nxt.append((c, in_loop or ins.op == "while"))
-        frontier = nxt
-    raise ValueError(f"no conditional with {num_branches} branches inside a loop: is this "
-                     f"a pipelined step, and does branch_kinds name every branch?")
+    other conditional (a tick switch)."""
+    for comp, ins in _loop_conditionals(m):
+        if len(ins.branches) == num_branches:
+            return comp, ins
+    raise ValueError(f"no conditional with {num_branches} branches inside a loop")
 
 
 def branch_costs(compiled_or_text, num_branches: int) -> list[Cost]:
-    """Cost of one execution of each branch of the tick switch, in branch order."""
+    """Cost of one execution of each branch of a loop's ``num_branches``-way switch."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else \
         compiled_text(compiled_or_text)
     m = parse_module(text)
@@ -152,12 +141,51 @@ def branch_costs(compiled_or_text, num_branches: int) -> list[Cost]:
     return [computation_cost(m, b) for b in switch.branches]
 
 
+def _loop_conditionals(m: Module):
+    """Conditionals inside a loop and inside no other conditional, with their computation."""
+    seen, frontier = set(), [(m.entry, False)]
+    while frontier:
+        nxt = []
+        for comp, in_loop in frontier:
+            for ins in m.comps.get(comp, ()):
+                if ins.branches:
+                    if in_loop:
+                        yield comp, ins
+                    continue
+                for role, c in ins.calls:
+                    if c not in seen and role in ("body", "calls") and \
+                            (ins.op in ("while", "call") or role == "body"):
+                        seen.add(c)
+                        nxt.append((c, in_loop or ins.op == "while"))
+        frontier = nxt
+
+
+def op_branch_costs(compiled_or_text) -> dict[str, Cost]:
+    """``{label: cost of one run}`` of every pipeline op: the conditionals the executor
+    places in the named scope ``OP_SCOPE + label``, each "skip" (branch 0) or "run" (1)."""
+    text = compiled_or_text if isinstance(compiled_or_text, str) else \
+        compiled_text(compiled_or_text)
+    m = parse_module(text)
+    found = {}
+    for _, ins in _loop_conditionals(m):
+        name = re.search(r'op_name="([^"]*)"', ins.rest)
+        label = re.search(re.escape(OP_SCOPE) + r"(\w+)", name.group(1)) if name else None
+        if label and len(ins.branches) == 2 and label.group(1) not in found:
+            found[label.group(1)] = computation_cost(m, ins.branches[1])
+    return found
+
+
 def op_costs(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
     """``{kind: {"flops": …, "bytes": …}}`` for one execution of each op kind.
 
-    ``branch_kinds`` names the switch's branches in order; for ``triax.pipeline``'s
-    executor that is ``"idle"`` then the op kinds the schedule uses, in ``OpKind`` order
-    (1F1B: ``("idle", "F", "B")``; ZB-H1: ``("idle", "F", "B_in", "W")``).
+    ``branch_kinds`` names the ops: for ``triax.pipeline``'s executor that is ``"idle"``
+    (every op skipped: nothing runs) then the op kinds the schedule uses, in ``OpKind``
+    order (1F1B: ``("idle", "F", "B")``; ZB-H1: ``("idle", "F", "B_in", "W")``).
     """
-    costs = branch_costs(compiled, len(branch_kinds))
-    return {kind: c.to_json() for kind, c in zip(branch_kinds, costs)}
+    found = op_branch_costs(compiled)
+    missing = [k for k in branch_kinds if k != "idle" and k not in found]
+    if missing:
+        raise ValueError(f"no conditional in named scope {OP_SCOPE}<kind> for {missing} inside "
+                         f"a loop (found {sorted(found)}): is this a pipelined step, and does "
+                         f"branch_kinds name the schedule's ops?")
+    return {k: (Cost() if k == "idle" else found[k]).to_json() for k in branch_kinds}
