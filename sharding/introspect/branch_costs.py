@@ -49,12 +49,14 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "afte
 class Cost:
     flops: int = 0
     bytes: int = 0
+    dots: int = 0                 # matmul instructions run (dot, convolution)
     nested: dict[str, "Cost"] = field(default_factory=dict)   # nested conditional branches
     unknown_loops: list[str] = field(default_factory=list)    # counted once: no trip count
 
     def add(self, other: "Cost", times: int = 1) -> None:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
+        self.dots += other.dots * times
         self.nested.update(other.nested)
         self.unknown_loops += other.unknown_loops
 
@@ -80,14 +82,17 @@ def _matmul_flops(m: Module, comp: str, ins: Instr) -> int:
     return 2 * out * int(np.prod(rhs)) // max(rhs[o], 1)
 
 
-def _fused_flops(m: Module, comp: str, depth: int = 0) -> int:
-    total = 0
+def _fused_matmuls(m: Module, comp: str, depth: int = 0) -> tuple[int, int]:
+    """``(flops, dots)`` of the matmuls inside a fused computation."""
+    flops = dots = 0
     for ins in m.comps.get(comp, ()):
         if ins.op in ("dot", "convolution"):
-            total += _matmul_flops(m, comp, ins)
+            flops, dots = flops + _matmul_flops(m, comp, ins), dots + 1
         elif depth < 16:
-            total += sum(_fused_flops(m, c, depth + 1) for _, c in ins.calls)
-    return total
+            for _, c in ins.calls:
+                f, d = _fused_matmuls(m, c, depth + 1)
+                flops, dots = flops + f, dots + d
+    return flops, dots
 
 
 def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
@@ -113,8 +118,11 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
             continue
         if ins.op in ("dot", "convolution"):
             cost.flops += _matmul_flops(m, comp, ins)
+            cost.dots += 1
         elif ins.op == "fusion":
-            cost.flops += sum(_fused_flops(m, c) for _, c in ins.calls)
+            for _, c in ins.calls:
+                f, d = _fused_matmuls(m, c)
+                cost.flops, cost.dots = cost.flops + f, cost.dots + d
         if ins.op not in _FREE:
             cost.bytes += ins.bytes + sum(o.bytes for o in
                                           (m.instr(comp, n) for n in ins.operands) if o)
