@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax.pipeline.schedules import OpKind, Schedule
-from triax.pipeline.stage import Residuals
+from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
 from triax.pipeline.timeline import LABELS
 
@@ -81,7 +81,7 @@ def _state_put(a, x, j, mb, axis):
     return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
 
 
-def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
+def _branches(spec: StepSpec, res: StageBackward | None, zeros: dict):
     """Branches ``(inp, acc) -> (acc', out)`` for idle, F, B, B_in, W.
 
     ``inp`` is read-only (never returned, so XLA does not copy it per tick); ``out`` holds
@@ -108,26 +108,23 @@ def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
             produced = {"res": stored, "state": i["state"]}
         return acc, {**zeros, **produced, "msg_f": y.astype(spec.dtype), "loss": loss}
 
-    def grads(i, dy):
-        pb = res.pullback(i["res"], chunk_of(i), i["pieces"])
-        return pb((dy, i["last"].astype(jnp.float32)))
-
     def accumulate(i, acc, d_chunk, d_pieces):
         return {"blocks": jax.tree.map(lambda a, d: a.at[i["j"]].add(d), acc["blocks"], d_chunk),
                 "pieces": jax.tree.map(jnp.add, acc["pieces"], d_pieces)}
 
     def bwd(i, acc):
-        d_chunk, d_pieces, dx, _ = grads(i, i["dy"])
+        d_chunk, d_pieces, dx = res.backward(i["res"], chunk_of(i), i["pieces"], i["dy"],
+                                             i["last"].astype(jnp.float32))
         return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"],
                                                        "msg_b": dx.astype(spec.dtype)}
 
     def bwd_in(i, acc):
-        _, _, dx, _ = grads(i, i["dy"])
-        return acc, {**zeros, "state": i["state"], "msg_b": dx.astype(spec.dtype),
-                     "ct": i["dy"]}
+        dx, cut = res.backward_input(i["res"], chunk_of(i), i["pieces"], i["dy"],
+                                     i["last"].astype(jnp.float32))
+        return acc, {**zeros, "state": i["state"], "msg_b": dx.astype(spec.dtype), "ct": cut}
 
     def wgt(i, acc):
-        d_chunk, d_pieces, _, _ = grads(i, i["ct"])
+        d_chunk, d_pieces = res.backward_weight(i["res"], i["ct"], chunk_of(i), i["pieces"])
         return accumulate(i, acc, d_chunk, d_pieces), {**zeros, "state": i["state"]}
 
     return {0: idle, int(OpKind.F): fwd, int(OpKind.B): bwd, int(OpKind.B_IN): bwd_in,
@@ -207,11 +204,12 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
     res = None
     if backward:
-        res = Residuals.trace(loss_only(spec.apply), chunk0, pieces, x0, extras0)
+        res = StageBackward.trace(loss_only(spec.apply), chunk0, pieces, x0, extras0)
     zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
              "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
     if backward:
-        zeros.update(res=[jnp.zeros(r.shape, r.dtype) for r in res.shapes], msg_b=x0, ct=x0)
+        zeros.update(res=[jnp.zeros(r.shape, r.dtype) for r in res.shapes], msg_b=x0,
+                     ct=[jnp.zeros(r.shape, r.dtype) for r in res.cut_shapes])
     table = _branches(spec, res, zeros)
     kinds, ticks = _dense_kinds(prog.ticks)
     branches = [table[k] for k in kinds]
@@ -232,7 +230,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             new["bin"] = bin_ = _put(c["bin"], c["recv_b"], r.bwd_in_w)
             dy = _take(bin_, r.bwd_in_r)  # the last chunk has no incoming gradient
             inp.update(dy=jnp.where(last, jnp.zeros_like(dy), dy), last=last,
-                       ct=_take(c["ctb"], r.ct_r), res=[_take(s, r.stash_r) for s in c["stash"]])
+                       ct=[_take(s, r.ct_r) for s in c["ctb"]], res=[_take(s, r.stash_r) for s in c["stash"]])
         acc, o = jax.lax.switch(r.kind, branches, inp, c["acc"])
         new.update(acc=acc, loss=c["loss"] + o["loss"],
                    out=jax.tree.map(lambda b, x: _put(b, x, r.out_w), c["out"], o["out"]),
@@ -240,7 +238,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                                       o["state"]),
                    recv_f=jax.lax.ppermute(o["msg_f"], PIPE, fperm))
         if backward:
-            new.update(ctb=_put(c["ctb"], o["ct"], r.ct_w),
+            new.update(ctb=[_put(s, x, r.ct_w) for s, x in zip(c["ctb"], o["ct"])],
                        stash=[_put(s, x, r.stash_w) for s, x in zip(c["stash"], o["res"])],
                        recv_b=jax.lax.ppermute(o["msg_b"], PIPE, bperm))
         return new, None
@@ -250,7 +248,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
              "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
                      "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}
     if backward:
-        carry.update(bin=buf(prog.bwd_slots, x0), ctb=buf(prog.ct_slots, x0), recv_b=x0,
+        carry.update(bin=buf(prog.bwd_slots, x0), recv_b=x0,
+                     ctb=[buf(prog.ct_slots, z) for z in zeros["ct"]],
                      stash=[jnp.zeros((prog.stash_slots + 1,) + s.shape, s.dtype)
                             for s in res.shapes])
     out, _ = jax.lax.scan(tick, carry, jax.tree.map(jnp.asarray, ticks))
