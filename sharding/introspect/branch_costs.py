@@ -10,6 +10,7 @@ runs rather than assumed (F=1, B=2, ...).
 * Bytes: bytes accessed, the operands plus the result of every unfused instruction (a fusion
   counts as one instruction), leaving out what moves nothing (parameters, tuples,
   get-tuple-element, bitcasts, constants).
+* Dots: how many matmul instructions run (:func:`op_matmuls`).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
   ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
@@ -62,6 +63,17 @@ class Cost:
 
     def to_json(self) -> dict:
         return {"flops": int(self.flops), "bytes": int(self.bytes)}
+
+    def costliest(self) -> "Cost":
+        """This execution with each nested conditional at its costliest branch (by FLOPs):
+        what the stage that runs the embedding or the head pays."""
+        total = Cost(self.flops, self.bytes, self.dots)
+        groups: dict[str, list[Cost]] = {}
+        for name, c in self.nested.items():
+            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c.costliest())
+        for branches in groups.values():
+            total.add(max(branches, key=lambda c: (c.flops, c.dots)))
+        return total
 
 
 def _dims(ins: Optional[Instr]) -> tuple[int, ...]:
@@ -158,6 +170,16 @@ def branch_costs(compiled_or_text, num_branches: int) -> list[Cost]:
     m = parse_module(text)
     _, switch = _find_switch(m, num_branches)
     return [computation_cost(m, b) for b in switch.branches]
+
+
+def op_matmuls(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
+    """``{kind: {"flops": …, "dots": …}}``: the matmuls one execution of each op kind runs,
+    nested conditionals (the stage's embedding and head) at their costliest branch. A split
+    backward shows here: B_in's and W's dots add up to B's, and W's are the weight-gradient
+    matmuls alone. ``branch_kinds`` as for :func:`op_costs`."""
+    costs = branch_costs(compiled, len(branch_kinds))
+    return {kind: {"flops": int(c.flops), "dots": c.dots}
+            for kind, c in zip(branch_kinds, (c.costliest() for c in costs))}
 
 
 def op_costs(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
