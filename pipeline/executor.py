@@ -230,7 +230,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             new["bin"] = bin_ = _put(c["bin"], c["recv_b"], r.bwd_in_w)
             dy = _take(bin_, r.bwd_in_r)  # the last chunk has no incoming gradient
             inp.update(dy=jnp.where(last, jnp.zeros_like(dy), dy), last=last,
-                       ct=[_take(s, r.ct_r) for s in c["ctb"]], res=[_take(s, r.stash_r) for s in c["stash"]])
+                       ct=[_take(s, r.ct_r) for s in c["ctb"]],
+                       res=[_take(s, r.stash_r) for s in c["stash"]])
         acc, o = jax.lax.switch(r.kind, branches, inp, c["acc"])
         new.update(acc=acc, loss=c["loss"] + o["loss"],
                    out=jax.tree.map(lambda b, x: _put(b, x, r.out_w), c["out"], o["out"]),

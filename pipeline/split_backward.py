@@ -28,8 +28,6 @@ the weight-gradient matmuls from the F stash and the cut, and nothing else.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
