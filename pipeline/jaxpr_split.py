@@ -28,12 +28,14 @@ in B.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src.interpreters import partial_eval as pe  # dead-code rules per primitive
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxprs_in_params
 from jax.extend.core import primitives as P
@@ -44,6 +46,10 @@ _CALLS = {P.jit_p: "jaxpr", P.remat_p: "jaxpr", P.closed_call_p: "call_jaxpr",
 
 def _sds(aval) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def _has_inner(eqn) -> bool:
+    return any(True for _ in jaxprs_in_params(eqn.params))
 
 
 def _read(env, v):
@@ -103,10 +109,15 @@ class Split:
     w_reads: list[bool] = field(default_factory=list)   # per invar: available ones W reads
 
 
-def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[bool]) -> Split:
+def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[bool],
+         b_free: Sequence[bool] | None = None) -> Split:
     """Split ``jaxpr`` (calls inlined): B computes the outputs flagged in ``b_used``, W those
-    in ``w_used``; W may read the inputs flagged in ``avail``, any other it needs is cut."""
-    eqns = jaxpr.eqns
+    in ``w_used``; W may read the inputs flagged in ``avail``, any other it needs is cut.
+    Where it shrinks the cut, a cheap op W would run on cut values moves into B (a norm
+    scale's gradient: a reduction of its output cotangent); it may read the inputs flagged in
+    ``b_free`` (default all)."""
+    eqns, n_in = jaxpr.eqns, len(jaxpr.invars)
+    b_free = [True] * n_in if b_free is None else list(b_free)
     live: set = {v for v, u in zip(jaxpr.outvars, b_used) if u and isinstance(v, Var)}
     b_eqn: dict[int, Any] = {}
     for i in reversed(range(len(eqns))):
@@ -114,48 +125,97 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
         used = [v in live for v in e.outvars]
         if not any(used) and not pe.has_effects(e):
             continue
-        if e.primitive in (P.scan_p, P.cond_p) or not jaxprs_in_params(e.params):
+        if e.primitive in (P.scan_p, P.cond_p) or not _has_inner(e):
             used_ins, new = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(used, e)
         else:                     # an opaque inner jaxpr (shard_map, while, ...): B runs it all
             used_ins, new = [True] * len(e.invars), e
         if new is not None:
             b_eqn[i] = new
             live.update(v for v, u in zip(e.invars, used_ins) if u and isinstance(v, Var))
-    b_defined = {v for new in b_eqn.values() for v in new.outvars}
+    free = {v for v, f in zip(jaxpr.invars, b_free) if f}
     unavailable = {v for v, a in zip(jaxpr.invars, avail) if not a}
-    cut: dict = {}
-    wlive: set = set()
 
-    def need(v):
-        if isinstance(v, (Var, Slot)):
-            if isinstance(v, Slot) or v in b_defined or v in unavailable:
-                cut[v] = None
-            else:
-                wlive.add(v)
+    def w_pass(hoisted):
+        b_defined = {v for new in b_eqn.values() for v in new.outvars}
+        b_defined |= {v for i in hoisted for v in eqns[i].outvars}
+        b_ok = lambda v: isinstance(v, Literal) or v in b_defined or v in free  # noqa: E731
+        cut, wlive, w_node, nodes = {}, set(), {}, {}
 
-    for v, u in zip(jaxpr.outvars, w_used):
-        if u:
-            need(v)
-    w_node: dict[int, Any] = {}
-    for i in reversed(range(len(eqns))):
-        e = eqns[i]
-        want = [v in wlive for v in e.outvars]
-        if not any(want):
-            continue
-        if i in b_eqn:            # B runs this eqn but not all W needs of it: split its body
-            node = (_ScanNode if e.primitive is P.scan_p else _CondNode).build(e, b_eqn[i], want)
-            b_eqn[i] = w_node[i] = node
-            for v in node.w_inputs():
-                need(v)
-            continue
-        used_ins, w_node[i] = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(want, e)
-        for v, u in zip(e.invars, used_ins):
+        def need(v):
+            if isinstance(v, (Var, Slot)):
+                if isinstance(v, Slot) or v in b_defined or v in unavailable:
+                    cut[v] = None
+                else:
+                    wlive.add(v)
+        for v, u in zip(jaxpr.outvars, w_used):
             if u:
                 need(v)
-    return Split(jaxpr, [b_eqn[i] for i in sorted(b_eqn)], [w_node[i] for i in sorted(w_node)],
+        for i in reversed(range(len(eqns))):
+            e = eqns[i]
+            want = [v in wlive for v in e.outvars]
+            if not any(want) or i in hoisted:
+                continue
+            if i in b_eqn:        # B runs this eqn but not all W needs of it: split its body
+                kind = _ScanNode if e.primitive is P.scan_p else _CondNode
+                nodes[i] = w_node[i] = kind.build(e, b_eqn[i], want, b_ok)
+                for v in nodes[i].w_inputs():
+                    need(v)
+                continue
+            used_ins, w_node[i] = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(want, e)
+            for v, u in zip(e.invars, used_ins):
+                if u:
+                    need(v)
+        return b_defined | free, cut, w_node, nodes, wlive
+
+    b_ok, cut, w_node, nodes, wlive = w_pass(set())
+    hoisted = _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes)
+    if hoisted:
+        _, cut, w_node, nodes, wlive = w_pass(hoisted)
+    for i in hoisted:
+        live.update(v for v in eqns[i].invars if isinstance(v, Var))
+    for node in nodes.values():
+        live.update(v for v in node.b_inputs() if isinstance(v, Var))
+    b_nodes = [nodes.get(i) or b_eqn.get(i) or eqns[i] for i in sorted(set(b_eqn) | hoisted)]
+    return Split(jaxpr, b_nodes, [w_node[i] for i in sorted(w_node)],
                  [v for v, u in zip(jaxpr.outvars, b_used) if u],
                  [v for v, u in zip(jaxpr.outvars, w_used) if u], list(cut),
-                 [v in live for v in jaxpr.invars], [v in wlive for v in jaxpr.invars])
+                 [v in live for v in jaxpr.invars],
+                 [v in wlive for v in jaxpr.invars])
+
+
+_MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+
+
+def _nbytes(v) -> int:
+    return int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
+
+
+def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
+    """W's cheap ops to run in B instead, greedily in program order: those whose inputs B has
+    and whose move does not grow the cut (what they free of it ≥ what they add)."""
+    readers: Counter = Counter()
+    for i, e in w_node.items():
+        readers.update(v for v in (nodes[i].w_inputs() if i in nodes else e.invars)
+                       if isinstance(v, (Var, Slot)))
+    readers.update(v for v, u in zip(jaxpr.outvars, w_used) if u and isinstance(v, Var))
+    ok, in_cut, chosen = set(b_ok), set(cut), set()
+    for i in sorted(w_node):
+        e = w_node[i]
+        if i in nodes or e.primitive.name in _MATMULS or _has_inner(e) \
+                or pe.has_effects(e) \
+                or not all(isinstance(v, Literal) or v in ok for v in e.invars):
+            continue
+        uses = Counter(v for v in e.invars if isinstance(v, Var))
+        freed = [v for v in uses if v in in_cut and readers[v] == uses[v]]
+        added = [o for o in e.outvars if readers[o]]
+        if sum(map(_nbytes, freed)) < sum(map(_nbytes, added)):
+            continue
+        chosen.add(i)
+        ok.update(e.outvars)
+        in_cut.difference_update(freed)
+        in_cut.update(added)
+        readers.subtract(uses)
+    return chosen
 
 
 def run_b(s: Split, consts, args) -> tuple[list, list]:
@@ -198,7 +258,7 @@ class _ScanNode:
     slots: list                   # the body's cut, stacked over iterations
 
     @classmethod
-    def build(cls, e, b_new, want):
+    def build(cls, e, b_new, want, b_ok):
         nc, nk = e.params["num_consts"], e.params["num_carry"]
         body = e.params["jaxpr"].jaxpr
         kept = set(b_new.outvars)
@@ -206,7 +266,9 @@ class _ScanNode:
         w_out = [w and not b for w, b in zip(want, b_out)]
         while True:               # W's carries: those it reads that B does not own
             avail = [True] * nc + w_out[:nk] + [True] * (len(body.invars) - nc - nk)
-            inner = plan(body, b_out, w_out, avail)
+            free = [b_ok(v) for v in e.invars[:nc]] + b_out[:nk] \
+                + [b_ok(v) for v in e.invars[nc + nk:]]
+            inner = plan(body, b_out, w_out, avail, free)
             more = [j for j, v in enumerate(body.invars[nc:nc + nk])
                     if v in inner.cut and not b_out[j] and not w_out[j]]
             if not more:
@@ -259,12 +321,18 @@ class _ScanNode:
         carry, ys = self._scan(fn, init, (xs, [env[s] for s in self.slots]))
         _set(env, self.eqn.outvars, self.w_out, carry + ys)
 
-    def w_inputs(self):
-        e, reads = self.eqn, self.inner.w_reads
+    def _inputs(self, reads, owned):
+        e = self.eqn
         nc, nk = e.params["num_consts"], e.params["num_carry"]
-        carries = [e.invars[nc + j] for j in range(nk) if self.w_out[j]]
+        carries = [e.invars[nc + j] for j in range(nk) if owned[j]]
         return [v for i, v in enumerate(e.invars) if reads[i] and not nc <= i < nc + nk] \
-            + carries + self.slots
+            + carries
+
+    def w_inputs(self):
+        return self._inputs(self.inner.w_reads, self.w_out) + self.slots
+
+    def b_inputs(self):
+        return self._inputs(self.inner.b_reads, self.b_out)
 
 
 @dataclass(eq=False)
@@ -277,11 +345,12 @@ class _CondNode:
     assign: list                  # per branch: the slot of each of its cut values
 
     @classmethod
-    def build(cls, e, b_new, want):
+    def build(cls, e, b_new, want, b_ok):
         kept = set(b_new.outvars)
         b_out = [v in kept for v in e.outvars]
         w_out = [w and not b for w, b in zip(want, b_out)]
-        inners = [plan(br.jaxpr, b_out, w_out, [True] * len(br.jaxpr.invars))
+        free = [b_ok(v) for v in e.invars[1:]]
+        inners = [plan(br.jaxpr, b_out, w_out, [True] * len(br.jaxpr.invars), free)
                   for br in e.params["branches"]]
         slots, assign = [], []
         for inner in inners:      # branches share a slot where shapes match
@@ -340,3 +409,7 @@ class _CondNode:
         used = self._ops("w_reads")
         return [self.eqn.invars[0]] + [v for v, u in zip(self.eqn.invars[1:], used) if u] \
             + self.slots
+
+    def b_inputs(self):
+        used = self._ops("b_reads")
+        return [self.eqn.invars[0]] + [v for v, u in zip(self.eqn.invars[1:], used) if u]
