@@ -102,7 +102,7 @@ class Split:
     jaxpr: Any
     b_nodes: list                 # eqns, or split scan/cond nodes, in program order
     w_nodes: list
-    b_outs: list                  # outvars B returns, then the cut
+    b_outs: list                  # outvars B returns (before the cut)
     w_outs: list                  # outvars W returns
     cut: list                     # Vars or Slots: what B hands W
     b_reads: list[bool] = field(default_factory=list)   # per invar
