@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.pipeline.full_pullback import FullPullbackBackward as StageBackward  # stand-in
+from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.schedules import OpKind, Schedule
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
 from triax.pipeline.timeline import LABELS

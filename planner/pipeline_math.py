@@ -55,8 +55,8 @@ def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches:
 def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:
     """A micro-batch's work under ``schedule`` over a forward plus one full backward (what
     the model-FLOP compute time counts), both measured on the executor under ``remat``.
-    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (above 1 today: its W
-    reruns the whole pullback, issue 11)."""
+    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (1 too, with the
+    split backward: B_in and W share B's matmuls)."""
     if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
         return 1.0
     return (op_costs_for(schedule, remat).per_microbatch

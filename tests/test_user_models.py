@@ -112,7 +112,7 @@ def test_vit_tp_all_reduce_per_row_parallel_matmul(devices):
     assert _tensor_all_reduces(3) - _tensor_all_reduces(2) == 4
 
 
-@pytest.mark.parametrize("kind,M", [("1f1b", 4), ("gpipe", 2)])
+@pytest.mark.parametrize("kind,M", [("1f1b", 4), ("gpipe", 2), ("zb-h1", 4)])
 def test_vit_pipeline_matches_unpipelined(vit_reference, kind, M):
     trainer = vit_trainer(make_mesh(data=2, pipe=2, tensor=2), "fsdp_tp",
                           pipeline=PipelineConfig(kind, M))

@@ -11,6 +11,7 @@ rather than assumed (F=1, B=2, ...).
 * Bytes: bytes accessed, the operands plus the result of every unfused instruction (a fusion
   counts as one instruction), leaving out what moves nothing (parameters, tuples,
   get-tuple-element, bitcasts, constants).
+* Dots: how many matmul instructions run (:func:`op_matmuls`).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
   ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
@@ -51,17 +52,30 @@ _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "afte
 class Cost:
     flops: int = 0
     bytes: int = 0
+    dots: int = 0                 # matmul instructions run (dot, convolution)
     nested: dict[str, "Cost"] = field(default_factory=dict)   # nested conditional branches
     unknown_loops: list[str] = field(default_factory=list)    # counted once: no trip count
 
     def add(self, other: "Cost", times: int = 1) -> None:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
+        self.dots += other.dots * times
         self.nested.update(other.nested)
         self.unknown_loops += other.unknown_loops
 
     def to_json(self) -> dict:
         return {"flops": int(self.flops), "bytes": int(self.bytes)}
+
+    def costliest(self) -> "Cost":
+        """This execution with each nested conditional at its costliest branch (by FLOPs):
+        what the stage that runs the embedding or the head pays."""
+        total = Cost(self.flops, self.bytes, self.dots)
+        groups: dict[str, list[Cost]] = {}
+        for name, c in self.nested.items():
+            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c.costliest())
+        for branches in groups.values():
+            total.add(max(branches, key=lambda c: (c.flops, c.dots)))
+        return total
 
 
 def _dims(ins: Optional[Instr]) -> tuple[int, ...]:
@@ -82,14 +96,17 @@ def _matmul_flops(m: Module, comp: str, ins: Instr) -> int:
     return 2 * out * int(np.prod(rhs)) // max(rhs[o], 1)
 
 
-def _fused_flops(m: Module, comp: str, depth: int = 0) -> int:
-    total = 0
+def _fused_matmuls(m: Module, comp: str, depth: int = 0) -> tuple[int, int]:
+    """``(flops, dots)`` of the matmuls inside a fused computation."""
+    flops = dots = 0
     for ins in m.comps.get(comp, ()):
         if ins.op in ("dot", "convolution"):
-            total += _matmul_flops(m, comp, ins)
+            flops, dots = flops + _matmul_flops(m, comp, ins), dots + 1
         elif depth < 16:
-            total += sum(_fused_flops(m, c, depth + 1) for _, c in ins.calls)
-    return total
+            for _, c in ins.calls:
+                f, d = _fused_matmuls(m, c, depth + 1)
+                flops, dots = flops + f, dots + d
+    return flops, dots
 
 
 def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
@@ -115,8 +132,11 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
             continue
         if ins.op in ("dot", "convolution"):
             cost.flops += _matmul_flops(m, comp, ins)
+            cost.dots += 1
         elif ins.op == "fusion":
-            cost.flops += sum(_fused_flops(m, c) for _, c in ins.calls)
+            for _, c in ins.calls:
+                f, d = _fused_matmuls(m, c)
+                cost.flops, cost.dots = cost.flops + f, cost.dots + d
         if ins.op not in _FREE:
             cost.bytes += ins.bytes + sum(o.bytes for o in
                                           (m.instr(comp, n) for n in ins.operands) if o)
@@ -173,6 +193,17 @@ def op_branch_costs(compiled_or_text) -> dict[str, Cost]:
         if label and len(ins.branches) == 2 and label.group(1) not in found:
             found[label.group(1)] = computation_cost(m, ins.branches[1])
     return found
+
+
+def op_matmuls(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
+    """``{kind: {"flops": …, "dots": …}}``: the matmuls one execution of each op kind runs,
+    nested conditionals (the stage's embedding and head) at their costliest branch. A split
+    backward shows here: B_in's and W's dots add up to B's, and W's are the weight-gradient
+    matmuls alone. ``branch_kinds`` as for :func:`op_costs`."""
+    found = op_branch_costs(compiled)
+    return {k: {"flops": int(c.flops), "dots": c.dots}
+            for k, c in ((k, Cost() if k == "idle" else found[k].costliest())
+                         for k in branch_kinds)}
 
 
 def op_costs(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
