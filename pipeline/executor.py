@@ -125,11 +125,11 @@ def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, i
     (``StageBackward.shapes``); ``x_sd``: the activation passed between stages; ``cut``: what
     B_in stashes for W (``StageBackward.cut_shapes``; default: one activation).
 
-    ``stash``: live slots plus the scratch slot; ``op``: one stashed set, read out by the
-    backward op of the tick or produced by its F before it is written in place; ``inbox``:
-    the forward and backward inboxes (live slots plus scratch), the two activations in
-    flight and the two being sent, plus (split backwards) the cut buffer. Forward-only
-    schedules stash nothing.
+    ``stash``: the live slots (written only inside F's conditional, so no scratch slot);
+    ``op``: one stashed set, read out by the backward op of the tick or produced by its F
+    before it is written in place; ``inbox``: the forward and backward inboxes (live slots
+    plus scratch), the two activations in flight and the two being sent, plus (split
+    backwards) the cut buffer's live slots. Forward-only schedules stash nothing.
     """
     x = _nbytes(x_sd)
     if not program.schedule.has_backward:
@@ -137,8 +137,8 @@ def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, i
     res = sum(_nbytes(r) for r in residuals)
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
     if program.schedule.kind.value == "zb-h1":
-        inbox += (program.ct_slots + 1) * sum(_nbytes(c) for c in (cut or [x_sd]))
-    return {"stash": (program.stash_slots + 1) * res, "op": res, "inbox": inbox}
+        inbox += program.ct_slots * sum(_nbytes(c) for c in (cut or [x_sd]))
+    return {"stash": program.stash_slots * res, "op": res, "inbox": inbox}
 
 
 def _gated(flag, run, live: dict) -> dict:
@@ -176,8 +176,10 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     fperm, bperm = _perms(spec.stages, spec.virtual > 1)
     M = prog.out_slots
 
-    def slots(n, sd):  # n live slots + 1 scratch
-        return jnp.zeros((n + 1,) + tuple(sd.shape), sd.dtype)
+    def slots(n, sd, scratch=1):
+        """n live slots (+1 scratch for the inboxes, written every tick; the stash and the
+        cut are written only inside their op's conditional, always to a live slot)."""
+        return jnp.zeros((n + scratch,) + tuple(sd.shape), sd.dtype)
 
     def tick(c, xs):
         row, flag = jax.tree.map(lambda a: _take(a, stage), xs)
@@ -229,7 +231,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
 
         def wgt(w):
             cut = [_take(b, row.ct_r) for b in c["cut"]]
-            d_chunk, d_pieces = sb.backward_weight(stored(), cut, chunk(), pieces)
+            d_chunk, d_pieces = sb.backward_weight(cut, chunk(), pieces)
             return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
 
         # Each op: what it runs, and the buffers it writes. Writers run before readers (F
@@ -254,11 +256,11 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
              "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
         carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
-                     stash=[slots(prog.stash_slots, r) for r in sb.shapes],
+                     stash=[slots(prog.stash_slots, r, 0) for r in sb.shapes],
                      acc={"blocks": jax.tree.map(jnp.zeros_like, blocks),
                           "pieces": jax.tree.map(jnp.zeros_like, pieces)})
         if OpKind.B_IN in kinds:
-            carry["cut"] = [slots(prog.ct_slots, r) for r in sb.cut_shapes]
+            carry["cut"] = [slots(prog.ct_slots, r, 0) for r in sb.cut_shapes]
     xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))
     out, _ = jax.lax.scan(tick, carry, xs)
     acc = out["acc"] if backward else {"blocks": {}, "pieces": {}}

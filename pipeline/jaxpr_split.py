@@ -175,6 +175,7 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
         live.update(v for v in eqns[i].invars if isinstance(v, Var))
     for node in nodes.values():
         live.update(v for v in node.b_inputs() if isinstance(v, Var))
+    live.update(v for v in cut if isinstance(v, Var))   # an input W may not read: B passes it
     b_nodes = [nodes.get(i) or b_eqn.get(i) or eqns[i] for i in sorted(set(b_eqn) | hoisted)]
     return Split(jaxpr, b_nodes, [w_node[i] for i in sorted(w_node)],
                  [v for v, u in zip(jaxpr.outvars, b_used) if u],

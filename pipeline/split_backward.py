@@ -58,18 +58,23 @@ class StageBackward:
         res = Residuals.trace(apply, chunk, pieces, x, extras)
         sds = lambda t: jax.tree.map(  # noqa: E731
             lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), t)
+        loss_tree = jax.tree.structure(jax.eval_shape(apply, chunk, pieces, x, extras)[1])
+        n_loss = loss_tree.num_leaves   # the loss may be a dict (a MoE's auxiliary losses)
 
-        def pullback(stored, chunk, pieces, dy, dloss):
-            d_chunk, d_pieces, dx, _ = res.pullback(stored, chunk, pieces)((dy, dloss))
+        def pullback(stored, chunk, pieces, dy, *dloss):
+            cts = (dy, jax.tree.unflatten(loss_tree, dloss))
+            d_chunk, d_pieces, dx, _ = res.pullback(stored, chunk, pieces)(cts)
             return [*jax.tree.leaves((d_chunk, d_pieces)), dx]
         closed = jaxpr_split.inline(jax.make_jaxpr(pullback)(
             list(res.shapes), sds(chunk), sds(pieces), sds(x),
-            jax.ShapeDtypeStruct((), jnp.float32)))
+            *[jax.ShapeDtypeStruct((), jnp.float32)] * n_loss))
         n_params = len(jax.tree.leaves((chunk, pieces)))
-        n_in = len(res.shapes) + n_params
+        # W may read the parameters, nothing F stashed: what it needs of the F stash (each
+        # weight matmul's input) goes into the cut, so B_in frees the stash.
         split = jaxpr_split.plan(closed.jaxpr, b_used=[False] * n_params + [True],
                                  w_used=[True] * n_params + [False],
-                                 avail=[True] * n_in + [False, False])
+                                 avail=[False] * len(res.shapes) + [True] * n_params
+                                 + [False] * (1 + n_loss))
         cut = tuple(jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype) for k in split.cut)
         trees = (jax.tree.structure(chunk), jax.tree.structure(pieces))
         return cls(res.shapes, cut, res, split, tuple(closed.consts), trees)
@@ -98,14 +103,16 @@ class StageBackward:
         return [a for a, r in zip(args, reads) if r]
 
     def backward_input(self, stored, chunk, pieces, dy, dloss):
-        """B_in: only what ``dx`` needs. ``(dx, cut)``, the cut matching ``cut_shapes``."""
-        args = self._inputs(stored, chunk, pieces, (dy, dloss), self.split.b_reads)
+        """B_in: only what ``dx`` needs. ``(dx, cut)``, the cut matching ``cut_shapes``: all
+        W will read besides the parameters, so the F stash can be freed."""
+        args = self._inputs(stored, chunk, pieces, (dy, *jax.tree.leaves(dloss)),
+                            self.split.b_reads)
         (dx,), cut = jaxpr_split.run_b(self.split, self.consts, args)
         return dx, list(cut)
 
-    def backward_weight(self, stored, cut, chunk, pieces):
-        """W: the weight gradients from the F stash and the cut: ``(d_chunk, d_pieces)``."""
-        args = self._inputs(stored, chunk, pieces, (), self.split.w_reads)
+    def backward_weight(self, cut, chunk, pieces):
+        """W: the weight gradients from the cut and the parameters: ``(d_chunk, d_pieces)``."""
+        args = self._inputs([None] * len(self.shapes), chunk, pieces, (), self.split.w_reads)
         grads = jaxpr_split.run_w(self.split, self.consts, args, list(cut))
         n = self.grad_trees[0].num_leaves
         return (jax.tree.unflatten(self.grad_trees[0], grads[:n]),

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleKind
+from triax.pipeline.schedules import Op, OpKind, Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -34,8 +34,8 @@ class Ticks:
     Idle cells have kind 0 and read/write scratch slots. ``*_w`` is the slot a tick writes,
     ``*_r`` the slot it reads, per buffer: the forward inbox (an arriving activation is filed
     at ``fwd_in_w``, F reads ``fwd_in_r``), the backward inbox (likewise for gradients), the
-    stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``), the cotangent buffer
-    (B_in writes, W reads) and the per-micro-batch outputs (the last chunk's F writes).
+    stash (F writes residuals at ``stash_w``; B or B_in reads ``stash_r`` and frees it), the
+    cut buffer (B_in writes what W needs, W reads) and the per-micro-batch outputs (the last chunk's F writes).
     """
 
     kind: np.ndarray       # OpKind value; 0 idle
@@ -103,8 +103,7 @@ def compile_program(s: Schedule) -> TickProgram:
     cols = {n: np.full((s.ticks, S), -1 if n.endswith(("_w", "_r")) else 0, np.int32)
             for n in names}
     stash, fin, bin_, ct = ([_Slots() for _ in range(S)] for _ in range(4))
-    final_kind = (None if not s.has_backward else
-                  OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B)
+    stashes = s.has_backward   # forward-only keeps no residuals
     for t, row in enumerate(s.table):
         # Messages sent in tick t-1 arrive at the start of tick t.
         for st, op in enumerate(s.table[t - 1] if t else ()):
@@ -118,7 +117,7 @@ def compile_program(s: Schedule) -> TickProgram:
                 cols["bwd_in_w"][t, dst] = bin_[dst].take((op.mb, op.chunk - 1))
         for st, op in enumerate(row):
             if op is not None:
-                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
+                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], stashes)
                 for name, value in cell.items():
                     cols[name][t, st] = value
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
@@ -133,7 +132,7 @@ def compile_program(s: Schedule) -> TickProgram:
                        sizes["ct"])
 
 
-def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
+def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, stashes: bool) -> dict:
     """The fields of one non-idle cell (slots left out are scratch)."""
     key = (op.mb, op.chunk)
     cell = {"kind": int(op.kind), "mb": op.mb, "chunk": op.chunk // S,
@@ -143,7 +142,7 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
             cell["fwd_in_r"] = fin.free(key)
         if op.chunk == C - 1:
             cell["out_w"] = op.mb
-        if final_kind is not None:  # forward-only keeps no residuals
+        if stashes:
             cell["stash_r"] = cell["stash_w"] = stash.take(key)
         return cell
     if op.kind in (OpKind.B, OpKind.B_IN):
@@ -153,5 +152,6 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
             cell["ct_r"] = cell["ct_w"] = ct.take(key)
     if op.kind is OpKind.W:
         cell["ct_r"] = ct.free(key)
-    cell["stash_r"] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
+        return cell
+    cell["stash_r"] = stash.free(key)
     return cell
