@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -116,18 +116,34 @@ class PipelineConfig:
         return build(kind or self.schedule, stages, self.num_microbatches(stages), self.virtual)
 
 
+def _axes(entry) -> tuple:
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def _manual_spec(spec: P, lead: tuple = ()) -> P:
     """Keep only the manual axes (`data`) of a parameter spec, after ``lead`` entries."""
+    return P(*lead, *(DATA if DATA in _axes(e) else None for e in spec))
+
+
+def _auto_spec(spec: P) -> P:
+    """The rest of a parameter spec: the axes the pipeline's ``shard_map`` leaves automatic
+    (``tensor``, ``expert``). A dim split over `data` and others must have `data` minor, so a
+    gather over `data` alone leaves a block of the others."""
     keep = []
     for e in spec:
-        axes = (e,) if isinstance(e, str) else tuple(e or ())
-        keep.append(DATA if DATA in axes else None)
-    return P(*lead, *keep)
+        axes = _axes(e)
+        if DATA in axes and axes[-1] != DATA:
+            raise ValueError(f"parameter spec {spec}: a dimension split over {axes} gathers "
+                             f"over data in the pipeline only with data last; write "
+                             f"{tuple(a for a in axes if a != DATA) + (DATA,)}")
+        rest = tuple(a for a in axes if a not in (DATA, PIPE))
+        keep.append(rest[0] if len(rest) == 1 else (rest or None))
+    return P(*keep)
 
 
 def _data_dim(spec: P) -> Optional[int]:
     for i, e in enumerate(spec):
-        if DATA in ((e,) if isinstance(e, str) else tuple(e or ())):
+        if DATA in _axes(e):
             return i
     return None
 
@@ -178,7 +194,8 @@ class Pipeline:
 
     @cached_property
     def _manual_specs(self):
-        """shard_map specs over the manual axes, and each leaf's `data`-sharded dim (FSDP)."""
+        """shard_map specs over the manual axes, each leaf's `data`-sharded dim (FSDP), and
+        each leaf's spec over the other (automatic) axes, which the FSDP gather keeps."""
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         blocks = self.param_specs["blocks"]
         pieces = {k: v for k, v in self.param_specs.items() if k != "blocks"}
@@ -187,8 +204,12 @@ class Pipeline:
                              is_leaf=is_p)
         bdims = jax.tree.map(lambda s: None if _data_dim(s[1:]) is None else
                              _data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
-        return (bspec, jax.tree.map(_manual_spec, pieces, is_leaf=is_p), bdims,
-                jax.tree.map(_data_dim, pieces, is_leaf=is_p))
+        bauto = jax.tree.map(lambda s: P(None, None, None, *_auto_spec(s[1:])), blocks,
+                             is_leaf=is_p)
+        return (bspec, jax.tree.map(_manual_spec, pieces, is_leaf=is_p),
+                FSDP(bdims, bauto),
+                FSDP(jax.tree.map(_data_dim, pieces, is_leaf=is_p),
+                     jax.tree.map(_auto_spec, pieces, is_leaf=is_p)))
 
     def _check_batch(self, B: int, M: int) -> int:
         if B % (self.data * M):
@@ -227,13 +248,13 @@ class Pipeline:
         state = {} if state is None else self.layout.to_stages(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
                         self.exe.dtype, state_mb_axis=1)
-        bspec, pspec, bdims, pdims = self._manual_specs
+        bspec, pspec, bfsdp, pfsdp = self._manual_specs
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
         def body(blocks, pieces, inputs, consts, state):
-            blocks = jax.tree.map(lambda a: a[0], _gather(blocks, bdims))   # [v, Lc, ...]
-            pieces = _gather(pieces, pdims)
+            blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(blocks))   # [v, Lc, ...]
+            pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
             # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
             state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
@@ -248,8 +269,8 @@ class Pipeline:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
             return (loss, outputs, state,
-                    _reduce_data(jax.tree.map(lambda g: g[None], res.grads["blocks"]), bdims),
-                    _reduce_data(g_pieces, pdims))
+                    bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"])),
+                    pfsdp.reduce(g_pieces))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
         out_specs = (P(), per_stage_rows, state_spec, bspec if backward else {},
@@ -313,17 +334,39 @@ def _protocol_problem(am: AbstractModel) -> Optional[str]:
     return None
 
 
-def _gather(tree, dims):
-    """FSDP: all-gather the `data`-sharded dimension once per step (outside the tick loop)."""
-    return jax.tree.map(lambda a, d: a if d is None else
-                        jax.lax.all_gather(a, DATA, axis=d, tiled=True), tree, dims)
+@dataclass(frozen=True, eq=False)
+class FSDP:
+    """Per leaf: its `data`-sharded dim (None: replicated over data) and its spec over the
+    automatic axes (``tensor``, ``expert``)."""
 
+    dims: Any
+    auto: Any
 
-def _reduce_data(tree, dims):
-    """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""
-    return jax.tree.map(lambda g, d: jax.lax.psum(g, DATA) if d is None else
-                        jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True),
-                        tree, dims)
+    def _local(self, fn, tree):
+        """Run ``fn(tree)`` manual over the automatic axes too, on each leaf's local block:
+        a collective over `data` in the partially manual region would first gather the
+        automatic axes (XLA replicates them around a manual collective), and tensor
+        parallelism would be lost inside the stage."""
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = set(mesh.axis_names) - set(mesh.manual_axes)
+        if not auto or all(d is None for d in jax.tree.leaves(
+                self.dims, is_leaf=lambda x: x is None)):
+            return fn(tree)
+        return jax.shard_map(fn, mesh=mesh, axis_names=auto, in_specs=(self.auto,),
+                             out_specs=self.auto, check_vma=False)(tree)
+
+    def gather(self, tree):
+        """All-gather the `data`-sharded dimension once per step (outside the tick loop)."""
+        return self._local(lambda t: jax.tree.map(
+            lambda a, d: a if d is None else jax.lax.all_gather(a, DATA, axis=d, tiled=True),
+            t, self.dims), tree)
+
+    def reduce(self, tree):
+        """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""
+        return self._local(lambda t: jax.tree.map(
+            lambda g, d: jax.lax.psum(g, DATA) if d is None else
+            jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True), t, self.dims),
+            tree)
 
 
 def pipeline_forward(cfg: ModelConfig, mesh: Mesh, strategy="dp",
