@@ -47,7 +47,7 @@ class StepSpec:
 
 
 class TickResult(NamedTuple):
-    loss: Any        # this stage's summed loss
+    loss: Any        # this stage's summed loss (a scalar, or the stage's loss dict)
     outputs: Any     # per-micro-batch outputs, leaves [M, ...] (meaningful on the last stage)
     state: Any       # the per-stage state after every tick
     grads: dict      # {"blocks": [v, Lc, ...], "pieces": ...} summed over micro-batches
@@ -110,7 +110,9 @@ def _branches(spec: StepSpec, res: Residuals | None, zeros: dict):
 
     def grads(i, dy):
         pb = res.pullback(i["res"], chunk_of(i), i["pieces"])
-        return pb((dy, i["last"].astype(jnp.float32)))
+        # Every chunk's loss is seeded (MoE adds auxiliary losses on every chunk; a dense
+        # chunk that is not the last has a constant zero loss).
+        return pb((dy, jax.tree.map(jnp.ones_like, zeros["loss"])))
 
     def accumulate(i, acc, d_chunk, d_pieces):
         return {"blocks": jax.tree.map(lambda a, d: a.at[i["j"]].add(d), acc["blocks"], d_chunk),
@@ -204,12 +206,12 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
     x_sd = spec.apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
-    _, _, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
+    _, loss_sd, out_sd, _ = jax.eval_shape(spec.apply, chunk0, pieces, x0, extras0, state0)
+    new_zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)  # noqa: E731
     res = None
     if backward:
         res = Residuals.trace(loss_only(spec.apply), chunk0, pieces, x0, extras0)
-    zeros = {"msg_f": x0, "loss": jnp.zeros((), jnp.float32),
-             "out": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), out_sd)}
+    zeros = {"msg_f": x0, "loss": new_zeros(loss_sd), "out": new_zeros(out_sd)}
     if backward:
         zeros.update(res=[jnp.zeros(r.shape, r.dtype) for r in res.shapes], msg_b=x0, ct=x0)
     table = _branches(spec, res, zeros)
@@ -234,7 +236,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             inp.update(dy=jnp.where(last, jnp.zeros_like(dy), dy), last=last,
                        ct=_take(c["ctb"], r.ct_r), res=[_take(s, r.stash_r) for s in c["stash"]])
         acc, o = jax.lax.switch(r.kind, branches, inp, c["acc"])
-        new.update(acc=acc, loss=c["loss"] + o["loss"],
+        new.update(acc=acc, loss=jax.tree.map(jnp.add, c["loss"], o["loss"]),
                    out=jax.tree.map(lambda b, x: _put(b, x, r.out_w), c["out"], o["out"]),
                    state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax), c["state"],
                                       o["state"]),
@@ -245,7 +247,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                        recv_b=jax.lax.ppermute(o["msg_b"], PIPE, bperm))
         return new, None
 
-    carry = {"fin": buf(prog.fwd_slots, x0), "recv_f": x0, "loss": jnp.zeros((), jnp.float32),
+    carry = {"fin": buf(prog.fwd_slots, x0), "recv_f": x0, "loss": zeros["loss"],
              "out": jax.tree.map(lambda z: buf(M, z), zeros["out"]), "state": state,
              "acc": {"blocks": jax.tree.map(jnp.zeros_like, blocks) if backward else {},
                      "pieces": jax.tree.map(jnp.zeros_like, pieces) if backward else {}}}

@@ -32,6 +32,7 @@ from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
+from triax.models.moe import current_runner, run_locally, using_moe_runner
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
 from triax.pipeline.generators import build
@@ -40,6 +41,7 @@ from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
                                   missing_protocol)
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
+from triax.sharding.experts import expert_parallel_size
 from triax.sharding.partition import AbstractModel, abstract_model, specs_for
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -58,10 +60,8 @@ def default_decode_microbatches(stages: int) -> int:
 
 
 def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
-    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact."""
-    if cfg.moe is not None:
-        return (f"model {cfg.name!r} is MoE: the pipeline executor runs dense models only; "
-                f"run it without pipe (use expert/data axes)")
+    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact.
+    Every built-in model pipelines (MoE too: the expert all-to-all runs inside the stages)."""
     return None
 
 
@@ -216,7 +216,15 @@ class Pipeline:
             raise ScheduleError(
                 f"batch {B} must split into {self.data} data shard(s) x {M} micro-batches; "
                 f"choose a batch size that is a multiple of {self.data * M}")
-        return B // (self.data * M)
+        micro = B // (self.data * M)
+        ep = 1 if self.cfg is None or self.cfg.moe is None else expert_parallel_size(
+            self.mesh, self.strategy.rules)
+        if micro % ep:
+            raise ScheduleError(
+                f"a micro-batch of {micro} rows per data shard must split over the expert "
+                f"axis ({ep}) for the all-to-all; choose a batch size that is a multiple of "
+                f"{self.data * M * ep} or fewer micro-batches")
+        return micro
 
     @cached_property
     def _stages(self) -> dict:
@@ -260,7 +268,7 @@ class Pipeline:
             state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
                                  state)
             # Activation constraints would name manual axes; parameters carry TP instead.
-            with using_constraint(None):
+            with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())):
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
@@ -295,21 +303,29 @@ class Pipeline:
             weights = jnp.ones(batch["inputs"].shape, jnp.float32)
         weights = weights.astype(jnp.float32)
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights}
-        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0)}
+        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
+                  "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
         loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
                                                    inputs, consts)
         return loss, g_blocks, g_pieces
 
+    def _with_aux(self, loss):
+        """``(loss, aux)`` from the stages' summed loss (a dict with a MoE's aux losses)."""
+        if isinstance(loss, dict):
+            return loss["loss"], {k: v for k, v in loss.items() if k != "loss"}
+        return loss, {} if self.cfg is None else {"ce": loss}
+
     def loss_and_grad(self, params, batch):
-        """``((loss, aux), grads)`` of the whole model; same contract as the train step's."""
+        """``((loss, aux), grads)`` of the whole model; same contract as the train step's.
+        A MoE's auxiliary losses are per micro-batch, averaged (``stage._with_aux``)."""
         loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
         grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
-        return (loss, {} if self.cfg is None else {"ce": loss}), grads
+        return self._with_aux(loss), grads
 
     def forward(self, params, batch):
         """Pipelined evaluation with the forward-only schedule: ``(loss, aux)``, no grads."""
         loss, _, _ = self._loss_run(self._forward_schedule(), params, batch)
-        return loss, {} if self.cfg is None else {"ce": loss}
+        return self._with_aux(loss)
 
     def decode(self, params, tokens_BT, positions_BT, cache):
         """``(logits_BTV, cache)`` for ``T`` new tokens per row at ``positions_BT``, through
@@ -319,6 +335,16 @@ class Pipeline:
         _, logits, cache, _, _ = self._run(self._forward_schedule(), self._stages["logits"],
                                            params, inputs, {}, cache)
         return logits[-1], cache
+
+
+def _stats_over_data(inner):
+    """A MoE runner for inside the pipeline: ``inner``'s (None: whole arrays), with the router
+    statistics summed over the manual `data` axis too, so a micro-batch's auxiliary losses
+    cover its rows on every data shard (as the unpipelined model's cover the whole batch)."""
+    def run(token_fn, x_BTD, router_DE, weights):
+        y_BTD, stats = (inner or run_locally)(token_fn, x_BTD, router_DE, weights)
+        return y_BTD, jax.lax.psum(stats, DATA)
+    return run
 
 
 def _protocol_problem(am: AbstractModel) -> Optional[str]:
