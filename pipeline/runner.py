@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -92,8 +93,8 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     tokens = sd((rows, seq_len), jnp.int32)
     inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
-    extras = (inputs, {"inv_total_weight": sd((), jnp.float32)}, sd((), jnp.bool_),
-              sd((), jnp.bool_))
+    consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
+    extras = (inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
@@ -296,7 +297,7 @@ class Pipeline:
             model = nnx.merge(self.abstract.graphdef, params)
             consts = {"inv_total_weight": 1.0 / loss_weight(model, batch)}
             loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                       dict(batch), consts)
+                                                       self._data_major(dict(batch)), consts)
             return loss, g_blocks, g_pieces
         weights = batch.get("weights")
         if weights is None:
@@ -306,8 +307,33 @@ class Pipeline:
         consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
                   "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
         loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                   inputs, consts)
+                                                   self._data_major(inputs), consts)
         return loss, g_blocks, g_pieces
+
+    def _data_major(self, tree):
+        """Reorder the batch rows so that `data` is their major split. The batch is stored
+        split over the rules' batch axes in order (``("expert", "data")``: expert-major);
+        the pipeline's manual `data` wants each shard's rows contiguous. On the stored
+        layout this is a relabelling (every row stays on its device), where splitting the
+        stored order over `data` would move rows between devices."""
+        sizes = mesh_sizes(self.mesh)
+        axes = [a for a in self.strategy.rules.mesh_axes("batch") if sizes.get(a, 1) > 1]
+        if DATA not in axes or axes[0] == DATA:
+            return tree
+        k, lead = len(axes), [sizes[a] for a in axes]
+        perm = [axes.index(DATA)] + [i for i, a in enumerate(axes) if a != DATA]
+
+        def one(a):
+            split = a.reshape(lead + [-1] + list(a.shape[1:]))
+            return split.transpose(perm + list(range(k, split.ndim))).reshape(a.shape)
+        return jax.tree.map(one, tree)
+
+    def microbatch_rows(self, batch_size: int) -> np.ndarray:
+        """``[M, rows]``: the batch rows each training micro-batch holds, over all data
+        shards (a MoE's auxiliary losses are per micro-batch: ``stage._with_aux``)."""
+        M = self.schedule.microbatches
+        rows = self._data_major(np.arange(batch_size))
+        return rows.reshape(self.data, M, -1).transpose(1, 0, 2).reshape(M, -1)
 
     def _with_aux(self, loss):
         """``(loss, aux)`` from the stages' summed loss (a dict with a MoE's aux losses)."""
