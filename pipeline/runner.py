@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,7 @@ from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
+from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
@@ -117,38 +118,6 @@ class PipelineConfig:
         return build(kind or self.schedule, stages, self.num_microbatches(stages), self.virtual)
 
 
-def _axes(entry) -> tuple:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _manual_spec(spec: P, lead: tuple = ()) -> P:
-    """Keep only the manual axes (`data`) of a parameter spec, after ``lead`` entries."""
-    return P(*lead, *(DATA if DATA in _axes(e) else None for e in spec))
-
-
-def _auto_spec(spec: P) -> P:
-    """The rest of a parameter spec: the axes the pipeline's ``shard_map`` leaves automatic
-    (``tensor``, ``expert``). A dim split over `data` and others must have `data` minor, so a
-    gather over `data` alone leaves a block of the others."""
-    keep = []
-    for e in spec:
-        axes = _axes(e)
-        if DATA in axes and axes[-1] != DATA:
-            raise ValueError(f"parameter spec {spec}: a dimension split over {axes} gathers "
-                             f"over data in the pipeline only with data last; write "
-                             f"{tuple(a for a in axes if a != DATA) + (DATA,)}")
-        rest = tuple(a for a in axes if a not in (DATA, PIPE))
-        keep.append(rest[0] if len(rest) == 1 else (rest or None))
-    return P(*keep)
-
-
-def _data_dim(spec: P) -> Optional[int]:
-    for i, e in enumerate(spec):
-        if DATA in _axes(e):
-            return i
-    return None
-
-
 class Pipeline:
     """A compiled-schedule pipeline for one model on one mesh (``pipe >= 2``)."""
 
@@ -201,16 +170,16 @@ class Pipeline:
         blocks = self.param_specs["blocks"]
         pieces = {k: v for k, v in self.param_specs.items() if k != "blocks"}
         # Blocks enter as [S, v, Lc, ...]: pipe on the stage dim, then the layer spec's rest.
-        bspec = jax.tree.map(lambda s: _manual_spec(s[1:], (PIPE, None, None)), blocks,
+        bspec = jax.tree.map(lambda s: manual_spec(s[1:], (PIPE, None, None)), blocks,
                              is_leaf=is_p)
-        bdims = jax.tree.map(lambda s: None if _data_dim(s[1:]) is None else
-                             _data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
-        bauto = jax.tree.map(lambda s: P(None, None, None, *_auto_spec(s[1:])), blocks,
+        bdims = jax.tree.map(lambda s: None if data_dim(s[1:]) is None else
+                             data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
+        bauto = jax.tree.map(lambda s: P(None, None, None, *auto_spec(s[1:])), blocks,
                              is_leaf=is_p)
-        return (bspec, jax.tree.map(_manual_spec, pieces, is_leaf=is_p),
+        return (bspec, jax.tree.map(manual_spec, pieces, is_leaf=is_p),
                 FSDP(bdims, bauto),
-                FSDP(jax.tree.map(_data_dim, pieces, is_leaf=is_p),
-                     jax.tree.map(_auto_spec, pieces, is_leaf=is_p)))
+                FSDP(jax.tree.map(data_dim, pieces, is_leaf=is_p),
+                     jax.tree.map(auto_spec, pieces, is_leaf=is_p)))
 
     def _check_batch(self, B: int, M: int) -> int:
         if B % (self.data * M):
@@ -384,41 +353,6 @@ def _protocol_problem(am: AbstractModel) -> Optional[str]:
                 f"blocks named 'blocks', embed(batch), block(block, x, batch), "
                 f"head_loss(x, batch)); see docs/your_model.md")
     return None
-
-
-@dataclass(frozen=True, eq=False)
-class FSDP:
-    """Per leaf: its `data`-sharded dim (None: replicated over data) and its spec over the
-    automatic axes (``tensor``, ``expert``)."""
-
-    dims: Any
-    auto: Any
-
-    def _local(self, fn, tree):
-        """Run ``fn(tree)`` manual over the automatic axes too, on each leaf's local block:
-        a collective over `data` in the partially manual region would first gather the
-        automatic axes (XLA replicates them around a manual collective), and tensor
-        parallelism would be lost inside the stage."""
-        mesh = jax.sharding.get_abstract_mesh()
-        auto = set(mesh.axis_names) - set(mesh.manual_axes)
-        if not auto or all(d is None for d in jax.tree.leaves(
-                self.dims, is_leaf=lambda x: x is None)):
-            return fn(tree)
-        return jax.shard_map(fn, mesh=mesh, axis_names=auto, in_specs=(self.auto,),
-                             out_specs=self.auto, check_vma=False)(tree)
-
-    def gather(self, tree):
-        """All-gather the `data`-sharded dimension once per step (outside the tick loop)."""
-        return self._local(lambda t: jax.tree.map(
-            lambda a, d: a if d is None else jax.lax.all_gather(a, DATA, axis=d, tiled=True),
-            t, self.dims), tree)
-
-    def reduce(self, tree):
-        """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""
-        return self._local(lambda t: jax.tree.map(
-            lambda g, d: jax.lax.psum(g, DATA) if d is None else
-            jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True), t, self.dims),
-            tree)
 
 
 def pipeline_forward(cfg: ModelConfig, mesh: Mesh, strategy="dp",

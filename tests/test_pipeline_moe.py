@@ -61,7 +61,8 @@ def reference(devices):
     am = Trainer(CFG, one, "dp").abstract
     rows = Pipeline(CFG, make_mesh(**SIZES), "dp", PipelineConfig("1f1b", M)).microbatch_rows(B)
     assert sorted(rows.ravel()) == list(range(B))
-    lg = lambda p, b: jax.value_and_grad(_reference_loss(am, rows), has_aux=True)(p, b)  # noqa: E731
+    loss = _reference_loss(am, rows)
+    lg = lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)  # noqa: E731
     return _run(Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg)))
 
 

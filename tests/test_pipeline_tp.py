@@ -5,7 +5,6 @@ Equality with one device under the same layout: ``test_pipeline_executor.py::
 test_3d_mesh_train_step``."""
 import math
 
-import jax
 import pytest
 
 from triax.mesh import make_mesh
