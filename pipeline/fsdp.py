@@ -5,7 +5,7 @@ keeps every other split, ``tensor`` above all, inside the stage.
     >>> from jax.sharding import PartitionSpec as P
     >>> spec = P("data", "tensor")           # wq under fsdp_tp: embed over data, heads over tensor
     >>> manual_spec(spec), auto_spec(spec), data_dim(spec)
-    (PartitionSpec('data', None), PartitionSpec(None, 'tensor'), 0)
+    (P('data', None), P(None, 'tensor'), 0)
 """
 from __future__ import annotations
 
