@@ -87,11 +87,18 @@ def inference_routing():
         _INFERENCE.reset(token)
 
 
+def current_runner() -> Optional[MoERunner]:
+    """The runner installed now (None: whole arrays), for a caller that wraps it."""
+    return _RUNNER.get()
+
+
+def run_locally(token_fn, x_BTD, router_DE, weights):
+    """The runner ``None`` stands for: the token work on the arrays as given."""
+    return token_fn(x_BTD, router_DE, weights, expert_ffn)
+
+
 def _run(token_fn, x_BTD, router_DE, weights):
-    runner = _RUNNER.get()
-    if runner is None:
-        return token_fn(x_BTD, router_DE, weights, expert_ffn)
-    return runner(token_fn, x_BTD, router_DE, weights)
+    return (_RUNNER.get() or run_locally)(token_fn, x_BTD, router_DE, weights)
 
 
 def capacity(moe: MoEConfig, seq_len: int) -> int:
@@ -141,15 +148,18 @@ def expert_ffn(buf_ECD, weights):
 
 def router_stats(logits_BTE, idx_BTR, dropped) -> dict:
     """Token sums the aux losses need (sums, so shards add them with one psum)."""
-    E = logits_BTE.shape[-1]
-    return {"assigned_E": jnp.sum(jax.nn.one_hot(idx_BTR, E, dtype=jnp.float32), axis=(0, 1, 2)),
+    B, T, E = logits_BTE.shape
+    return {"tokens": jnp.full((), B * T, jnp.float32),
+            "assigned_E": jnp.sum(jax.nn.one_hot(idx_BTR, E, dtype=jnp.float32), axis=(0, 1, 2)),
             "prob_E": jnp.sum(jax.nn.softmax(logits_BTE, axis=-1), axis=(0, 1)),
             "lse2": jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1))),
             "dropped": dropped}
 
 
-def router_aux(stats: dict, num_tokens: int, moe: MoEConfig) -> dict:
-    """Switch-style load balance E·Σ_e f_e·p_e, router z-loss, and their weighted sum."""
+def router_aux(stats: dict, moe: MoEConfig) -> dict:
+    """Switch-style load balance E·Σ_e f_e·p_e, router z-loss, and their weighted sum, over
+    the tokens the statistics were summed over (``stats["tokens"]`` of them)."""
+    num_tokens = stats["tokens"]
     frac_E = jax.lax.stop_gradient(stats["assigned_E"]) / (num_tokens * moe.top_k)
     lb = moe.num_experts * jnp.sum(frac_E * stats["prob_E"] / num_tokens)
     z = stats["lse2"] / num_tokens
@@ -185,10 +195,9 @@ class MoE(nnx.Module):
         self.w_down_EFD = param(rngs, (E, F, D), ("experts", "expert_mlp", "embed"), std)
 
     def __call__(self, x_BTD, dtype):
-        B, T, _ = x_BTD.shape
         weights = tuple(w[...] for w in (self.w_gate_EDF, self.w_up_EDF, self.w_down_EFD))
         token_fn = functools.partial(moe_tokens, moe=self.moe)
         y_BTD, stats = _run(token_fn, x_BTD.astype(dtype),
                             self.router_DE[...].astype(jnp.float32), weights)
         y_BTD = constrain(y_BTD, ("batch", "seq", "act_embed"))
-        return y_BTD, router_aux(stats, B * T, self.moe)
+        return y_BTD, router_aux(stats, self.moe)

@@ -58,7 +58,7 @@ class StepSpec:
 
 
 class TickResult(NamedTuple):
-    loss: Any        # this stage's summed loss
+    loss: Any        # this stage's summed loss (a scalar, or the stage's loss dict)
     outputs: Any     # per-micro-batch outputs, leaves [M, ...] (meaningful on the last stage)
     state: Any       # the per-stage state after every tick
     grads: dict      # {"blocks": [v, Lc, ...], "pieces": ...} summed over micro-batches
@@ -169,7 +169,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
     x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
-    _, _, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
+    _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
     sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
     kinds = _used_kinds(prog.ticks)
     flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
@@ -191,7 +191,9 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
         chunk = lambda: jax.tree.map(lambda a: _take(a, j), blocks)  # noqa: E731
         extras = lambda: (jax.tree.map(lambda a: _take(a, mb), inputs), consts,  # noqa: E731
                           row.first > 0, last)
-        dloss = last.astype(jnp.float32)
+        # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
+        # chunk that is not the last has a constant zero loss). The loss may be a dict.
+        dloss = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), loss_sd)
 
         def dy():  # the last chunk has no incoming gradient
             d = _take(c["bin"], row.bwd_in_r)
@@ -214,7 +216,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             else:
                 (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
                 w = dict(w, stash=[_put(s, x, row.stash_w) for s, x in zip(w["stash"], res)])
-            return dict(w, send_f=y.astype(spec.dtype), loss=w["loss"] + loss)
+            return dict(w, send_f=y.astype(spec.dtype),
+                        loss=jax.tree.map(jnp.add, w["loss"], loss))
 
         def stored():
             return [_take(s, row.stash_r) for s in c["stash"]]
@@ -252,7 +255,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
         return c, None
 
     carry = {"fin": slots(prog.fwd_slots, x0), "recv_f": x0, "send_f": x0,
-             "loss": jnp.zeros((), jnp.float32), "state": state,
+             "loss": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), loss_sd),
+             "state": state,
              "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
         carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,

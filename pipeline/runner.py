@@ -25,6 +25,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -32,14 +33,17 @@ from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
+from triax.models.moe import current_runner, run_locally, using_moe_runner
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
+from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
                                   missing_protocol)
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
+from triax.sharding.experts import expert_parallel_size
 from triax.sharding.partition import AbstractModel, abstract_model, specs_for
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -58,10 +62,8 @@ def default_decode_microbatches(stages: int) -> int:
 
 
 def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
-    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact."""
-    if cfg.moe is not None:
-        return (f"model {cfg.name!r} is MoE: the pipeline executor runs dense models only; "
-                f"run it without pipe (use expert/data axes)")
+    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact.
+    Every built-in model pipelines (MoE too: the expert all-to-all runs inside the stages)."""
     return None
 
 
@@ -92,8 +94,8 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     tokens = sd((rows, seq_len), jnp.int32)
     inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
-    extras = (inputs, {"inv_total_weight": sd((), jnp.float32)}, sd((), jnp.bool_),
-              sd((), jnp.bool_))
+    consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
+    extras = (inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
@@ -116,22 +118,6 @@ class PipelineConfig:
     def build(self, stages: int, kind: Optional[str] = None) -> Schedule:
         """The schedule's tick table for ``stages`` stages (``kind`` overrides ``schedule``)."""
         return build(kind or self.schedule, stages, self.num_microbatches(stages), self.virtual)
-
-
-def _manual_spec(spec: P, lead: tuple = ()) -> P:
-    """Keep only the manual axes (`data`) of a parameter spec, after ``lead`` entries."""
-    keep = []
-    for e in spec:
-        axes = (e,) if isinstance(e, str) else tuple(e or ())
-        keep.append(DATA if DATA in axes else None)
-    return P(*lead, *keep)
-
-
-def _data_dim(spec: P) -> Optional[int]:
-    for i, e in enumerate(spec):
-        if DATA in ((e,) if isinstance(e, str) else tuple(e or ())):
-            return i
-    return None
 
 
 class Pipeline:
@@ -180,24 +166,37 @@ class Pipeline:
 
     @cached_property
     def _manual_specs(self):
-        """shard_map specs over the manual axes, and each leaf's `data`-sharded dim (FSDP)."""
+        """shard_map specs over the manual axes, each leaf's `data`-sharded dim (FSDP), and
+        each leaf's spec over the other (automatic) axes, which the FSDP gather keeps."""
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         blocks = self.param_specs["blocks"]
         pieces = {k: v for k, v in self.param_specs.items() if k != "blocks"}
         # Blocks enter as [S, v, Lc, ...]: pipe on the stage dim, then the layer spec's rest.
-        bspec = jax.tree.map(lambda s: _manual_spec(s[1:], (PIPE, None, None)), blocks,
+        bspec = jax.tree.map(lambda s: manual_spec(s[1:], (PIPE, None, None)), blocks,
                              is_leaf=is_p)
-        bdims = jax.tree.map(lambda s: None if _data_dim(s[1:]) is None else
-                             _data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
-        return (bspec, jax.tree.map(_manual_spec, pieces, is_leaf=is_p), bdims,
-                jax.tree.map(_data_dim, pieces, is_leaf=is_p))
+        bdims = jax.tree.map(lambda s: None if data_dim(s[1:]) is None else
+                             data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
+        bauto = jax.tree.map(lambda s: P(None, None, None, *auto_spec(s[1:])), blocks,
+                             is_leaf=is_p)
+        return (bspec, jax.tree.map(manual_spec, pieces, is_leaf=is_p),
+                FSDP(bdims, bauto),
+                FSDP(jax.tree.map(data_dim, pieces, is_leaf=is_p),
+                     jax.tree.map(auto_spec, pieces, is_leaf=is_p)))
 
     def _check_batch(self, B: int, M: int) -> int:
         if B % (self.data * M):
             raise ScheduleError(
                 f"batch {B} must split into {self.data} data shard(s) x {M} micro-batches; "
                 f"choose a batch size that is a multiple of {self.data * M}")
-        return B // (self.data * M)
+        micro = B // (self.data * M)
+        ep = 1 if self.cfg is None or self.cfg.moe is None else expert_parallel_size(
+            self.mesh, self.strategy.rules)
+        if micro % ep:
+            raise ScheduleError(
+                f"a micro-batch of {micro} rows per data shard must split over the expert "
+                f"axis ({ep}) for the all-to-all; choose a batch size that is a multiple of "
+                f"{self.data * M * ep} or fewer micro-batches")
+        return micro
 
     @cached_property
     def _stages(self) -> dict:
@@ -229,19 +228,19 @@ class Pipeline:
         state = {} if state is None else self.layout.to_stages(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
                         self.exe.dtype, state_mb_axis=1)
-        bspec, pspec, bdims, pdims = self._manual_specs
+        bspec, pspec, bfsdp, pfsdp = self._manual_specs
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
         def body(blocks, pieces, inputs, consts, state):
-            blocks = jax.tree.map(lambda a: a[0], _gather(blocks, bdims))   # [v, Lc, ...]
-            pieces = _gather(pieces, pdims)
+            blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(blocks))   # [v, Lc, ...]
+            pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
             # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
             state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
                                  state)
             # Activation constraints would name manual axes; parameters carry TP instead.
-            with using_constraint(None):
+            with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())):
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
@@ -250,8 +249,8 @@ class Pipeline:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
             return (loss, outputs, state,
-                    _reduce_data(jax.tree.map(lambda g: g[None], res.grads["blocks"]), bdims),
-                    _reduce_data(g_pieces, pdims))
+                    bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"])),
+                    pfsdp.reduce(g_pieces))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
         out_specs = (P(), per_stage_rows, state_spec, bspec if backward else {},
@@ -269,7 +268,7 @@ class Pipeline:
             model = nnx.merge(self.abstract.graphdef, params)
             consts = {"inv_total_weight": 1.0 / loss_weight(model, batch)}
             loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                       dict(batch), consts)
+                                                       self._data_major(dict(batch)), consts)
             return loss, g_blocks, g_pieces
         weights = batch.get("weights")
         if weights is None:
@@ -278,21 +277,54 @@ class Pipeline:
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights,
                   # packed documents: their boundaries travel with each micro-batch's tokens
                   **{k: batch[k] for k in ("segment_ids", "positions") if k in batch}}
-        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0)}
+        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
+                  "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
         loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                   inputs, consts)
+                                                   self._data_major(inputs), consts)
         return loss, g_blocks, g_pieces
 
+    def _data_major(self, tree):
+        """Reorder the batch rows so that `data` is their major split. The batch is stored
+        split over the rules' batch axes in order (``("expert", "data")``: expert-major);
+        the pipeline's manual `data` wants each shard's rows contiguous. On the stored
+        layout this is a relabelling (every row stays on its device), where splitting the
+        stored order over `data` would move rows between devices."""
+        sizes = mesh_sizes(self.mesh)
+        axes = [a for a in self.strategy.rules.mesh_axes("batch") if sizes.get(a, 1) > 1]
+        if DATA not in axes or axes[0] == DATA:
+            return tree
+        k, lead = len(axes), [sizes[a] for a in axes]
+        perm = [axes.index(DATA)] + [i for i, a in enumerate(axes) if a != DATA]
+
+        def one(a):
+            split = a.reshape(lead + [-1] + list(a.shape[1:]))
+            return split.transpose(perm + list(range(k, split.ndim))).reshape(a.shape)
+        return jax.tree.map(one, tree)
+
+    def microbatch_rows(self, batch_size: int) -> np.ndarray:
+        """``[M, rows]``: the batch rows each training micro-batch holds, over all data
+        shards (a MoE's auxiliary losses are per micro-batch: ``stage._with_aux``)."""
+        M = self.schedule.microbatches
+        rows = self._data_major(np.arange(batch_size))
+        return rows.reshape(self.data, M, -1).transpose(1, 0, 2).reshape(M, -1)
+
+    def _with_aux(self, loss):
+        """``(loss, aux)`` from the stages' summed loss (a dict with a MoE's aux losses)."""
+        if isinstance(loss, dict):
+            return loss["loss"], {k: v for k, v in loss.items() if k != "loss"}
+        return loss, {} if self.cfg is None else {"ce": loss}
+
     def loss_and_grad(self, params, batch):
-        """``((loss, aux), grads)`` of the whole model; same contract as the train step's."""
+        """``((loss, aux), grads)`` of the whole model; same contract as the train step's.
+        A MoE's auxiliary losses are per micro-batch, averaged (``stage._with_aux``)."""
         loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
         grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
-        return (loss, {} if self.cfg is None else {"ce": loss}), grads
+        return self._with_aux(loss), grads
 
     def forward(self, params, batch):
         """Pipelined evaluation with the forward-only schedule: ``(loss, aux)``, no grads."""
         loss, _, _ = self._loss_run(self._forward_schedule(), params, batch)
-        return loss, {} if self.cfg is None else {"ce": loss}
+        return self._with_aux(loss)
 
     def decode(self, params, tokens_BT, positions_BT, cache):
         """``(logits_BTV, cache)`` for ``T`` new tokens per row at ``positions_BT``, through
@@ -302,6 +334,16 @@ class Pipeline:
         _, logits, cache, _, _ = self._run(self._forward_schedule(), self._stages["logits"],
                                            params, inputs, {}, cache)
         return logits[-1], cache
+
+
+def _stats_over_data(inner):
+    """A MoE runner for inside the pipeline: ``inner``'s (None: whole arrays), with the router
+    statistics summed over the manual `data` axis too, so a micro-batch's auxiliary losses
+    cover its rows on every data shard (as the unpipelined model's cover the whole batch)."""
+    def run(token_fn, x_BTD, router_DE, weights):
+        y_BTD, stats = (inner or run_locally)(token_fn, x_BTD, router_DE, weights)
+        return y_BTD, jax.lax.psum(stats, DATA)
+    return run
 
 
 def _protocol_problem(am: AbstractModel) -> Optional[str]:
@@ -315,19 +357,6 @@ def _protocol_problem(am: AbstractModel) -> Optional[str]:
                 f"blocks named 'blocks', embed(batch), block(block, x, batch), "
                 f"head_loss(x, batch)); see docs/your_model.md")
     return None
-
-
-def _gather(tree, dims):
-    """FSDP: all-gather the `data`-sharded dimension once per step (outside the tick loop)."""
-    return jax.tree.map(lambda a, d: a if d is None else
-                        jax.lax.all_gather(a, DATA, axis=d, tiled=True), tree, dims)
-
-
-def _reduce_data(tree, dims):
-    """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""
-    return jax.tree.map(lambda g, d: jax.lax.psum(g, DATA) if d is None else
-                        jax.lax.psum_scatter(g, DATA, scatter_dimension=d, tiled=True),
-                        tree, dims)
 
 
 def pipeline_forward(cfg: ModelConfig, mesh: Mesh, strategy="dp",

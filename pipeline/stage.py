@@ -59,8 +59,9 @@ class Stage:
     ``extras`` is ``(inputs, consts, first, last)``: this micro-batch's inputs, step-wide
     constants, and the chunk's place in the model. ``head="loss"``: inputs ``tokens``,
     ``targets``, ``weights`` (and, for packed documents, ``segment_ids`` and ``positions``),
-    consts ``inv_total_weight``; the last chunk adds
-    ``Σ w·nll / total weight`` to the loss, ``out`` and ``state`` are empty. ``head="logits"``
+    consts ``inv_total_weight`` (and ``aux_scale`` for MoE); the last chunk adds
+    ``Σ w·nll / total weight`` to the loss, ``out`` and ``state`` are empty. A MoE model's
+    loss is a dict with its auxiliary losses (:func:`_with_aux`). ``head="logits"``
     (decode): inputs ``tokens``, ``positions``; ``state`` is the chunk's KV cache for this
     micro-batch, ``out`` the logits (zeros on chunks that are not the last).
     """
@@ -90,20 +91,39 @@ class Stage:
                          lambda: x_in_BTD)
         if self.head == "loss":
             seg = inputs.get("segment_ids")
-            y_BTD, _, _ = model.run_blocks(x, inputs.get("positions"),
-                                           None if seg is None else segment_mask(seg),
-                                           exe=self.exe)
+            y_BTD, aux, _ = model.run_blocks(x, inputs.get("positions"),
+                                             None if seg is None else segment_mask(seg),
+                                             exe=self.exe)
 
             def loss():
                 nll = weighted_nll_sum(model.logits(y_BTD, self.exe), inputs["targets"],
                                        inputs["weights"])
                 return nll * consts["inv_total_weight"]
-            return y_BTD, jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32)), {}, state
+            ce = jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32))
+            return y_BTD, _with_aux(ce, aux, consts), {}, state
         y_BTD, _, state = model.run_blocks(x, inputs["positions"], exe=self.exe, cache=state)
         logits = lambda: model.logits(y_BTD, self.exe).astype(jnp.float32)  # noqa: E731
         out = jax.lax.cond(last, logits,
                            lambda: jnp.zeros(jax.eval_shape(logits).shape, jnp.float32))
         return y_BTD, jnp.zeros((), jnp.float32), out, state
+
+
+def _with_aux(ce, aux: dict, consts: dict):
+    """The stage's loss: ``ce`` alone (dense), or with the chunk's auxiliary losses (MoE)
+    ``{"loss": ce + w·aux, "ce": ce, **aux}``, every aux term times ``consts["aux_scale"]``.
+
+    The auxiliary losses are per micro-batch, as under gradient accumulation: the router's
+    load balance is a product of two token sums, so it does not split over micro-batches,
+    and a micro-batch's backward runs before the last one's forward. ``aux_scale`` (1 / (M ·
+    data shards)) makes the sum over micro-batches, data shards and stages the mean over
+    micro-batches of each scalar summed over layers, as the unpipelined model reports it.
+    Only ``loss`` is differentiated; the rest are reported."""
+    if not aux:
+        return ce
+    scale = consts["aux_scale"]
+    weighted = sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
+    return {"loss": ce + scale * weighted, "ce": jax.lax.stop_gradient(ce),
+            **{k: jax.lax.stop_gradient(v) * scale for k, v in aux.items()}}
 
 
 class PipelineModel(Protocol):

@@ -83,7 +83,7 @@ def _token_axes(mesh: Mesh, rules: Rules, axes: tuple[str, ...]) -> tuple[str, .
 
 def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Callable:
     token_axes = _token_axes(mesh, rules, axes)
-    x_spec, w_spec = P(token_axes), P(axes)
+    w_spec = P(axes)
 
     def experts(buf_BECD, weights):
         b, E, C, D = buf_BECD.shape
@@ -93,23 +93,27 @@ def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Ca
         y = jax.lax.all_to_all(y, axes, 1, 1, tiled=True)   # back to [b, dst rank, ...]
         return y.reshape(b, E, C, D)
 
-    data_axes = tuple(a for a in token_axes if a not in axes)
-
-    def local(token_fn, x_BTD, router_DE, weights):
+    def local(token_fn, manual, x_BTD, router_DE, weights):
+        data_axes = tuple(a for a in manual if a not in axes)
         if data_axes:  # mark the fp32 weights as per-shard now, so the gradient's psum over
             # data is fp32 (a bf16 one, after the cast, crashes XLA:CPU and loses precision)
             weights = tuple(jax.lax.pcast(w, data_axes, to="varying") for w in weights)
         with using_constraint(None):   # activation constraints name the full mesh: not here
             y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
-        return y_BTD, jax.lax.psum(stats, token_axes)
+        return y_BTD, jax.lax.psum(stats, manual)
 
     def run(token_fn, x_BTD, router_DE, weights):
         context = jax.sharding.get_abstract_mesh()
         # Inside an enclosing shard_map (the pipeline's) the context mesh carries its manual
-        # axes; nest in it. Otherwise use the concrete mesh.
-        m = context if not context.empty and context.manual_axes else mesh
+        # axes; nest in it, manual over the token axes that are still automatic (the
+        # enclosing one owns the rest, and sums their statistics itself). Otherwise use the
+        # concrete mesh.
+        nested = not context.empty and context.manual_axes
+        m = context if nested else mesh
+        manual = tuple(a for a in token_axes if not nested or a not in context.manual_axes)
+        x_spec = P(manual)
         return jax.shard_map(
-            functools.partial(local, token_fn), mesh=m, axis_names=set(token_axes),
+            functools.partial(local, token_fn, manual), mesh=m, axis_names=set(manual),
             in_specs=(x_spec, P(), (w_spec,) * len(weights)), out_specs=(x_spec, P()),
         )(x_BTD, router_DE, tuple(weights))
     return run

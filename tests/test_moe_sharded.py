@@ -20,8 +20,8 @@ CASES = {  # name: (cfg, mesh sizes, strategy)
     "ep4": (DROPLESS, dict(data=2, expert=4), "dp"),
     "ep8": (DROPLESS, dict(expert=8), "dp"),
     "dp2_ep2_tp2_capacity": (CAPACITY, dict(data=2, expert=2, tensor=2), "tp"),
-    # MoE is not pipelined: with pipe > 1 the layer stack is split over `pipe` for storage
-    # and XLA gathers each layer when the scan reaches it.
+    # Without a pipeline schedule the layer stack is only stored split over `pipe` and XLA
+    # gathers each layer when the scan reaches it (pipelined MoE: test_pipeline_moe.py).
     "dp2_ep2_pipe2": (DROPLESS, dict(data=2, expert=2, pipe=2), "dp"),
 }
 

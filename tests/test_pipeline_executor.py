@@ -76,7 +76,7 @@ def test_forward_only_matches(reference):
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
 
 
-def test_bad_batch_and_moe_errors(reference):
+def test_bad_batch_errors(reference):
     cfg, params, batch, _, _ = reference(2)
     pp = Pipeline(cfg, make_mesh(data=2, pipe=4), "dp", PipelineConfig(microbatches=8))
     with pytest.raises(ScheduleError, match="batch 8 must split into 2 data shard.* x 8 micro"):
@@ -85,5 +85,3 @@ def test_bad_batch_and_moe_errors(reference):
         Pipeline(cfg, make_mesh(data=2, pipe=4), "dp", PipelineConfig("interleaved", 6, 2))
     with pytest.raises(ScheduleError, match="pipe >= 2"):
         Pipeline(cfg, make_mesh(data=8), "dp")
-    with pytest.raises(ScheduleError, match="MoE"):
-        Pipeline(config.TINY_MOE, make_mesh(data=2, pipe=4), "dp")

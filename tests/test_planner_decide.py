@@ -137,13 +137,14 @@ def test_hardware_toml(tmp_path):
     assert hardware.cluster("l40s").intra.name == "pcie4"
 
 
-def test_moe_training_ranks_no_pipelined_plan():
-    """The executor refuses to pipeline MoE: no ranked plan has pipe > 1, and the refused
-    meshes are listed with the executor's reason (pipeline.runner.unpipelinable_reason)."""
+def test_moe_training_ranks_pipelined_plans():
+    """MoE pipelines (the expert all-to-all runs inside the stages): nothing is refused for
+    it, and pipelined plans compete on their priced cost (pipe × expert ranks first here)."""
     w = _w("mixtral-8x7b", train=True, batch=64)
+    assert unpipelinable_reason(w.cfg) is None
     rec = plan(w, hardware.cluster("h100-80gb", 8, 4), top=4)
-    assert rec.plans and all(p.layout.pipe == 1 for p in rec.plans)
-    assert any("Not runnable" in r and unpipelinable_reason(w.cfg) in r for r in rec.reasoning)
+    assert any(p.layout.pipe > 1 and p.layout.expert > 1 for p in rec.plans)
+    assert not any("Not runnable" in r or "No pipeline stages" in r for r in rec.reasoning)
 
 
 def test_schedule_constraints_are_the_generators():

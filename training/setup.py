@@ -2,8 +2,9 @@
 
 ``triax train``, ``triax inspect``, ``triax.planner.verify`` and the benches all start here,
 so whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
-runs ``triax.pipeline``'s schedule unless the model cannot be pipelined (MoE), in which case
-the plain step keeps the layer stack split over ``pipe``. The schedule is built here, so a bad
+runs ``triax.pipeline``'s schedule unless the model cannot be pipelined
+(``pipeline.runner.unpipelinable_reason``), in which case the plain step keeps the layer
+stack split over ``pipe``. The schedule is built here, so a bad
 schedule / micro-batch combination fails before anything compiles.
 
     >>> from triax.training.config import RunConfig
