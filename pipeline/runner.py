@@ -34,6 +34,7 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
+from triax.pipeline.chunk_routes import to_compute, to_storage
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
@@ -222,17 +223,26 @@ class Pipeline:
         B = jax.tree.leaves(inputs)[0].shape[0]
         M = schedule.microbatches
         micro = self._check_batch(B, M)
-        blocks = self.layout.to_stages(params["blocks"])
+        lay = self.layout
+        blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
-        state = {} if state is None else self.layout.to_stages(state)  # [S, v, Lc, B, ...]
+        state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
                         self.exe.dtype, state_mb_axis=1)
         bspec, pspec, bdims, pdims = self._manual_specs
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
+        def routes(tree, move):  # [1, v, ...] leaves between storage and compute order
+            if not lay.routed:
+                return tree
+            moved = move(jax.tree.map(lambda a: a[0], tree), lay.stages, lay.virtual, PIPE)
+            return jax.tree.map(lambda a: a[None], moved)
+
         def body(blocks, pieces, inputs, consts, state):
+            blocks = routes(blocks, to_compute)   # before the FSDP gather: 1/data of a chunk
             blocks = jax.tree.map(lambda a: a[0], _gather(blocks, bdims))   # [v, Lc, ...]
+            state = routes(state, to_compute)
             pieces = _gather(pieces, pdims)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
             # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
@@ -243,12 +253,12 @@ class Pipeline:
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
-            state = jax.tree.map(lambda a: rows(a, 2)[None], res.state)
+            state = routes(jax.tree.map(lambda a: rows(a, 2)[None], res.state), to_storage)
             if not backward:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
-            return (loss, outputs, state,
-                    _reduce_data(jax.tree.map(lambda g: g[None], res.grads["blocks"]), bdims),
+            g_blocks = _reduce_data(jax.tree.map(lambda g: g[None], res.grads["blocks"]), bdims)
+            return (loss, outputs, state, routes(g_blocks, to_storage),
                     _reduce_data(g_pieces, pdims))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
@@ -259,7 +269,7 @@ class Pipeline:
                            axis_names={PIPE, DATA}, check_vma=False)
         loss, outputs, state, g_blocks, g_pieces = fn(blocks, pieces, inputs, consts, state)
         if state:
-            state = self.layout.from_stages(state)
+            state = lay.leave(state)
         return loss, outputs, state, g_blocks, g_pieces
 
     def _loss_run(self, schedule: Schedule, params, batch):
@@ -282,7 +292,7 @@ class Pipeline:
     def loss_and_grad(self, params, batch):
         """``((loss, aux), grads)`` of the whole model; same contract as the train step's."""
         loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
-        grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
+        grads = {**g_pieces, "blocks": self.layout.leave(g_blocks)}
         return (loss, {} if self.cfg is None else {"ce": loss}), grads
 
     def forward(self, params, batch):
