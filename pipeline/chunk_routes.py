@@ -38,6 +38,19 @@ def chunk_routes(stages: int, virtual: int) -> tuple[tuple[Route, ...], ...]:
     return tuple(rounds)
 
 
+def moving_rounds(stages: int, virtual: int) -> int:
+    """How many of :func:`chunk_routes`' rounds send a chunk over ``pipe`` (a round that keeps
+    every chunk on its stage moves nothing): per device, the chunks each direction moves."""
+    return sum(any(d != s for d, _, s, _ in rd) for rd in chunk_routes(stages, virtual))
+
+
+def routed(num_layers: int, stages: int, virtual: int) -> bool:
+    """Whether the pipeline moves chunks with :func:`to_compute`: interleaved (``v > 1``) with
+    whole chunks on each stage's storage (``S·v | L``). Otherwise no chunk moves (``v = 1``)
+    or the stack is kept whole on every stage (uneven ``L``, ``pipeline_strategy``)."""
+    return virtual > 1 and num_layers % (stages * virtual) == 0
+
+
 def _perfect_matching(S: int, edges: list[Route]) -> list[Route]:
     """A perfect matching of a regular bipartite multigraph (augmenting paths; S is small)."""
     out = {d: [e for e in edges if e[0] == d] for d in range(S)}

@@ -36,11 +36,12 @@ from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
+from triax.pipeline.chunk_routes import to_compute, to_storage
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
-                                  missing_protocol)
+from triax.pipeline.split_backward import StageBackward
+from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.experts import expert_parallel_size
@@ -79,15 +80,16 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
     """
     schedule = config.build(stages)
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
-    res_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
-    return buffer_bytes(compile_program(schedule), res_shapes, x)
+    res_shapes, cut_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
+    return buffer_bytes(compile_program(schedule), res_shapes, x, cut_shapes)
 
 
 @functools.lru_cache(maxsize=64)
 def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
                      seq_len: int):
-    """One chunk's pullback residual shapes and its activation: the costly trace, shared by
-    every schedule and micro-batch count with the same chunk (the planner asks many)."""
+    """One chunk's pullback residual shapes, its split backward's cut (what B_in stashes for
+    W) and its activation: the costly trace, shared by every schedule and micro-batch count
+    with the same chunk (the planner asks many)."""
     am = abstract_model(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
@@ -99,8 +101,8 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
-        res = Residuals.trace(loss_only(stage), chunk, pieces, x, extras)
-    return res.shapes, x
+        sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
+    return sb.shapes, sb.cut_shapes, x
 
 
 @dataclass(frozen=True)
@@ -223,17 +225,26 @@ class Pipeline:
         B = jax.tree.leaves(inputs)[0].shape[0]
         M = schedule.microbatches
         micro = self._check_batch(B, M)
-        blocks = self.layout.to_stages(params["blocks"])
+        lay = self.layout
+        blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
-        state = {} if state is None else self.layout.to_stages(state)  # [S, v, Lc, B, ...]
+        state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
                         self.exe.dtype, state_mb_axis=1)
         bspec, pspec, bfsdp, pfsdp = self._manual_specs
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
+        def routes(tree, move):  # [1, v, ...] leaves between storage and compute order
+            if not lay.routed:
+                return tree
+            moved = move(jax.tree.map(lambda a: a[0], tree), lay.stages, lay.virtual, PIPE)
+            return jax.tree.map(lambda a: a[None], moved)
+
         def body(blocks, pieces, inputs, consts, state):
+            blocks = routes(blocks, to_compute)   # before the FSDP gather: 1/data of a chunk
             blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(blocks))   # [v, Lc, ...]
+            state = routes(state, to_compute)
             pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
             # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
@@ -244,13 +255,12 @@ class Pipeline:
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
-            state = jax.tree.map(lambda a: rows(a, 2)[None], res.state)
+            state = routes(jax.tree.map(lambda a: rows(a, 2)[None], res.state), to_storage)
             if not backward:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
-            return (loss, outputs, state,
-                    bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"])),
-                    pfsdp.reduce(g_pieces))
+            g_blocks = bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"]))
+            return (loss, outputs, state, routes(g_blocks, to_storage), pfsdp.reduce(g_pieces))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
         out_specs = (P(), per_stage_rows, state_spec, bspec if backward else {},
@@ -260,7 +270,7 @@ class Pipeline:
                            axis_names={PIPE, DATA}, check_vma=False)
         loss, outputs, state, g_blocks, g_pieces = fn(blocks, pieces, inputs, consts, state)
         if state:
-            state = self.layout.from_stages(state)
+            state = lay.leave(state)
         return loss, outputs, state, g_blocks, g_pieces
 
     def _loss_run(self, schedule: Schedule, params, batch):
@@ -318,7 +328,7 @@ class Pipeline:
         """``((loss, aux), grads)`` of the whole model; same contract as the train step's.
         A MoE's auxiliary losses are per micro-batch, averaged (``stage._with_aux``)."""
         loss, g_blocks, g_pieces = self._loss_run(self.schedule, params, batch)
-        grads = {**g_pieces, "blocks": self.layout.from_stages(g_blocks)}
+        grads = {**g_pieces, "blocks": self.layout.leave(g_blocks)}
         return self._with_aux(loss), grads
 
     def forward(self, params, batch):

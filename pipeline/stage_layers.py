@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from triax.pipeline.chunk_routes import routed
 from triax.sharding.rules import Strategy
 
 
@@ -51,6 +52,30 @@ class StageLayers:
         pad = f", {self.padding} identity padding layer(s)" if self.padding else ""
         return (f"{self.num_layers} layers over {self.stages} stages x {self.virtual} chunk(s): "
                 f"{self.per_chunk} per chunk{pad}")
+
+    @property
+    def routed(self) -> bool:
+        """Interleaved with whole chunks per stage: the chunks enter the pipeline in storage
+        order (:meth:`stored_chunks`) and ``chunk_routes`` moves them inside ``shard_map``."""
+        return routed(self.num_layers, self.stages, self.virtual)
+
+    def stored_chunks(self, blocks):
+        """``[L, ...]`` → ``[S, v, Lc, ...]`` in storage order (chunk ``s*v + r`` at ``[s, r]``):
+        a local reshape of the ``layers → pipe`` split."""
+        shape = (self.stages, self.virtual, self.per_chunk)
+        return jax.tree.map(lambda a: a.reshape(shape + a.shape[1:]), blocks)
+
+    def from_stored_chunks(self, blocks):
+        """Inverse of :meth:`stored_chunks`."""
+        return jax.tree.map(lambda a: a.reshape((self.num_layers,) + a.shape[3:]), blocks)
+
+    def enter(self, blocks):
+        """What the pipeline's ``shard_map`` takes: ``[S, v, Lc, ...]`` in compute order, or in
+        storage order when :attr:`routed` (moved inside). :meth:`leave` is its inverse."""
+        return self.stored_chunks(blocks) if self.routed else self.to_stages(blocks)
+
+    def leave(self, blocks):
+        return self.from_stored_chunks(blocks) if self.routed else self.from_stages(blocks)
 
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""

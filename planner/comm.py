@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
+from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.workload import Layout, Workload, ceil_div
 from triax.sharding.rules import get_strategy
@@ -109,8 +110,14 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
     table = schedule_table(lay.schedule, lay.pipe, M, lay.virtual)
     sends = table.ticks if table is not None else M * lay.virtual
     t.add("collective-permute", act / M, sends * passes)
+    rules = get_strategy(lay.strategy).rules
+    if routed(w.cfg.num_layers, lay.pipe, lay.virtual):
+        # Interleaved: each step moves chunks from their storage stage to the stage that runs
+        # them (and their gradients back), one chunk per device per moving round.
+        chunk = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                    if p.startswith("blocks/")) * FP32 / lay.virtual   # fp32 masters, grads
+        t.add("collective-permute", chunk, moving_rounds(lay.pipe, lay.virtual) * passes)
     if w.train:
-        rules = get_strategy(lay.strategy).rules
         shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
                      if not p.startswith("blocks/"))
         t.add("all-reduce", shared * FP32)

@@ -1,0 +1,41 @@
+"""Interleaved chunks move from their storage stage to their compute stage in ``v`` rounds of
+one ``ppermute`` each, and back: the same placement as ``StageLayers.to_stages``."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from triax.mesh import make_mesh
+from triax.pipeline.chunk_routes import chunk_routes, moving_rounds, to_compute, to_storage
+from triax.pipeline.stage_layers import StageLayers
+
+
+@pytest.mark.parametrize("S,v", [(2, 2), (4, 2), (4, 3), (4, 4), (8, 2), (3, 2), (8, 5)])
+def test_rounds_are_permutations_covering_every_chunk(S, v):
+    rounds = chunk_routes(S, v)
+    assert len(rounds) == v
+    for rd in rounds:   # each round: every stage sends one chunk and receives one
+        assert sorted(d for d, _, _, _ in rd) == list(range(S))
+        assert sorted(s for _, _, s, _ in rd) == list(range(S))
+    moved = sorted((d * v + r, s, j) for rd in rounds for d, r, s, j in rd)
+    assert moved == [(c, c % S, c // S) for c in range(S * v)]   # chunk c runs on c mod S
+    assert moving_rounds(S, v) <= v
+
+
+@pytest.mark.parametrize("S,v", [(4, 2), (2, 4)])
+def test_moves_equal_the_circular_placement_and_return(devices, S, v):
+    mesh = make_mesh(pipe=S, data=8 // S)
+    Lc, L = 2, S * v * 2
+    x = jnp.arange(L * 3, dtype=jnp.float32).reshape(L, 3)
+    layout = StageLayers(L, S, v)
+    assert layout.routed
+
+    def body(a):   # [1, v, Lc, 3] stored -> compute order, and back
+        c = to_compute(a[0], S, v)
+        return c[None], to_storage(c, S, v)[None]
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("pipe"), out_specs=(P("pipe"),) * 2,
+                              axis_names={"pipe"}, check_vma=False))
+    compute, back = f(layout.stored_chunks(x))
+    np.testing.assert_array_equal(np.asarray(compute), np.asarray(layout.to_stages(x)))
+    np.testing.assert_array_equal(np.asarray(layout.from_stored_chunks(back)), np.asarray(x))
