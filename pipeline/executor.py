@@ -125,20 +125,21 @@ def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, i
     (``StageBackward.shapes``); ``x_sd``: the activation passed between stages; ``cut``: what
     B_in stashes for W (``StageBackward.cut_shapes``; default: one activation).
 
-    ``stash``: the live slots (written only inside F's conditional, so no scratch slot);
-    ``op``: one stashed set, read out by the backward op of the tick or produced by its F
-    before it is written in place; ``inbox``: the forward and backward inboxes (live slots
-    plus scratch), the two activations in flight and the two being sent, plus (split
-    backwards) the cut buffer's live slots. Forward-only schedules stash nothing.
+    ``stash``: the live slots (written only inside F's conditional, so no scratch slot; F
+    writes its residuals into the slot and B reads them there, in place, so no further
+    residual set is materialised per tick: ``tests/test_pipeline_tick_tax.py``);
+    ``inbox``: the forward and backward inboxes (live slots plus scratch), the two
+    activations in flight and the two being sent, plus (split backwards) the cut buffer's
+    live slots. Forward-only schedules stash nothing.
     """
     x = _nbytes(x_sd)
     if not program.schedule.has_backward:
-        return {"stash": 0, "op": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
+        return {"stash": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
     res = sum(_nbytes(r) for r in residuals)
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
     if program.schedule.kind.value == "zb-h1":
         inbox += program.ct_slots * sum(_nbytes(c) for c in (cut or [x_sd]))
-    return {"stash": program.stash_slots * res, "op": res, "inbox": inbox}
+    return {"stash": program.stash_slots * res, "inbox": inbox}
 
 
 def _gated(flag, run, live: dict) -> dict:
@@ -234,7 +235,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
 
         def wgt(w):
             cut = [_take(b, row.ct_r) for b in c["cut"]]
-            d_chunk, d_pieces = sb.backward_weight(cut, chunk(), pieces)
+            d_chunk, d_pieces = sb.backward_weight(stored(), cut, chunk(), pieces)
             return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
 
         # Each op: what it runs, and the buffers it writes. Writers run before readers (F

@@ -69,11 +69,13 @@ class StageBackward:
             list(res.shapes), sds(chunk), sds(pieces), sds(x),
             *[jax.ShapeDtypeStruct((), jnp.float32)] * n_loss))
         n_params = len(jax.tree.leaves((chunk, pieces)))
-        # W may read the parameters, nothing F stashed: what it needs of the F stash (each
-        # weight matmul's input) goes into the cut, so B_in frees the stash.
+        # W reads the F stash (each weight matmul's input is there) and the parameters; the
+        # cut is what W needs that only B_in computes (each matmul's output cotangent). With
+        # separate stash and cut buffers this holds less than moving the inputs into the cut
+        # and freeing the stash at B_in: the stash's peak slots are S either way.
         split = jaxpr_split.plan(closed.jaxpr, b_used=[False] * n_params + [True],
                                  w_used=[True] * n_params + [False],
-                                 avail=[False] * len(res.shapes) + [True] * n_params
+                                 avail=[True] * (len(res.shapes) + n_params)
                                  + [False] * (1 + n_loss))
         cut = tuple(jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype) for k in split.cut)
         trees = (jax.tree.structure(chunk), jax.tree.structure(pieces))
@@ -103,16 +105,15 @@ class StageBackward:
         return [a for a, r in zip(args, reads) if r]
 
     def backward_input(self, stored, chunk, pieces, dy, dloss):
-        """B_in: only what ``dx`` needs. ``(dx, cut)``, the cut matching ``cut_shapes``: all
-        W will read besides the parameters, so the F stash can be freed."""
+        """B_in: only what ``dx`` needs. ``(dx, cut)``, the cut matching ``cut_shapes``."""
         args = self._inputs(stored, chunk, pieces, (dy, *jax.tree.leaves(dloss)),
                             self.split.b_reads)
         (dx,), cut = jaxpr_split.run_b(self.split, self.consts, args)
         return dx, list(cut)
 
-    def backward_weight(self, cut, chunk, pieces):
-        """W: the weight gradients from the cut and the parameters: ``(d_chunk, d_pieces)``."""
-        args = self._inputs([None] * len(self.shapes), chunk, pieces, (), self.split.w_reads)
+    def backward_weight(self, stored, cut, chunk, pieces):
+        """W: the weight gradients from the F stash and the cut: ``(d_chunk, d_pieces)``."""
+        args = self._inputs(stored, chunk, pieces, (), self.split.w_reads)
         grads = jaxpr_split.run_w(self.split, self.consts, args, list(cut))
         n = self.grad_trees[0].num_leaves
         return (jax.tree.unflatten(self.grad_trees[0], grads[:n]),

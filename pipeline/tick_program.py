@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from triax.pipeline.schedules import Op, OpKind, Schedule
+from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleKind
 
 
 @jax.tree_util.register_dataclass
@@ -34,8 +34,9 @@ class Ticks:
     Idle cells have kind 0 and read/write scratch slots. ``*_w`` is the slot a tick writes,
     ``*_r`` the slot it reads, per buffer: the forward inbox (an arriving activation is filed
     at ``fwd_in_w``, F reads ``fwd_in_r``), the backward inbox (likewise for gradients), the
-    stash (F writes residuals at ``stash_w``; B or B_in reads ``stash_r`` and frees it), the
-    cut buffer (B_in writes what W needs, W reads) and the per-micro-batch outputs (the last chunk's F writes).
+    stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``; B or W frees it), the
+    cut buffer (B_in writes what W needs of its values, W reads) and the per-micro-batch
+    outputs (the last chunk's F writes).
     """
 
     kind: np.ndarray       # OpKind value; 0 idle
@@ -103,7 +104,9 @@ def compile_program(s: Schedule) -> TickProgram:
     cols = {n: np.full((s.ticks, S), -1 if n.endswith(("_w", "_r")) else 0, np.int32)
             for n in names}
     stash, fin, bin_, ct = ([_Slots() for _ in range(S)] for _ in range(4))
-    stashes = s.has_backward   # forward-only keeps no residuals
+    # The op that frees a forward's stash: B, or (ZB-H1) W, which reads it with the cut.
+    final_kind = (None if not s.has_backward else
+                  OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B)
     for t, row in enumerate(s.table):
         # Messages sent in tick t-1 arrive at the start of tick t.
         for st, op in enumerate(s.table[t - 1] if t else ()):
@@ -117,7 +120,7 @@ def compile_program(s: Schedule) -> TickProgram:
                 cols["bwd_in_w"][t, dst] = bin_[dst].take((op.mb, op.chunk - 1))
         for st, op in enumerate(row):
             if op is not None:
-                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], stashes)
+                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
                 for name, value in cell.items():
                     cols[name][t, st] = value
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
@@ -132,7 +135,7 @@ def compile_program(s: Schedule) -> TickProgram:
                        sizes["ct"])
 
 
-def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, stashes: bool) -> dict:
+def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
     """The fields of one non-idle cell (slots left out are scratch)."""
     key = (op.mb, op.chunk)
     cell = {"kind": int(op.kind), "mb": op.mb, "chunk": op.chunk // S,
@@ -142,7 +145,7 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, stashes: bool) -> dict:
             cell["fwd_in_r"] = fin.free(key)
         if op.chunk == C - 1:
             cell["out_w"] = op.mb
-        if stashes:
+        if final_kind is not None:  # forward-only keeps no residuals
             cell["stash_r"] = cell["stash_w"] = stash.take(key)
         return cell
     if op.kind in (OpKind.B, OpKind.B_IN):
@@ -152,6 +155,5 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, stashes: bool) -> dict:
             cell["ct_r"] = cell["ct_w"] = ct.take(key)
     if op.kind is OpKind.W:
         cell["ct_r"] = ct.free(key)
-        return cell
-    cell["stash_r"] = stash.free(key)
+    cell["stash_r"] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
     return cell

@@ -196,7 +196,7 @@ def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
     buf = _buffers(w.cfg, lay.pipe, config, exe, rows, w.seq)
-    return (buf["stash"] + buf["op"]) / lay.tensor + buf["inbox"]
+    return buf["stash"] / lay.tensor + buf["inbox"]
 
 
 @functools.lru_cache(maxsize=64)

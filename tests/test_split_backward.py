@@ -22,7 +22,7 @@ B, T = 2, 8
 
 
 def _split_vs_full(apply, chunk, pieces, inputs, x):
-    consts = {"inv_total_weight": jnp.float32(0.1)}
+    consts = {"inv_total_weight": jnp.float32(0.1), "aux_scale": jnp.float32(0.5)}
     sb = StageBackward.trace(apply, chunk, pieces, x,
                              (inputs, consts, jnp.bool_(True), jnp.bool_(True)))
 
@@ -34,7 +34,7 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
         dx, cut = sb.backward_input(stored, chunk, pieces, dy, dloss)
         assert [(c.shape, c.dtype) for c in cut] == \
             [(s.shape, s.dtype) for s in sb.cut_shapes]
-        return full, (*sb.backward_weight(cut, chunk, pieces), dx)
+        return full, (*sb.backward_weight(stored, cut, chunk, pieces), dx)
 
     dy = jax.random.normal(jax.random.key(3), x.shape, x.dtype)
     for first in (True, False):
@@ -64,8 +64,8 @@ def _transformer(name, remat="none"):
 @pytest.mark.parametrize("name,remat", [("tiny", "none"), ("tiny", "full"), ("tiny-moe", "none")])
 def test_split_equals_full_backward_transformer(name, remat):
     sb = _transformer(name, remat)
-    if remat == "none":   # the cut (each weight matmul's input and output cotangent) replaces
-        assert sb.cut_bytes < 0.6 * sb.stash_bytes   # F's whole residual set, freed at B_in
+    if remat == "none":       # the cut is what W needs and B_in has: far less than F's stash
+        assert sb.cut_bytes < 0.5 * sb.stash_bytes
 
 
 def test_split_equals_full_backward_protocol_stage():
