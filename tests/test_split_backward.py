@@ -28,8 +28,9 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
 
     @jax.jit
     def both(chunk, pieces, x, first, last, dy):
-        _, stored = sb.forward(apply, chunk, pieces, x, (inputs, consts, first, last))
-        dloss = last.astype(jnp.float32)
+        (_, loss), stored = sb.forward(apply, chunk, pieces, x, (inputs, consts, first, last))
+        # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
+        dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)
         full = sb.backward(stored, chunk, pieces, dy, dloss)
         dx, cut = sb.backward_input(stored, chunk, pieces, dy, dloss)
         assert [(c.shape, c.dtype) for c in cut] == \
