@@ -26,7 +26,7 @@ def test_rounds_are_permutations_covering_every_chunk(S, v):
 @pytest.mark.parametrize("S,v", [(4, 2), (2, 4)])
 def test_moves_equal_the_circular_placement_and_return(devices, S, v):
     mesh = make_mesh(pipe=S, data=8 // S)
-    Lc, L = 2, S * v * 2
+    L = S * v * 2   # two layers per chunk
     x = jnp.arange(L * 3, dtype=jnp.float32).reshape(L, 3)
     layout = StageLayers(L, S, v)
     assert layout.routed
