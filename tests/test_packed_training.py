@@ -3,7 +3,7 @@ resume through `train` that is bit-identical (fp32, tiny shapes, few compiles)."
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 
 from data_helpers import make_tokenizer, sft_records, write_jsonl
 from triax.checkpoint import Checkpointer

@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
 from triax.models import config

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.loss import weighted_nll_sum

@@ -5,7 +5,7 @@ B_in stashes for W is smaller than the forward's residual set."""
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 from flax import nnx
 from user_models import ViT, VitConfig, image_batch, vit_loss
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 from triax.checkpoint import Checkpointer
 from triax.cli.main import main
 from triax.mesh import make_mesh

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_trees_close
+from tree_checks import assert_trees_close
 from flax import nnx
 from user_models import (MIXER_RULES, Mixer, MixerConfig, ViT, VitConfig, image_batch,
                          mixer_batch, mixer_loss, vit_loss)
