@@ -221,26 +221,26 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
 
 def run_b(s: Split, consts, args) -> tuple[list, list]:
     """B: ``(b outputs, cut)`` from the inputs B reads (``s.b_reads``), in order."""
-    env = dict(zip(s.jaxpr.constvars, consts))
-    env.update((v, a) for v, a in zip([v for v, r in zip(s.jaxpr.invars, s.b_reads) if r], args))
-    for node in s.b_nodes:
-        if isinstance(node, (_ScanNode, _CondNode)):
-            node.run_b(env)
-        else:
-            env.update(zip(node.outvars, _bind(node, [_read(env, v) for v in node.invars])))
+    env = _run(s, dict(zip(s.jaxpr.constvars, consts)), s.b_reads, args, s.b_nodes, "run_b")
     return [_read(env, v) for v in s.b_outs], [env[k] for k in s.cut]
 
 
 def run_w(s: Split, consts, args, cut) -> list:
     """W: the ``w`` outputs from the inputs W reads (``s.w_reads``), in order, and the cut."""
     env = dict(zip(s.jaxpr.constvars, consts)) | dict(zip(s.cut, cut))
-    env.update((v, a) for v, a in zip([v for v, r in zip(s.jaxpr.invars, s.w_reads) if r], args))
-    for node in s.w_nodes:
+    env = _run(s, env, s.w_reads, args, s.w_nodes, "run_w")
+    return [_read(env, v) for v in s.w_outs]
+
+
+def _run(s: Split, env: dict, reads, args, nodes, part: str) -> dict:
+    """Evaluate one part's nodes in order (split scan/cond nodes run their ``part``)."""
+    env.update(zip([v for v, r in zip(s.jaxpr.invars, reads) if r], args))
+    for node in nodes:
         if isinstance(node, (_ScanNode, _CondNode)):
-            node.run_w(env)
+            getattr(node, part)(env)
         else:
             env.update(zip(node.outvars, _bind(node, [_read(env, v) for v in node.invars])))
-    return [_read(env, v) for v in s.w_outs]
+    return env
 
 
 def _set(env, outvars, used, vals):
