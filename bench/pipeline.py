@@ -27,7 +27,7 @@ from tables import BENCHMARKS_MD, write_section  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.axes import using_constraint  # noqa: E402
-from triax.models.layers import causal_mask  # noqa: E402
+from triax.models.attention import Visibility  # noqa: E402
 from triax.models.transformer import cross_entropy, scan_blocks  # noqa: E402
 from triax.pipeline import build  # noqa: E402
 from triax.pipeline.runner import PipelineConfig  # noqa: E402
@@ -59,7 +59,7 @@ def vmapped_gpipe(trainer: Trainer, M: int):
 
         def stage(p, h):
             with using_constraint(None):
-                return scan_blocks(gd, p, h, pos, causal_mask(T, b), cfg, trainer.exe)[0]
+                return scan_blocks(gd, p, h, pos, Visibility.causal(b, T), cfg, trainer.exe)[0]
 
         def tick(carry, t):
             state, outs = carry

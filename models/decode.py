@@ -1,4 +1,4 @@
-"""The KV cache: its layout, its mask, and how new keys/values are written into it.
+"""The KV cache: its layout and how new keys/values are written into it.
 
 The cache is one pair of arrays per model, ``k_LBSKH`` and ``v_LBSKH`` (layers, batch rows,
 cache positions, KV heads, head dim), with logical axes ``CACHE_AXES``. The forward that uses
@@ -9,7 +9,7 @@ are independent, so a batch mixes prompts of different lengths (and, in serving,
 different steps).
 
 Slots after a row's current position may hold stale values from padding or an earlier
-request; the mask hides them, and they are overwritten before any query can see them
+request; the cache's visibility (``models.attention.Visibility.cache``) hides them, and they are overwritten before any query can see them
 (a position is always written in the same call that first attends to it).
 
     >>> import jax.numpy as jnp
@@ -41,11 +41,6 @@ def cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype=jnp.float32) -> Cache:
     shape = cache_shape(cfg, batch, length)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def cache_mask(positions_BT, length: int):
-    """True where the query at ``positions_BT`` may see cache slot ``s`` (``s <= position``)."""
-    return jnp.arange(length)[None, None, :] <= positions_BT[:, :, None]
 
 
 def write_rows(cache_BSKH, new_BTKH, start_B):

@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.models.attention import Visibility, attention
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig, RopeScaling
-from triax.models.decode import Cache, cache_mask, write_layer
+from triax.models.decode import Cache, write_layer
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class ExecConfig:
 
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute over fp32 master parameters
     remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
+    attention: str = "reference"    # see triax.models.attention.IMPLEMENTATIONS
 
     @property
     def dtype(self):
@@ -82,35 +84,6 @@ def rope(x_BTNH, positions_BT, theta: float, scaling: Optional[RopeScaling] = No
     return out.astype(x_BTNH.dtype)
 
 
-def attend(q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-    """Grouped-query attention core. ``mask_BTS`` is True where a query may see a key.
-
-    KV heads are repeated to the query heads (local on every tensor rank, whether KV heads
-    are sharded or replicated), so scores shard cleanly over heads.
-    """
-    G = q_BTNH.shape[2] // k_BSKH.shape[2]
-    k_BSNH = jnp.repeat(k_BSKH, G, axis=2)
-    v_BSNH = jnp.repeat(v_BSKH, G, axis=2)
-    k_BSNH = constrain(k_BSNH, ("batch", "kv_seq", "act_heads", "act_head_dim"))
-    v_BSNH = constrain(v_BSNH, ("batch", "kv_seq", "act_heads", "act_head_dim"))
-    scale = 1.0 / math.sqrt(q_BTNH.shape[-1])
-    s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH).astype(jnp.float32) * scale
-    s_BNTS = jnp.where(mask_BTS[:, None, :, :], s_BNTS, jnp.finfo(jnp.float32).min)
-    p_BNTS = jax.nn.softmax(s_BNTS, axis=-1).astype(v_BSNH.dtype)
-    return jnp.einsum("BNTS,BSNH->BTNH", p_BNTS, v_BSNH)
-
-
-def causal_mask(T: int, B: int = 1):
-    return jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
-
-
-def segment_mask(segment_ids_BT):
-    """Causal attention inside each packed document: a query sees a key only when both
-    carry the same segment id (``triax.training.packing``; padding is segment 0)."""
-    same_BTS = segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
-    return same_BTS & causal_mask(segment_ids_BT.shape[1], segment_ids_BT.shape[0])
-
-
 class Attention(nnx.Module):
     """Megatron layout: QKV column-parallel over heads, output row-parallel."""
 
@@ -138,16 +111,20 @@ class Attention(nnx.Module):
         out = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.wo_NHD[...].astype(dtype))
         return constrain(out, ("batch", "seq", "act_embed"))
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype, cache: Optional[Cache] = None):
-        """``(out_BTD, cache)``. Without a cache the ``T`` tokens attend to each other under
-        ``mask_BTS``; with this layer's cache (``[B, S, K, H]``) their keys/values are written at
-        ``positions_BT`` and the queries attend over the cache (``mask_BTS`` is ignored)."""
-        q, k, v = self.project_qkv(x_BTD, positions_BT, dtype)
+    def __call__(self, x_BTD, positions_BT, vis: Optional[Visibility], exe: ExecConfig,
+                 cache: Optional[Cache] = None):
+        """``(out_BTD, cache)``. Without a cache the ``T`` tokens attend to each other as
+        ``vis`` says (causal when None); with this layer's cache (``[B, S, K, H]``) their
+        keys/values are written at ``positions_BT`` and the queries attend over the cache
+        (``vis`` is ignored)."""
+        q, k, v = self.project_qkv(x_BTD, positions_BT, exe.dtype)
         if cache is not None:
             cache = write_layer(cache, k, v, positions_BT)
-            k, v = cache["k"].astype(dtype), cache["v"].astype(dtype)
-            mask_BTS = cache_mask(positions_BT, k.shape[1])
-        return self.output(attend(q, k, v, mask_BTS), dtype), cache
+            k, v = cache["k"].astype(exe.dtype), cache["v"].astype(exe.dtype)
+            vis = Visibility.cache(positions_BT, k.shape[1])
+        elif vis is None:
+            vis = Visibility.causal(*x_BTD.shape[:2])
+        return self.output(attention(q, k, v, vis, exe.attention), exe.dtype), cache
 
 
 class MLP(nnx.Module):

@@ -26,7 +26,8 @@ from triax.models import moe
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
 from triax.models.decode import Cache
-from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, causal_mask, param
+from triax.models.attention import Visibility
+from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
 from triax.models.loss import cross_entropy  # noqa: F401  (the train step's loss; see loss.py)
 
 REMAT_POLICIES: dict[str, Optional[Callable]] = {
@@ -46,12 +47,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, rngs)
         self.mlp = MLP(cfg, rngs) if cfg.moe is None else moe.MoE(cfg, rngs)
 
-    def __call__(self, x_BTD, positions_BT, mask_BTS, dtype, cache: Optional[Cache] = None):
+    def __call__(self, x_BTD, positions_BT, vis: Optional[Visibility], exe: ExecConfig,
+                 cache: Optional[Cache] = None):
         """``(x_BTD, aux, cache)``; ``cache`` is this layer's KV cache or None (see
         ``Attention.__call__``)."""
-        a_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, dtype, cache)
+        a_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, vis, exe, cache)
         x_BTD = x_BTD + a_BTD
-        y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), dtype)
+        y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), exe.dtype)
         return constrain(x_BTD + y_BTD, ("batch", "seq", "act_embed")), aux, cache
 
 
@@ -60,7 +62,7 @@ def aux_zeros(cfg: ModelConfig) -> dict:
     return {} if cfg.moe is None else moe.aux_zeros()
 
 
-def scan_blocks(block_graphdef, stacked_state, x_BTD, positions_BT, mask_BTS, cfg: ModelConfig,
+def scan_blocks(block_graphdef, stacked_state, x_BTD, positions_BT, vis, cfg: ModelConfig,
                 exe: ExecConfig, cache: Optional[Cache] = None):
     """Run a stack of blocks (any leading layer count) with ``lax.scan``.
 
@@ -72,8 +74,8 @@ def scan_blocks(block_graphdef, stacked_state, x_BTD, positions_BT, mask_BTS, cf
     def body(carry, layer):
         x, aux = carry
         layer_state, layer_cache = layer
-        y, a, layer_cache = nnx.merge(block_graphdef, layer_state)(x, positions_BT, mask_BTS,
-                                                                   exe.dtype, layer_cache)
+        y, a, layer_cache = nnx.merge(block_graphdef, layer_state)(x, positions_BT, vis, exe,
+                                                                   layer_cache)
         return (y, jax.tree.map(jnp.add, aux, a)), layer_cache
 
     if exe.remat != "none":
@@ -108,20 +110,21 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_BT, exe: ExecConfig = ExecConfig()):
         return self.embed(tokens_BT, exe.dtype)
 
-    def run_blocks(self, x_BTD, positions_BT=None, mask_BTS=None, exe: ExecConfig = ExecConfig(),
-                   cache: Optional[Cache] = None):
+    def run_blocks(self, x_BTD, positions_BT=None, vis: Optional[Visibility] = None,
+                   exe: ExecConfig = ExecConfig(), cache: Optional[Cache] = None):
         """``(x_BTD, aux, cache)`` after every block. Positions default to ``0..T-1``; without
-        a cache the mask defaults to causal, with one it comes from the cache positions."""
+        a cache, who sees whom defaults to causal (``triax.models.attention.Visibility``),
+        with one it comes from the cache positions."""
         B, T = x_BTD.shape[:2]
         if positions_BT is None:
             if cache is not None:
                 raise ValueError("run_blocks with a KV cache needs positions_BT: the cache "
                                  "position of every new token")
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if mask_BTS is None and cache is None:
-            mask_BTS = causal_mask(T, B)
+        if vis is None and cache is None:
+            vis = Visibility.causal(B, T)
         gd, st = nnx.split(self.blocks)
-        return scan_blocks(gd, st, x_BTD, positions_BT, mask_BTS, self.cfg, exe, cache)
+        return scan_blocks(gd, st, x_BTD, positions_BT, vis, self.cfg, exe, cache)
 
     def logits(self, x_BTD, exe: ExecConfig = ExecConfig()):
         x_BTD = self.final_norm(x_BTD)
@@ -131,11 +134,11 @@ class Transformer(nnx.Module):
             out = jnp.einsum("BTD,DV->BTV", x_BTD, self.head_DV[...].astype(exe.dtype))
         return constrain(out, ("batch", "seq", "act_vocab"))
 
-    def __call__(self, tokens_BT, positions_BT=None, mask_BTS=None,
+    def __call__(self, tokens_BT, positions_BT=None, vis: Optional[Visibility] = None,
                  exe: ExecConfig = ExecConfig(), cache: Optional[Cache] = None):
         """``(logits_BTV, aux)``; with a KV ``cache`` (``triax.models.decode``) the new
         tokens sit at ``positions_BT`` and ``(logits_BTV, aux, cache)`` is returned."""
         x = self.embed_tokens(tokens_BT, exe)
-        x, aux, new_cache = self.run_blocks(x, positions_BT, mask_BTS, exe, cache)
+        x, aux, new_cache = self.run_blocks(x, positions_BT, vis, exe, cache)
         logits_BTV = self.logits(x, exe)
         return (logits_BTV, aux) if cache is None else (logits_BTV, aux, new_cache)

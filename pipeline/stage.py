@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.layers import ExecConfig, segment_mask
+from triax.models.attention import packed_visibility
+from triax.models.layers import ExecConfig
 from triax.models.loss import weighted_nll_sum
 
 
@@ -46,7 +47,7 @@ class StackedModel(Protocol):
 
     def embed_tokens(self, tokens_BT, exe: ExecConfig): ...
 
-    def run_blocks(self, x_BTD, positions_BT=None, mask_BTS=None, exe: ExecConfig = ...,
+    def run_blocks(self, x_BTD, positions_BT=None, vis=None, exe: ExecConfig = ...,
                    cache: Optional[Any] = None): ...  # -> (x_BTD, aux, cache)
 
     def logits(self, x_BTD, exe: ExecConfig): ...
@@ -90,9 +91,8 @@ class Stage:
                              x_in_BTD.dtype),
                          lambda: x_in_BTD)
         if self.head == "loss":
-            seg = inputs.get("segment_ids")
             y_BTD, aux, _ = model.run_blocks(x, inputs.get("positions"),
-                                             None if seg is None else segment_mask(seg),
+                                             packed_visibility(inputs.get("segment_ids")),
                                              exe=self.exe)
 
             def loss():

@@ -9,7 +9,7 @@ from data_helpers import make_tokenizer, sft_records, write_jsonl
 from triax.checkpoint import Checkpointer
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.models.layers import segment_mask
+from triax.models.attention import packed_visibility
 from triax.pipeline.runner import PipelineConfig
 from triax.text import ByteTokenizer
 from triax.training.config import RunConfig
@@ -58,7 +58,7 @@ def test_packed_batch_gives_each_documents_own_loss(single):
 
 
 def test_segment_mask_is_causal_within_documents():
-    m = np.asarray(segment_mask(np.array([[1, 1, 2, 2, 0]])))[0]
+    m = np.asarray(packed_visibility(np.array([[1, 1, 2, 2, 0]])).mask())[0]
     assert m.tolist() == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
                           [0, 0, 0, 0, 1]]
 

@@ -29,7 +29,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
-from triax.models.layers import ExecConfig, segment_mask
+from triax.models.attention import packed_visibility
+from triax.models.layers import ExecConfig
 from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
@@ -48,10 +49,9 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float3
 
 
 def packed_inputs(batch: Batch) -> tuple:
-    """``(positions_BT, mask_BTS)`` for the model: None, None (causal over ``0..T-1``) unless
+    """``(positions_BT, vis)`` for the model: None, None (causal over ``0..T-1``) unless
     the batch packs documents (``segment_ids``, ``positions``)."""
-    seg = batch.get("segment_ids")
-    return batch.get("positions"), None if seg is None else segment_mask(seg)
+    return batch.get("positions"), packed_visibility(batch.get("segment_ids"))
 
 
 def model_loss(am: AbstractModel, exe: ExecConfig):
