@@ -82,7 +82,7 @@ def served(devices):
             rids[i] = rid
             server.future(rid).add_done_callback(lambda f, rid=rid: completions.update([rid]))
         for i, rid in rids.items():
-            outcome[i] = server.result(rid, timeout=300)
+            outcome[i] = server.result(rid, timeout=60)
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-5)       # switch threads often, so unguarded state would race
@@ -152,7 +152,7 @@ def test_a_failed_step_fails_its_requests_and_frees_their_slots(served):
         server.start()
         for rid in rids:
             with pytest.raises(RuntimeError, match="device lost"):
-                server.result(rid, timeout=300)
+                server.result(rid, timeout=60)
         with pytest.raises(RuntimeError, match="device lost"):
             server.stop()
         with pytest.raises(InferenceError, match="stopped on an error"):
