@@ -129,6 +129,7 @@ class Server:
         self._futures: dict[int, Future] = {}          # unfinished requests
         self._failed: dict[int, BaseException] = {}     # requests the server gave up on
         self._thread: threading.Thread | None = None
+        self._loop = threading.Lock()  # held by whichever loop serves (run() or start())
         self._stopping = self._drain = False
         self._error: BaseException | None = None
 
@@ -148,7 +149,7 @@ class Server:
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
         """Compile every replica's programs for these prompt lengths before serving."""
-        if self.serving or self.free_slots < self.total_slots:
+        if self._loop.locked() or self.free_slots < self.total_slots:
             raise InferenceError("warmup() needs an idle server (no live requests, not "
                                  "serving in the background); call it before start()")
         for eng in self.engines:
@@ -225,15 +226,17 @@ class Server:
     def run(self) -> dict[int, Result]:
         """Serve until the queue is empty and every slot is free (requests submitted from
         other threads meanwhile are served too); returns all results so far."""
-        if self.serving:
-            raise InferenceError("run() while start() serves in the background; wait on "
-                                 "result(rid) instead, or stop() first")
+        if not self._loop.acquire(blocking=False):
+            raise InferenceError("run() while another loop serves (start() or run() in "
+                                 "another thread); wait on result(rid) instead, or stop() first")
         try:
             while self._step():
                 pass
         except BaseException as e:
             self._fail(e, fatal=True)
             raise
+        finally:
+            self._loop.release()
         return self.results
 
     @property
@@ -243,8 +246,9 @@ class Server:
 
     def start(self) -> "Server":
         """Serve in a background thread until ``stop()``; returns the server."""
-        if self.serving:
-            raise InferenceError("the server is already serving; call stop() first")
+        if not self._loop.acquire(blocking=False):
+            raise InferenceError("the server is already serving (start() or run()); call "
+                                 "stop() first, or let run() return")
         self._stopping = False
         self._thread = threading.Thread(target=self._serve_forever, name="triax-server",
                                         daemon=True)
@@ -288,6 +292,8 @@ class Server:
                 self._step()
         except BaseException as e:  # the callers waiting on futures must hear of it
             self._fail(e, fatal=True)
+        finally:
+            self._loop.release()
 
     def _fail(self, exc: BaseException, fatal: bool = False) -> None:
         """Fail every unfinished request with ``exc`` and free its slot."""

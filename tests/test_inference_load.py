@@ -138,6 +138,15 @@ def test_no_slot_leaks_and_served_alone_matches(served):
     assert server.free_slots == server.total_slots
 
 
+def test_one_serving_loop_at_a_time(served):
+    server = served[0]
+    with server:
+        for second_loop in (server.run, server.start, lambda: server.warmup([1])):
+            with pytest.raises(InferenceError, match="serving|serves"):
+                second_loop()
+    assert not server.serving
+
+
 def test_a_failed_step_fails_its_requests_and_frees_their_slots(served):
     server, _, reqs, _, _ = served
     prompt, m, _ = next(r for r in reqs if r[2] is None and r[1] > 1)
