@@ -85,7 +85,7 @@ def served(devices):
             outcome[i] = server.result(rid, timeout=60)
 
     old = sys.getswitchinterval()
-    sys.setswitchinterval(1e-5)       # switch threads often, so unguarded state would race
+    sys.setswitchinterval(1e-5)       # switch threads often: races become likelier
     try:
         with server:                  # serves in a background thread meanwhile
             threads = [threading.Thread(target=client, args=(k,)) for k in range(THREADS)]
