@@ -17,6 +17,7 @@ decodes through the pipeline (``triax.inference.forward``).
 from __future__ import annotations
 
 import dataclasses
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -164,6 +165,25 @@ class Engine:
                 f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} does not "
                 f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
                 f"max_new_tokens, or raise max_len (at most {self.cfg.max_seq_len})")
+
+    def check_token_ids(self, prompt: Sequence) -> list[int]:
+        """The prompt as a list of ints; raise if an entry is not an integer id in the
+        model's vocabulary (an embedding lookup would silently clamp it)."""
+        out = []
+        for i, t in enumerate(prompt):
+            try:
+                out.append(operator.index(t))
+            except TypeError:
+                raise InferenceError(f"prompt entry {i} is {t!r}, not an integer token id; "
+                                     f"encode text with the model's tokenizer") from None
+        V = self.cfg.vocab_size
+        bad = [(i, t) for i, t in enumerate(out) if not 0 <= t < V]
+        if bad:
+            shown = ", ".join(f"{t} at position {i}" for i, t in bad[:4])
+            raise InferenceError(f"prompt token id(s) outside the vocabulary [0, {V}): {shown}"
+                                 f"{' ...' if len(bad) > 4 else ''}; encode with the model's "
+                                 f"own tokenizer")
+        return out
 
     def _bucket(self, n_tokens: int) -> int:
         return next(b for b in self.ecfg.buckets() if b >= n_tokens)

@@ -16,13 +16,26 @@ stops frees its slot at once, and the next iteration fills it.
     >>> results = server.run()             # {request id: Result}
     >>> len(results[rid].tokens), results[rid].ttft_s > 0
     (8, True)
+
+``submit`` is thread-safe; ``with server:`` serves in a background thread meanwhile, and
+``result(rid)`` waits for one request (``future(rid)`` gives a ``concurrent.futures.Future``):
+
+    >>> with server:
+    ...     rid = server.submit([72, 105], max_new_tokens=4)
+    ...     server.result(rid, timeout=60).tokens == results[0].tokens[:4]
+    True
+    >>> server.free_slots == server.total_slots   # every slot back
+    True
 """
 from __future__ import annotations
 
 import collections
 import math
+import operator
+import threading
 import time
 import zlib
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -93,7 +106,12 @@ def replica_meshes(mesh_sizes: Mapping[str, int], replicas: int, devices=None) -
 
 
 class Server:
-    """Continuous-batching request server over one or more replica engines."""
+    """Continuous-batching request server over one or more replica engines.
+
+    ``submit`` is thread-safe. Serve either with ``run()`` (blocks until everything queued,
+    including requests other threads submit meanwhile, is done) or with ``start()`` /
+    ``stop()`` (or ``with server:``), which serve in a background thread while callers wait
+    on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
     def __init__(self, engines: Sequence[Engine]):
         self.engines = list(engines)
@@ -104,6 +122,16 @@ class Server:
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0}
         self._next_id = 0
+        # One lock guards the queue, the slot table, results and futures: submitters and
+        # observers touch them from other threads while the serving loop runs.
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)  # a request arrived, or stop()
+        self._futures: dict[int, Future] = {}          # unfinished requests
+        self._failed: dict[int, BaseException] = {}     # requests the server gave up on
+        self._thread: threading.Thread | None = None
+        self._loop = threading.Lock()  # held by whichever loop serves (run() or start())
+        self._stopping = self._drain = False
+        self._error: BaseException | None = None
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy="tp",
@@ -121,49 +149,193 @@ class Server:
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
         """Compile every replica's programs for these prompt lengths before serving."""
-        if any(s is not None for row in self.slots for s in row):
-            raise InferenceError("warmup() needs an idle server (no live requests)")
+        if self._loop.locked() or self.free_slots < self.total_slots:
+            raise InferenceError("warmup() needs an idle server (no live requests, not "
+                                 "serving in the background); call it before start()")
         for eng in self.engines:
             eng.warmup(prompt_lengths)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None) -> int:
-        """Queue a request; returns its id. ``seed`` defaults to a hash of the prompt, so
-        sampled text does not depend on arrival order."""
-        prompt = [int(t) for t in prompt]
+        """Queue a request and return its id; safe to call from any thread, also while the
+        server is serving. A request that cannot be served (empty or over-long prompt,
+        ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
+        ``InferenceError`` here and queues nothing. ``seed`` defaults to a hash of the
+        prompt, so sampled text does not depend on arrival order."""
+        prompt = self.engines[0].check_token_ids(prompt)
+        try:
+            max_new_tokens = operator.index(max_new_tokens)
+        except TypeError:
+            raise InferenceError(f"max_new_tokens must be an integer, got "
+                                 f"{max_new_tokens!r}") from None
         self.engines[0].check_prompt(len(prompt), max_new_tokens)
         if seed is None:
             seed = zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
-        rid = self._next_id
-        self._next_id += 1
-        res = Result(rid, prompt, submitted=time.perf_counter())
-        self.queue.append(_Live(res, max_new_tokens, seed))
+        fut: Future = Future()
+        fut.set_running_or_notify_cancel()  # a queued request is not cancellable
+        with self._wake:
+            if self._error is not None:
+                raise InferenceError(f"the server stopped on an error ({self._error!r}); "
+                                     f"build a new Server") from self._error
+            rid = self._next_id
+            self._next_id += 1
+            self._futures[rid] = fut
+            self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
+                                    max_new_tokens, seed))
+            self._wake.notify()
         return rid
 
+    def future(self, request_id: int) -> Future:
+        """A ``concurrent.futures.Future`` that resolves to the request's ``Result`` (or
+        raises why it could not be served); usable with ``concurrent.futures.wait``."""
+        with self._lock:
+            if request_id in self._futures:
+                return self._futures[request_id]
+            done: Future = Future()
+            if request_id in self.results:
+                done.set_result(self.results[request_id])
+            elif request_id in self._failed:
+                done.set_exception(self._failed[request_id])
+            else:
+                raise InferenceError(f"no request with id {request_id}; use an id that "
+                                     f"submit() returned")
+            return done
+
+    def result(self, request_id: int, timeout: float | None = None) -> Result:
+        """Wait (up to ``timeout`` seconds) for the request's ``Result``."""
+        return self.future(request_id).result(timeout)
+
+    @property
+    def total_slots(self) -> int:
+        """Decode slots over all replicas."""
+        return sum(len(row) for row in self.slots)
+
+    @property
+    def free_slots(self) -> int:
+        """Decode slots holding no request now; ``total_slots`` when the server is idle."""
+        with self._lock:
+            return sum(s is None for row in self.slots for s in row)
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted and not yet finished (queued or in a slot)."""
+        with self._lock:
+            return len(self._futures)
+
+    # ---- serving loops -----------------------------------------------------------------------
     def run(self) -> dict[int, Result]:
-        """Serve until the queue is empty and every slot is free; returns all results."""
-        while self.queue or any(s is not None for row in self.slots for s in row):
-            t0 = time.perf_counter()
-            prefilled = self._prefill_all()
-            t1 = time.perf_counter()
-            decoded = self._decode_all()
-            t2 = time.perf_counter()
-            if prefilled:
-                self.stats["prefill_s"] += t1 - t0
-            if decoded:
-                self.stats["decode_s"] += t2 - t1
-                self.stats["decode_steps"] += 1
+        """Serve until the queue is empty and every slot is free (requests submitted from
+        other threads meanwhile are served too); returns all results so far."""
+        if not self._loop.acquire(blocking=False):
+            raise InferenceError("run() while another loop serves (start() or run() in "
+                                 "another thread); wait on result(rid) instead, or stop() first")
+        try:
+            while self._step():
+                pass
+        except BaseException as e:
+            self._fail(e, fatal=True)
+            raise
+        finally:
+            self._loop.release()
         return self.results
+
+    @property
+    def serving(self) -> bool:
+        """Whether a background serving thread (``start()``) is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "Server":
+        """Serve in a background thread until ``stop()``; returns the server."""
+        if not self._loop.acquire(blocking=False):
+            raise InferenceError("the server is already serving (start() or run()); call "
+                                 "stop() first, or let run() return")
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve_forever, name="triax-server",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """End background serving. ``drain``: finish every submitted request first;
+        otherwise the unfinished ones fail with ``InferenceError`` and free their slots.
+        Re-raises the error that stopped the loop, if one did."""
+        if self._thread is not None:
+            with self._wake:
+                self._stopping, self._drain = True, drain
+                self._wake.notify()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise InferenceError(f"the serving thread did not stop within {timeout} s")
+            self._thread = None
+        if not drain:
+            self._fail(InferenceError("the server stopped before serving this request"))
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(drain=exc[0] is None)
+
+    def _idle(self) -> bool:  # caller holds the lock
+        return not self.queue and all(s is None for row in self.slots for s in row)
+
+    def _serve_forever(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while self._idle() and not self._stopping:
+                        self._wake.wait()
+                    if self._stopping and (self._idle() or not self._drain):
+                        return
+                self._step()
+        except BaseException as e:  # the callers waiting on futures must hear of it
+            self._fail(e, fatal=True)
+        finally:
+            self._loop.release()
+
+    def _fail(self, exc: BaseException, fatal: bool = False) -> None:
+        """Fail every unfinished request with ``exc`` and free its slot."""
+        with self._lock:
+            if fatal:
+                self._error = exc
+            self.queue.clear()
+            self.slots = [[None] * len(row) for row in self.slots]
+            futures, self._futures = self._futures, {}
+            self._failed.update(dict.fromkeys(futures, exc))
+        for fut in futures.values():
+            fut.set_exception(exc)
+
+    def _step(self) -> bool:
+        """One iteration (prefill free slots, decode live ones); False when idle."""
+        with self._lock:
+            if self._idle():
+                return False
+        t0 = time.perf_counter()
+        prefilled = self._prefill_all()
+        t1 = time.perf_counter()
+        decoded = self._decode_all()
+        t2 = time.perf_counter()
+        if prefilled:
+            self.stats["prefill_s"] += t1 - t0
+        if decoded:
+            self.stats["decode_s"] += t2 - t1
+            self.stats["decode_steps"] += 1
+        return True
 
     # ---- one iteration -----------------------------------------------------------------------
     def _prefill_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
-            free = [i for i, s in enumerate(self.slots[r]) if s is None]
-            batch = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+            with self._lock:  # take requests and claim their slots in one step
+                free = [i for i, s in enumerate(self.slots[r]) if s is None]
+                batch = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
+                slots = free[:len(batch)]
+                for slot, live in zip(slots, batch):
+                    self.slots[r][slot] = live
             if not batch:
                 continue
-            slots = free[:len(batch)]
             toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
                                [x.seed for x in batch])
             launched.append((r, slots, batch, toks))
@@ -171,7 +343,6 @@ class Server:
             now = time.perf_counter()
             for slot, live, tok in zip(slots, batch, np.asarray(toks)):
                 live.result.replica, live.result.slot, live.result.first_token = r, slot, now
-                self.slots[r][slot] = live
                 self.slot_uses[r][slot] += 1
                 self.stats["prefill_tokens"] += len(live.result.prompt)
                 self._accept(r, slot, int(tok), now)
@@ -180,7 +351,7 @@ class Server:
     def _decode_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
-            live = self.slots[r]
+            live = list(self.slots[r])  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             if not active.any():
                 continue
@@ -204,8 +375,11 @@ class Server:
         if stop or len(res.tokens) >= live.max_new:
             res.finish_reason = "stop" if stop else "length"
             res.done = now
-            self.results[res.request_id] = res
-            self.slots[r][slot] = None
+            with self._lock:
+                self.results[res.request_id] = res
+                self.slots[r][slot] = None
+                fut = self._futures.pop(res.request_id)
+            fut.set_result(res)  # outside the lock: a done-callback may submit again
 
     # ---- figures -----------------------------------------------------------------------------
     @property
