@@ -3,11 +3,16 @@
 ``pytest notebooks`` collects ``*.ipynb`` (one file, one test, so ``--dist loadfile`` spreads
 notebooks over workers); the work is in ``execute.py`` next to this file.
 """
+import os
 from pathlib import Path
 
 import pytest
 
 from execute import check
+
+# The kernels inherit this: the compilation cache tests/conftest.py shares (run alone too).
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
 
 
 def pytest_collect_file(file_path: Path, parent):
