@@ -31,9 +31,11 @@ import psutil
 
 from triax.mesh import mesh_sizes
 from triax.models.config import ModelConfig
-from triax.planner import Assumptions, Catalog, Workload, load_catalog, plan
 from triax.sharding.introspect import MemoryReport, memory_from_compiled
 from triax.units import human_bytes, parse_bytes
+
+# The planner sits above training (it builds runs to verify its plans), so it is imported
+# only where a suggestion is asked for, after a check has failed.
 
 MEMORY_ENV = "TRIAX_DEVICE_MEMORY"
 # The catalogue device whose speeds the planner ranks plans with; only its memory is
@@ -70,13 +72,14 @@ def check_fits(what: str, terms: Mapping[str, int], capacity=None,
                suggestion: str | None = None) -> None:
     """Raise ``OutOfMemoryPredicted`` when ``sum(terms)`` bytes exceed ``capacity`` (a
     ``(bytes, source)`` pair; ``device_capacity()`` when None, no check when unknown).
-    ``suggestion`` may be a callable, asked only when the need does not fit."""
+    ``suggestion`` may be a callable of the capacity's bytes, asked only when the need
+    does not fit."""
     capacity = device_capacity() if capacity is None else capacity
     need = sum(terms.values())
     if capacity is None or need <= capacity[0]:
         return
     largest = sorted(terms.items(), key=lambda kv: -kv[1])[:_SHOWN_TERMS]
-    hint = suggestion() if callable(suggestion) else suggestion
+    hint = suggestion(capacity[0]) if callable(suggestion) else suggestion
     raise OutOfMemoryPredicted(
         f"{what} needs {human_bytes(need)} per device but a device has "
         f"{human_bytes(capacity[0])} ({capacity[1]}); largest terms: "
@@ -85,14 +88,18 @@ def check_fits(what: str, terms: Mapping[str, int], capacity=None,
         + ". Nothing was allocated; --skip-memory-check runs it anyway.")
 
 
-def planner_suggestion(w: Workload, capacity: int, current: Mapping[str, object]) -> str:
-    """What ``triax plan`` would run on this process's devices with ``capacity`` bytes each:
-    the best plan that differs from ``current`` (its mesh sizes, strategy and remat), or the
+def planner_suggestion(w, capacity: int, current: Mapping[str, object],
+                       devices: Optional[int] = None) -> str:
+    """What ``triax plan`` would run for workload ``w`` on ``devices`` (default: this
+    process's devices, on every process) with ``capacity`` bytes each: the best plan that
+    differs from ``current`` (its mesh sizes, strategy and remat), as flags, or the
     planner's own reason why nothing fits."""
+    from triax.planner import Assumptions, Catalog, load_catalog, plan  # see the imports
     base = load_catalog().device(_REFERENCE_DEVICE)
     device = dataclasses.replace(base, name="this device", memory=float(capacity))
-    cluster = Catalog(devices={device.name: device}).cluster(
-        device.name, jax.local_device_count(), jax.process_count())
+    per_node, nodes = (jax.local_device_count(), jax.process_count()) if devices is None \
+        else (devices, 1)
+    cluster = Catalog(devices={device.name: device}).cluster(device.name, per_node, nodes)
     try:
         # The capacity is what the allocator gives (bytes_limit or free host memory), so the
         # planner's fixed CUDA-context overhead is already paid.
@@ -104,11 +111,11 @@ def planner_suggestion(w: Workload, capacity: int, current: Mapping[str, object]
         if (_sizes(lay.sizes), lay.strategy, p.workload.remat) == \
                 (_sizes(current["mesh"]), current["strategy"], current["remat"]):
             continue
-        flags = f"--mesh {lay.mesh_str} --strategy {lay.strategy}"
-        if w.train:
-            flags += f" --remat {p.workload.remat}"
-        if lay.pipe > 1 and lay.schedule is not None:
-            flags += f" --schedule {lay.schedule.value} --microbatches {lay.microbatches}"
+        flags = f"--mesh {lay.mesh_str}"
+        if w.train:   # generate's --mesh is the whole serving layout (tensor/pipe, no remat)
+            flags += f" --strategy {lay.strategy} --remat {p.workload.remat}"
+            if lay.pipe > 1 and lay.schedule is not None:
+                flags += f" --schedule {lay.schedule.value} --microbatches {lay.microbatches}"
         return (f"the planner (triax plan, an analytic model) suggests {flags} "
                 f"({human_bytes(p.memory.total)} per device modelled)")
     return ("the planner's analytic model expects the current layout to fit, but the compiled "
@@ -141,13 +148,13 @@ def check_train_memory(built, capacity=None) -> MemoryReport:
     mem = memory_from_compiled(built.compiled.step)
     run, cfg = built.config, built.model
 
-    def suggest() -> Optional[str]:
+    def suggest(capacity_bytes: int) -> Optional[str]:
         if not isinstance(cfg, ModelConfig):
             return None
+        from triax.planner import Workload  # see the imports
         w = Workload.of(cfg, train=True, dtype=run.precision, batch=run.batch_size,
                         seq=run.seq_len, remat=run.remat)
-        cap = capacity or device_capacity()
-        return planner_suggestion(w, cap[0], {"mesh": mesh_sizes(built.mesh),
+        return planner_suggestion(w, capacity_bytes, {"mesh": mesh_sizes(built.mesh),
                                               "strategy": built.trainer.strategy.name,
                                               "remat": run.remat})
 

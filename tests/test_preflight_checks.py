@@ -1,12 +1,16 @@
 """Faults caught before a run starts (issue 17, items 5 and 6): nonsense hyperparameters, a
 sequence past the model's context, and a step that would not fit in a device's memory
-(predicted from the compiled step, before any state is allocated). Through the in-process
-CLI entry point, so the messages are what a user sees."""
+(predicted from the compiled step, before any state is allocated), for ``train`` and for
+``generate``'s weights and KV cache. Through the in-process CLI entry point, so the messages
+are what a user sees."""
 import warnings
 
 import pytest
 
 from triax.cli.main import main
+from triax.inference.generate import check_serving_memory, engine_config_for
+from triax.mesh import make_mesh
+from triax.models import config
 from triax.sharding.introspect import memory_from_compiled
 from triax.training.config import RunConfig, RunConfigWarning
 from triax.training.memory_check import MEMORY_ENV, check_train_memory, device_capacity
@@ -84,3 +88,21 @@ def test_the_normal_small_run_passes_the_check(small_run):
     assert capacity is not None and "simulated devices" in capacity[1]
     mem = check_train_memory(small_run)
     assert 0 < mem.peak_bytes < capacity[0]
+
+
+def test_generate_stops_before_loading_when_a_replica_does_not_fit(monkeypatch, capsys):
+    monkeypatch.setenv(MEMORY_ENV, "64KiB")
+    assert main(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "4",
+                 "--mesh", "tensor=2", "--replicas", "4", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""                      # nothing was generated
+    err = captured.err
+    assert "serving tiny (8 slots × 16 cache positions) needs" in err
+    assert "largest terms: weights" in err and "KV cache" in err
+    assert "Instead: the planner" in err and "--skip-memory-check" in err
+
+
+def test_a_small_replica_passes_the_serving_check(devices):
+    cfg = config.get("tiny")
+    mesh = make_mesh(tensor=2, devices=devices[:2])
+    check_serving_memory(cfg, mesh, "tp", engine_config_for(cfg, {"tensor": 2}, 8, 8))
