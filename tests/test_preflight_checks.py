@@ -5,9 +5,11 @@ sequence past the model's context, and a step that would not fit in a device's m
 are what a user sees."""
 import warnings
 
+import jax
 import pytest
 
 from triax.cli.main import main
+from triax.inference.engine import Engine, held_bytes_per_device
 from triax.inference.generate import check_serving_memory, engine_config_for
 from triax.mesh import make_mesh
 from triax.models import config
@@ -102,7 +104,16 @@ def test_generate_stops_before_loading_when_a_replica_does_not_fit(monkeypatch, 
     assert "Instead: the planner" in err and "--skip-memory-check" in err
 
 
-def test_a_small_replica_passes_the_serving_check(devices):
-    cfg = config.get("tiny")
+def test_a_small_replica_passes_the_serving_check_with_what_the_engine_then_holds(devices):
+    cfg = config.get("tiny", num_layers=1)
     mesh = make_mesh(tensor=2, devices=devices[:2])
-    check_serving_memory(cfg, mesh, "tp", engine_config_for(cfg, {"tensor": 2}, 8, 8))
+    ecfg = engine_config_for(cfg, {"tensor": 2}, 8, 8)
+    held = held_bytes_per_device(cfg, mesh, "tp", ecfg)
+    assert 0 < sum(held.values()) < device_capacity()[0]
+    check_serving_memory(cfg, mesh, "tp", ecfg)            # fits: no error
+    # The figures known before allocating are what the built engine holds on a device.
+    eng = Engine.from_seed(cfg, mesh, seed=0, ecfg=ecfg)
+    assert held["KV cache"] == sum(a.addressable_shards[0].data.nbytes
+                                   for a in eng.cache.values())
+    assert held["weights"] == sum(a.addressable_shards[0].data.nbytes
+                                  for a in jax.tree.leaves(eng.params))
