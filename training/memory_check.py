@@ -118,8 +118,8 @@ def planner_suggestion(w, capacity: int, current: Mapping[str, object],
                 flags += f" --schedule {lay.schedule.value} --microbatches {lay.microbatches}"
         return (f"the planner (triax plan, an analytic model) suggests {flags} "
                 f"({human_bytes(p.memory.total)} per device modelled)")
-    return ("the planner's analytic model expects the current layout to fit, but the compiled "
-            "program does not: lower --batch-size or --seq-len, or add devices")
+    return ("the planner's analytic model expects the current layout to fit, but the measured "
+            "need does not: use a smaller batch or shorter sequences, or add devices")
 
 
 def _sizes(sizes: Mapping[str, int]) -> dict:
