@@ -83,6 +83,10 @@ def test_a_step_that_does_not_fit_stops_before_allocating(small_run, tmp_path, m
     assert "--skip-memory-check" in err
     # Stopped before the checkpoints were opened and the first step ran.
     assert not ckpt.exists() and not log.exists()
+    # The escape hatch runs it anyway (same compiled step, from the cache).
+    assert main(["train", *_argv(**SMALL, log_json=log), "--no-progress",
+                 "--skip-memory-check"]) == 0
+    assert len(log.read_text().splitlines()) == SMALL["steps"]
 
 
 def test_the_normal_small_run_passes_the_check(small_run):
