@@ -15,9 +15,7 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.introspect import memory_from_compiled
 from triax.training.config import RunConfig, RunConfigWarning
-from triax.planner import Workload
-from triax.training.memory_check import (MEMORY_ENV, check_train_memory, device_capacity,
-                                         planner_suggestion)
+from triax.training.memory_check import MEMORY_ENV, check_train_memory, device_capacity
 from triax.training.setup import build_run
 from triax.units import human_bytes
 
@@ -123,13 +121,3 @@ def test_a_small_replica_passes_the_serving_check_with_what_the_engine_then_hold
                                    for a in eng.cache.values())
     assert held["weights"] == sum(a.addressable_shards[0].data.nbytes
                                   for a in jax.tree.leaves(eng.params))
-
-
-def test_a_slow_planner_does_not_hold_up_the_error(devices):
-    """The planner's search grows with the batch; past its budget the error says how to ask
-    it instead of waiting (here a budget of 0 s)."""
-    w = Workload.of(config.get("tiny"), train=False, dtype="fp32", batch=8, seq=16)
-    hint = planner_suggestion(w, 1 << 20, {"mesh": {"tensor": 2}, "strategy": "tp",
-                                           "remat": "none"}, devices=2, budget_s=0)
-    assert "the planner gave no answer within 0 s" in hint
-    assert "triax plan --inference --model tiny --batch-size 8 --seq-len 16" in hint

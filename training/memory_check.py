@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import threading
 from typing import Mapping, Optional
 
 import jax
@@ -43,9 +42,6 @@ MEMORY_ENV = "TRIAX_DEVICE_MEMORY"
 # replaced by the measured one, and only memory decides what fits.
 _REFERENCE_DEVICE = "h100-80gb"
 _SHOWN_TERMS = 3
-# The planner's search grows with the local batch (each micro-batch count it weighs builds a
-# tick table), so the error waits this long for its suggestion, not minutes.
-PLANNER_BUDGET_S = 30.0
 
 
 class OutOfMemoryPredicted(ValueError):
@@ -93,44 +89,23 @@ def check_fits(what: str, terms: Mapping[str, int], capacity=None,
 
 
 def planner_suggestion(w, capacity: int, current: Mapping[str, object],
-                       devices: Optional[int] = None, budget_s: float = PLANNER_BUDGET_S) -> str:
+                       devices: Optional[int] = None) -> str:
     """What ``triax plan`` would run for workload ``w`` on ``devices`` (default: this
     process's devices, on every process) with ``capacity`` bytes each: the best plan that
     differs from ``current`` (its mesh sizes, strategy and remat), as flags, or the
-    planner's own reason why nothing fits; after ``budget_s`` seconds, how to ask it."""
+    planner's own reason why nothing fits."""
     from triax.planner import Assumptions, Catalog, load_catalog, plan  # see the imports
     base = load_catalog().device(_REFERENCE_DEVICE)
     device = dataclasses.replace(base, name="this device", memory=float(capacity))
     per_node, nodes = (jax.local_device_count(), jax.process_count()) if devices is None \
         else (devices, 1)
     cluster = Catalog(devices={device.name: device}).cluster(device.name, per_node, nodes)
-    answer: dict = {}
-
-    def ask():
-        try:
-            # The capacity is what the allocator gives (bytes_limit or free host memory), so
-            # the planner's fixed CUDA-context overhead is already paid.
-            answer["rec"] = plan(w, cluster, top=8, assume=Assumptions(overhead_bytes=0))
-        except ValueError as e:   # the planner's "nothing fits", with its reason
-            answer["error"] = e
-        except Exception as e:  # noqa: BLE001 - a planner bug must not hide the memory error
-            answer["failed"] = e
-
-    worker = threading.Thread(target=ask, daemon=True)   # left behind if over budget
-    worker.start()
-    worker.join(budget_s)
-    if "error" in answer:
-        return f"the planner finds no layout of {cluster.devices} device(s) that fits: " \
-               f"{answer['error']}"
-    if "failed" in answer:
-        e = answer["failed"]
-        return f"the planner failed ({type(e).__name__}: {e})"
-    if "rec" not in answer:
-        return (f"the planner gave no answer within {budget_s:g} s (its search grows with the "
-                f"batch); ask it with triax plan --{'train' if w.train else 'inference'} "
-                f"--model {w.name} --batch-size {w.batch} --seq-len {w.seq} --gpu GPU "
-                f"--gpus-per-node N --nodes M")
-    rec = answer["rec"]
+    try:
+        # The capacity is what the allocator gives (bytes_limit or free host memory), so the
+        # planner's fixed CUDA-context overhead is already paid.
+        rec = plan(w, cluster, top=8, assume=Assumptions(overhead_bytes=0))
+    except ValueError as e:
+        return f"the planner finds no layout of {cluster.devices} device(s) that fits: {e}"
     for p in rec.plans:
         lay = p.layout
         if (_sizes(lay.sizes), lay.strategy, p.workload.remat) == \
