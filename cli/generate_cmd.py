@@ -42,6 +42,9 @@ def add_parser(sub) -> None:
                    "replica's devices)")
     p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="load even when a replica's weights and KV cache per device exceed a "
+                        "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -75,7 +78,8 @@ def run(args) -> int:
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
     server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
-                          num_layers=args.num_layers, model_dir=args.model_dir)
+                          num_layers=args.num_layers, model_dir=args.model_dir,
+                          check_memory=not args.skip_memory_check)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

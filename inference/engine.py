@@ -17,6 +17,7 @@ decodes through the pipeline (``triax.inference.forward``).
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -63,6 +64,32 @@ class EngineConfig:
         return tuple(out) + (self.max_len,)
 
 
+CACHE_DTYPE = jnp.float32
+
+
+def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, batch: int,
+                      length: int) -> NamedSharding:
+    """Where the KV cache of ``batch`` slots × ``length`` positions lives on ``mesh``."""
+    shape = cache_shape(cfg, batch, length)
+    return NamedSharding(mesh, strategy.rules.spec(CACHE_AXES, shape, mesh_sizes(mesh),
+                                                   what="KV cache"))
+
+
+def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy,
+                          ecfg: EngineConfig) -> dict[str, int]:
+    """What an engine would hold on each device, known before it allocates anything: its
+    shard of the weights and of the KV cache (k and v)."""
+    st = get_strategy(strategy)
+    am = abstract_model(cfg)
+    weights = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
+                  for s, sh in zip(jax.tree.leaves(am.shapes),
+                                   jax.tree.leaves(param_shardings(am, mesh, st))))
+    shape = cache_shape(cfg, ecfg.max_batch, ecfg.max_len)
+    cache = kv_cache_sharding(cfg, mesh, st, ecfg.max_batch, ecfg.max_len).shard_shape(shape)
+    return {"weights": weights,
+            "KV cache": 2 * math.prod(cache) * jnp.dtype(CACHE_DTYPE).itemsize}
+
+
 class Engine:
     """KV-cache generation for one model copy on ``mesh`` (see module docstring)."""
 
@@ -105,14 +132,13 @@ class Engine:
 
     # ---- placement -------------------------------------------------------------------------
     def _cache_sharding(self, batch: int) -> NamedSharding:
-        shape = cache_shape(self.cfg, batch, self.ecfg.max_len)
-        spec = self.strategy.rules.spec(CACHE_AXES, shape, self.sizes, what="KV cache")
-        return NamedSharding(self.mesh, spec)
+        return kv_cache_sharding(self.cfg, self.mesh, self.strategy, batch, self.ecfg.max_len)
 
     def _zeros_cache(self, batch: int, length: int):
         shape = cache_shape(self.cfg, batch, length)
         sh = self._cache_sharding(batch)
-        make = jax.jit(lambda: {"k": jnp.zeros(shape), "v": jnp.zeros(shape)},
+        make = jax.jit(lambda: {"k": jnp.zeros(shape, CACHE_DTYPE),
+                                "v": jnp.zeros(shape, CACHE_DTYPE)},
                        out_shardings={"k": sh, "v": sh})
         return make()
 
@@ -130,7 +156,7 @@ class Engine:
     def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
         b, T = tokens_bT.shape
         shape = cache_shape(self.cfg, b, T)
-        tmp = {"k": jnp.zeros(shape), "v": jnp.zeros(shape)}
+        tmp = {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
         logits_bTV, tmp = self._fwd(params, tokens_bT, positions, tmp)
         last_bV = jnp.take_along_axis(logits_bTV, (lengths_b - 1)[:, None, None], axis=1)[:, 0]

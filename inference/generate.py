@@ -12,12 +12,17 @@ import math
 from typing import Mapping, Optional, Sequence
 
 from triax.hf.load import load as hf_load
-from triax.inference.checkpoint import load_params
-from triax.inference.engine import EngineConfig, InferenceError
+from triax.hf.load import read_model_config
+from triax.inference.checkpoint import load_params, read_checkpoint_config
+from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server, replica_meshes
 from triax.text.byte_tokenizer import ByteTokenizer
+from triax.mesh import mesh_sizes as sizes_of
+from triax.models import config as model_config
+from triax.sharding.rules import get_strategy
 from triax.text.tokenizer import Tokenizer
+from triax.training.memory_check import check_fits, planner_suggestion
 
 TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer.BYTE_VOCAB)
 
@@ -38,21 +43,53 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
                  sampling: SamplingConfig = SamplingConfig(), longest: int = 64,
                  max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
                  num_layers: Optional[int] = None, devices=None,
-                 model_dir: Optional[str] = None) -> Server:
+                 model_dir: Optional[str] = None, check_memory: bool = True) -> Server:
     """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
     come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
-    preset ``model`` initialised from ``seed``."""
+    preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
+    weights and KV cache are checked against a device's memory before anything loads."""
     mesh_sizes = dict(mesh_sizes or {})
     meshes = replica_meshes(mesh_sizes, replicas, devices)
+    if model_dir is not None and (checkpoint or model):
+        raise InferenceError("give one of --model-dir, --checkpoint, --model")
+    if check_memory:
+        cfg = _model_config(checkpoint, model, num_layers, model_dir)
+        check_serving_memory(cfg, meshes[0], strategy,
+                             engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots))
     if model_dir is not None:
-        if checkpoint or model:
-            raise InferenceError("give one of --model-dir, --checkpoint, --model")
         cfg, params, _ = hf_load(model_dir, meshes[0], strategy)
     else:
         cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
                                   num_layers=num_layers)
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
     return Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
+
+
+def _model_config(checkpoint, model, num_layers, model_dir):
+    """The model's config, read without its weights."""
+    if model_dir is not None:
+        return read_model_config(model_dir)
+    if checkpoint is not None:
+        return read_checkpoint_config(checkpoint)[0]
+    if model is None:
+        raise InferenceError("give --checkpoint DIR, --model-dir DIR or --model NAME")
+    return model_config.get(model, num_layers)
+
+
+def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None) -> None:
+    """One replica's weights and KV cache per device against a device's memory
+    (``triax.training.memory_check``); the planner suggests a serving layout if they don't fit."""
+    def suggest(capacity_bytes: int) -> str:
+        from triax.planner import Workload  # above inference: asked only when it does not fit
+        # Served as triax serves: fp32 weights and cache (Engine's CACHE_DTYPE).
+        w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len)
+        return planner_suggestion(w, capacity_bytes,
+                                  {"mesh": sizes_of(mesh), "remat": "none",
+                                   "strategy": get_strategy(strategy).name},
+                                  devices=mesh.devices.size)
+
+    check_fits(f"serving {cfg.name} ({ecfg.max_batch} slots × {ecfg.max_len} cache positions)",
+               held_bytes_per_device(cfg, mesh, strategy, ecfg), capacity, suggest)
 
 
 def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,

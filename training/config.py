@@ -12,12 +12,17 @@ explicit flags override it.
     Traceback (most recent call last):
     ...
     ValueError: --precision 'fp8': choose one of fp32, bf16, fp16
+    >>> RunConfig(lr=-1)
+    Traceback (most recent call last):
+    ...
+    ValueError: --lr -1: must be > 0; give a positive peak learning rate, e.g. --lr 3e-3
 """
 from __future__ import annotations
 
 import dataclasses
 import os
 import tomllib
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
@@ -96,9 +101,25 @@ class RunConfig:
     on_nonfinite: str = _f("stop", "a NaN/inf loss: stop | skip (drop that update) | rollback "
                                    "(restore the last checkpoint, skip the data since)",
                            choices=NONFINITE_MODES)
+    skip_memory_check: bool = _f(False, "start even when the compiled step's per-device peak "
+                                        "exceeds a device's memory (checked before allocating; "
+                                        "$TRIAX_DEVICE_MEMORY sets a device's bytes)")
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")
+
+    def __post_init__(self):
+        # Numbers that cannot train are refused here, so flags and --config files alike
+        # fail before anything is built (``--lr -1`` would otherwise ascend the gradient).
+        for name, (must, ok, fix) in _BOUNDS.items():
+            value = getattr(self, name)
+            if not ok(value):
+                raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
+        if self.steps and self.lr_warmup_steps > self.steps:
+            warnings.warn(f"--lr-warmup-steps {self.lr_warmup_steps} is longer than the run "
+                          f"(--steps {self.steps}): the learning rate never reaches --lr "
+                          f"{self.lr:g}; lower --lr-warmup-steps (0: 10% of --steps)",
+                          RunConfigWarning, stacklevel=3)
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
@@ -131,6 +152,23 @@ class RunConfig:
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
+
+class RunConfigWarning(UserWarning):
+    """A setting that is legal but probably not what was meant."""
+
+
+# What each numeric setting must be, and the fix an error names.
+_GE1, _GT0, _GE0 = ("≥ 1", lambda v: v >= 1), ("> 0", lambda v: v > 0), ("≥ 0", lambda v: v >= 0)
+_BOUNDS = {
+    "steps": (*_GE1, "give the number of optimizer steps to reach, e.g. --steps 200"),
+    "lr": (*_GT0, "give a positive peak learning rate, e.g. --lr 3e-3"),
+    "weight_decay": (*_GE0, "use 0 for none, or e.g. --weight-decay 0.1"),
+    "clip_norm": (*_GT0, "give a positive global norm, e.g. --clip-norm 1.0"),
+    "lr_warmup_steps": (*_GE0, "use 0 for 10% of --steps"),
+    "lr_decay_steps": (*_GE0, "use 0 for --steps"),
+    "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
+    "grad_accum": (*_GE1, "use 1 for no accumulation"),
+}
 
 FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
 

@@ -19,6 +19,7 @@ batch ``i`` is the same on any mesh. Each process reads only the rows its device
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -26,6 +27,7 @@ from typing import Optional
 import grain
 import jax
 import numpy as np
+from numpy.lib import format as npy_format
 
 from triax.text.tokenizer import Tokenizer, get_tokenizer
 
@@ -120,24 +122,64 @@ def _read_file(path: str, tokenizer: Tokenizer) -> np.ndarray:
         raise DataError(f"data file {path!r} is not a readable file; {hint}")
     try:
         if path.endswith(".npy"):
+            _check_npy_length(path)
             toks = np.load(path, mmap_mode="r")
             if toks.ndim != 1 or toks.dtype.kind not in "iu":
                 raise DataError(f"data file {path!r}: expected a 1-D integer array of token ids, "
                                 f"got {toks.dtype} with shape {toks.shape}")
             return toks
         with open(path, "rb") as f:
-            return tokenizer.encode(f.read())
+            return tokenizer.encode(decode_utf8(f.read(), path))
     except (OSError, ValueError) as e:
         if isinstance(e, DataError):
             raise
         raise DataError(f"cannot read data file {path!r}: {e}; {hint}") from None
 
 
-def check_vocab(corpus: Corpus, vocab_size: int) -> None:
-    top = int(np.max(corpus.tokens[: 1_000_000])) if len(corpus.tokens) else 0
-    if top >= vocab_size:
-        raise DataError(f"data {corpus.name!r} has token id {top} but the model's vocabulary is "
-                        f"{vocab_size}; use a model with a larger vocab_size")
+def decode_utf8(raw: bytes, path: str, start: int = 0, line: int = 1) -> str:
+    """Text files are UTF-8; a byte sequence that is not names the file, its byte offset and
+    line (``raw`` begins at byte ``start``, on line ``line``, of ``path``)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at, line = start + e.start, line + raw.count(b"\n", 0, e.start)
+        raise DataError(f"data file {path!r} is not UTF-8 text: byte offset {at:,} (line "
+                        f"{line}) holds {raw[e.start:e.end]!r} ({e.reason}); re-encode it as UTF-8 "
+                        f"(e.g. iconv -t UTF-8), or give token ids as a .npy file") from None
+
+
+def _check_npy_length(path: str) -> None:
+    """A ``.npy`` cut short (a bad copy, a full disk) is named with where it ends, before
+    ``np.load``'s memory map fails without saying which file or where."""
+    with open(path, "rb") as f:
+        read_header = (npy_format.read_array_header_1_0 if npy_format.read_magic(f) == (1, 0)
+                       else npy_format.read_array_header_2_0)
+        shape, _, dtype = read_header(f)
+        header = f.tell()
+    count = math.prod(shape)
+    need, size = header + count * dtype.itemsize, os.path.getsize(path)
+    if size < need:
+        raise DataError(f"data file {path!r} is truncated: its header promises {count:,} "
+                        f"{dtype} ids (bytes {header:,}..{need:,}) but the file ends at byte "
+                        f"{size:,}, inside id {(size - header) // dtype.itemsize:,}; re-create "
+                        f"or re-copy it")
+
+
+def check_vocab(corpus: Corpus, vocab_size: int, source: Optional[str] = None,
+                chunk: int = 1 << 24) -> None:
+    """Every token id must be a row of the embedding (one outside gives NaN or garbage):
+    the first that is not is named with its position. Scans the whole stream, in chunks."""
+    toks = corpus.tokens
+    for start in range(0, len(toks), chunk):
+        part = np.asarray(toks[start:start + chunk])
+        if part.min() >= 0 and part.max() < vocab_size:
+            continue
+        i = int(np.flatnonzero((part < 0) | (part >= vocab_size))[0])
+        raise DataError(f"data {source or corpus.name!r}: token id {int(part[i])} at position "
+                        f"{start + i:,} (of {len(toks):,}) is outside the model's vocabulary "
+                        f"of {vocab_size} ids (0..{vocab_size - 1}); the ids come from another "
+                        f"tokenizer: use a model whose vocab_size covers them (and that "
+                        f"--tokenizer), or re-tokenize the data")
 
 
 class Batches:

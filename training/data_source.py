@@ -68,7 +68,7 @@ def open_data(data: str, tokenizer: Tokenizer, vocab_size: int,
         return DataSource(data.rsplit("/", 1)[-1], f"{len(records):,} documents, packed",
                           tokenizer, {"train": records[:-n_val], "val": records[-n_val:]}, True)
     corpus = load_corpus(data, val_fraction, tokenizer)
-    check_vocab(corpus, vocab_size)
+    check_vocab(corpus, vocab_size, data)
     return DataSource(corpus.name, f"{len(corpus.tokens):,} tokens", tokenizer,
                       {"train": corpus.train, "val": corpus.val}, False, corpus.info)
 

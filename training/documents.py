@@ -18,7 +18,7 @@ import os
 import numpy as np
 
 from triax.text.tokenizer import Tokenizer
-from triax.training.data import DataError
+from triax.training.data import DataError, decode_utf8
 
 SUFFIXES = (".jsonl", ".parquet")
 FORMS = "a 'text' field, or 'prompt' and 'completion' fields"
@@ -39,9 +39,10 @@ def read_records(path: str) -> list[dict]:
 
 
 def _read_jsonl(path: str) -> list[dict]:
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    out, offset = [], 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line, offset = decode_utf8(raw, path, offset, n), offset + len(raw)
             if not line.strip():
                 continue
             try:

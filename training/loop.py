@@ -37,6 +37,7 @@ from triax.training.data_source import DataSource, gather_states, open_data, res
 from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
                                    SaveFailed, nonfinite_message)
 from triax.training.init_from import initial_state
+from triax.training.memory_check import check_train_memory
 from triax.training.run_summary import RunStats, summary
 from triax.training.setup import Run, build_run
 from triax.training.step import Trainer
@@ -105,6 +106,8 @@ def train(run: RunConfig, note=print) -> TrainResult:
     # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
     source = open_data(run.data, get_tokenizer(run.tokenizer or run.init_from),
                        built.model.vocab_size, run.val_fraction)
+    if not run.skip_memory_check:   # before any state exists: compiles the step abstractly
+        check_train_memory(built)
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
     if resumed.state is not None:

@@ -57,6 +57,7 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     """
     cfg = run.model_config() if cfg is None else cfg
     exe = run.exec_config()  # checks --precision and --remat before anything is built
+    check_seq_len(run, cfg)
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
@@ -66,6 +67,14 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
                                  skip_nonfinite=run.on_nonfinite == "skip"),
                             run.batch_size, run.seq_len, batch_keys(run.data))
     return Run(run, cfg, mesh, pipeline, compiled)
+
+
+def check_seq_len(run: RunConfig, cfg: ModelConfig) -> None:
+    """A sequence longer than the model's context is refused before anything compiles."""
+    if run.seq_len > cfg.max_seq_len:
+        raise ValueError(f"--seq-len {run.seq_len} is longer than {cfg.name}'s context "
+                         f"(max_seq_len {cfg.max_seq_len}); use --seq-len {cfg.max_seq_len} or "
+                         f"less, or a model with a longer context")
 
 
 def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:
