@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from tables import BENCHMARKS_MD, write_section  # (bench/ is the script's dir)
 
-from bench.tables import write_section
 from triax.models import attention as A
 from triax.units import human_bytes
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADING = "## Attention implementations"
 N, K, H = 8, 2, 8
 
@@ -50,7 +48,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     names = list(A.IMPLEMENTATIONS)
-    rows = [f"| B × T | " + " | ".join(f"{n} ms | {n} temporaries" for n in names) + " |",
+    rows = ["| B × T | " + " | ".join(f"{n} ms | {n} temporaries" for n in names) + " |",
             "|---|" + "---:|---:|" * len(names)]
     for shape in args.shapes.split(","):
         B, T = (int(x) for x in shape.split("x"))
@@ -68,7 +66,7 @@ def main(argv=None) -> int:
         f"its default block of {A.BLOCK_SIZE} keys). `auto` on this backend: "
         f"`{A.resolve('auto')}`.", "", *rows])
     if not args.no_write:
-        write_section(DOCS, HEADING, body)
+        write_section(BENCHMARKS_MD, HEADING, body)
     print(body)
     return 0
 

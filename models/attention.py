@@ -308,7 +308,8 @@ def attention(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str = "re
 
 
 # What ``auto`` means per backend: cuDNN's fused kernel on GPU; on CPU the measurement in
-# docs/attention.md ("Attention implementations"); other backends take the CPU choice.
+# docs/training.md ("Attention implementations", bench/attention.py); other backends take
+# the CPU choice.
 AUTO = {"gpu": "dot_product", "cpu": "reference"}
 CHOICES = ("auto", *IMPLEMENTATIONS)
 
