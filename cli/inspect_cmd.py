@@ -15,7 +15,7 @@ from triax.training.config import RunConfig
 # The run fields that change the compiled step, and inspect's own defaults for some of them
 # (a small batch, all devices on `data`).
 FIELDS = ("model", "num_layers", "mesh", "strategy", "batch_size", "seq_len", "precision",
-          "remat", "schedule", "microbatches", "virtual")
+          "remat", "attention", "schedule", "microbatches", "virtual")
 DEFAULTS = {"mesh": "data=-1", "batch_size": 8, "seq_len": 64}
 
 

@@ -28,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from triax.models.axes import constrain
 
@@ -49,11 +51,15 @@ class Visibility:
     k_order_BS: jax.Array
     q_segment_BT: Optional[jax.Array] = None
     k_segment_BS: Optional[jax.Array] = None
+    # Static: both orders are 0..T-1 and there are no segments, so the mask is the lower
+    # triangle and a fused kernel may use its own causal mask (``is_causal``). Set only by
+    # :meth:`causal`; a Visibility built or sliced any other way must leave it False.
+    plain_causal: bool = field(default=False, metadata=dict(static=True))
 
     @classmethod
     def causal(cls, B: int, T: int) -> "Visibility":
         order_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return cls(order_BT, order_BT)
+        return cls(order_BT, order_BT, plain_causal=True)
 
     @classmethod
     def self_attention(cls, order_BT, segment_BT=None) -> "Visibility":
@@ -158,7 +164,134 @@ def finish(part: Partial, dtype) -> jax.Array:
     return (part.o_BTNH / safe[..., None]).astype(dtype)
 
 
-IMPLEMENTATIONS: dict[str, Callable] = {"reference": reference}
+# ---- blockwise (flash-style) attention -------------------------------------------------
+
+BLOCK_SIZE = 512   # keys per block: scores held at once are [B, N, T, BLOCK_SIZE]
+_NEVER = jnp.iinfo(jnp.int32).max   # order of padding keys: after every query
+
+
+def _key_blocks(k_BSKH, v_BSKH, vis: Visibility, block: int):
+    """Keys, values and their order/segments as ``[nb, ...]`` stacks of ``block`` keys; S is
+    padded up to a multiple of ``block`` with keys that no query sees (order ``_NEVER``)."""
+    S = k_BSKH.shape[1]
+    pad = -S % block
+
+    def stack(x, fill):
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(x.reshape(x.shape[0], -1, block, *x.shape[2:]), 1, 0)
+
+    seg = None if vis.k_segment_BS is None else stack(vis.k_segment_BS, 0)
+    return stack(k_BSKH, 0), stack(v_BSKH, 0), stack(vis.k_order_BS, _NEVER), seg
+
+
+def _forward(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int):
+    """``(o_BTNH, lse_BNT)``: the online softmax scanned over key blocks; a block no query
+    sees (causal: every block after the queries) is skipped."""
+    ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
+
+    def step(part, blk):
+        k, v, order, seg = blk
+        bvis = vis.keys(order, seg)
+        part = jax.lax.cond(bvis.mask().any(),
+                            lambda p: accumulate(p, q_BTNH, k, v, bvis), lambda p: p, part)
+        return part, None
+
+    part, _ = jax.lax.scan(step, empty_partial(q_BTNH), (ks, vs, orders, segs))
+    # log-sum-exp of each row's visible scores; +inf for a row that saw none (its p is 0)
+    lse_BNT = jnp.where(part.l_BNT > 0, part.m_BNT + jnp.log(part.l_BNT), jnp.inf)
+    return finish(part, q_BTNH.dtype), lse_BNT
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int):
+    return _forward(q_BTNH, k_BSKH, v_BSKH, vis, block)[0]
+
+
+def _blockwise_fwd(q_BTNH, k_BSKH, v_BSKH, vis, block):
+    o_BTNH, lse_BNT = _forward(q_BTNH, k_BSKH, v_BSKH, vis, block)
+    return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, vis, o_BTNH, lse_BNT)
+
+
+def _blockwise_bwd(block, res, do_BTNH):
+    """FlashAttention-2's backward: each key block's probabilities are recomputed from q, k
+    and the saved log-sum-exp, so nothing of size T × S is ever stored."""
+    q_BTNH, k_BSKH, v_BSKH, vis, o_BTNH, lse_BNT = res
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    scale = 1.0 / math.sqrt(H)
+    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
+    # D_i = sum_j P_ij dP_ij = do_i · o_i
+    d_BNT = jnp.einsum("BTNH,BTNH->BNT", do_BTNH.astype(jnp.float32),
+                       o_BTNH.astype(jnp.float32))
+    do_BTNH = do_BTNH.astype(q_BTNH.dtype)
+    ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
+
+    def grads(dq_BTNH, k, v, bvis):
+        visible_BTS = bvis.mask()
+        k_BSNH, v_BSNH = repeat_kv(k, N), repeat_kv(v, N)
+        s_BNTS = _scores(q_BTNH, k_BSNH, visible_BTS)
+        p_BNTS = jnp.where(visible_BTS[:, None], jnp.exp(s_BNTS - lse_BNT[..., None]), 0.0)
+        dv_BSNH = f32("BNTS,BTNH->BSNH", p_BNTS.astype(do_BTNH.dtype), do_BTNH)
+        dp_BNTS = f32("BTNH,BSNH->BNTS", do_BTNH, v_BSNH)
+        ds_BNTS = (p_BNTS * (dp_BNTS - d_BNT[..., None]) * scale).astype(q_BTNH.dtype)
+        dq_BTNH = dq_BTNH + f32("BNTS,BSNH->BTNH", ds_BNTS, k_BSNH)
+        dk_BSNH = f32("BNTS,BTNH->BSNH", ds_BNTS, q_BTNH)
+        # query head n read KV head n // G: its gradient sums over the G query heads
+        group = lambda x: x.reshape(*x.shape[:2], K, N // K, H).sum(axis=3)
+        return dq_BTNH, (group(dk_BSNH), group(dv_BSNH))
+
+    def step(dq_BTNH, blk):
+        k, v, order, seg = blk
+        bvis = vis.keys(order, seg)
+        zeros = jnp.zeros(k.shape, jnp.float32)
+        return jax.lax.cond(bvis.mask().any(), lambda dq: grads(dq, k, v, bvis),
+                            lambda dq: (dq, (zeros, zeros)), dq_BTNH)
+
+    dq_BTNH, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_BTNH.shape, jnp.float32),
+                                     (ks, vs, orders, segs))
+    S = k_BSKH.shape[1]
+    unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, K, H)[:, :S]
+    vis_zero = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), vis)
+    return (dq_BTNH.astype(q_BTNH.dtype), unstack(dk).astype(k_BSKH.dtype),
+            unstack(dv).astype(v_BSKH.dtype), vis_zero)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+def blockwise(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block_size: int = BLOCK_SIZE):
+    """Flash-style attention in plain JAX: a scan over blocks of ``block_size`` keys with the
+    online softmax, and a custom backward that recomputes each block's scores, so forward
+    and backward hold O(T · block_size) scores, never O(T · S). Any S works (the last block is
+    padded with keys no query sees)."""
+    if block_size < 1:
+        raise ValueError(f"blockwise attention: block_size={block_size} must be ≥ 1")
+    return _blockwise(q_BTNH, k_BSKH, v_BSKH, vis, min(block_size, k_BSKH.shape[1]))
+
+
+# ---- jax.nn.dot_product_attention --------------------------------------------------------
+
+def _cudnn_fits(q_BTNH, vis: Visibility) -> bool:
+    """cuDNN flash attention here: GPU, fp16/bf16, head dim a multiple of 8 up to 128 and the
+    plain causal mask (its own; an explicit mask would be materialised)."""
+    H = q_BTNH.shape[-1]
+    return (jax.default_backend() == "gpu" and vis.plain_causal
+            and q_BTNH.dtype in (jnp.bfloat16, jnp.float16) and H % 8 == 0 and H <= 128)
+
+
+def dot_product(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
+    """``jax.nn.dot_product_attention``: cuDNN's fused flash attention where it fits
+    (:func:`_cudnn_fits`), XLA's otherwise (with the mask from ``vis``). GQA is native."""
+    if _cudnn_fits(q_BTNH, vis):
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
+                                            implementation="cudnn")
+    if vis.plain_causal:
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True)
+    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=vis.mask()[:, None])
+
+
+IMPLEMENTATIONS: dict[str, Callable] = {
+    "reference": reference, "blockwise": blockwise, "dot_product": dot_product}
 
 AttentionFn = Callable[..., jax.Array]  # (q_BTNH, k_BSKH, v_BSKH, vis, implementation)
 _HOOK: contextvars.ContextVar[Optional[AttentionFn]] = contextvars.ContextVar(
@@ -174,13 +307,27 @@ def attention(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str = "re
     return kernel(implementation)(q_BTNH, k_BSKH, v_BSKH, vis)
 
 
-def kernel(implementation: str) -> Callable:
-    """The local attention function named ``implementation``."""
-    try:
-        return IMPLEMENTATIONS[implementation]
-    except KeyError:
+# What ``auto`` means per backend: cuDNN's fused kernel on GPU; on CPU the measurement in
+# docs/training.md ("Attention implementations", bench/attention.py); other backends take
+# the CPU choice.
+AUTO = {"gpu": "dot_product", "cpu": "reference"}
+CHOICES = ("auto", *IMPLEMENTATIONS)
+
+
+def resolve(implementation: str, backend: Optional[str] = None) -> str:
+    """The concrete implementation ``implementation`` names on ``backend`` (default: JAX's):
+    ``auto`` becomes :data:`AUTO`'s choice; an unknown name is an error naming the choices."""
+    if implementation == "auto":
+        return AUTO.get(backend or jax.default_backend(), AUTO["cpu"])
+    if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation {implementation!r}: choose one of "
-                         f"{', '.join(IMPLEMENTATIONS)}") from None
+                         f"{', '.join(CHOICES)}")
+    return implementation
+
+
+def kernel(implementation: str) -> Callable:
+    """The local attention function named ``implementation`` (``auto`` resolved)."""
+    return IMPLEMENTATIONS[resolve(implementation)]
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ class ExecConfig:
 
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute over fp32 master parameters
     remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
-    attention: str = "reference"    # see triax.models.attention.IMPLEMENTATIONS
+    attention: str = "auto"         # see triax.models.attention.resolve
 
     @property
     def dtype(self):

@@ -54,8 +54,9 @@ def test_inspect_text_shows_op_costs():
 
 def test_inspect_text_tables(capsys, devices):
     assert main(["inspect", "--num-layers", "1", "--mesh", "tensor=8", "--strategy", "tp",
-                 "--batch-size", "8", "--seq-len", "16"]) == 0
+                 "--batch-size", "8", "--seq-len", "16", "--attention", "blockwise"]) == 0
     out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("attention blockwise")   # the implementation chosen
     assert "communication per step" in out and "placement" in out and "memory per device" in out
 
 

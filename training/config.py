@@ -77,6 +77,8 @@ class RunConfig:
                                 "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
     remat: str = _f("none", "activation checkpointing policy: none | full | dots | "
                             "dots_no_batch")
+    attention: str = _f("auto", "attention implementation: auto (the fastest for the "
+                                "backend) | reference | blockwise | dot_product")
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
@@ -142,12 +144,15 @@ class RunConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r}: choose one of "
                              f"{', '.join(PRECISIONS)}")
-        # Both load JAX: see the imports.
+        # These load JAX: see the imports.
         from triax.models.layers import ExecConfig
         from triax.models.transformer import REMAT_POLICIES
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"--remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
-        return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat)
+        from triax.models.attention import resolve
+        resolve(self.attention)  # a clear error for an unknown name, before anything is built
+        return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
+                          attention=self.attention)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

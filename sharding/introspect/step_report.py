@@ -6,7 +6,7 @@
     >>> trainer = Trainer(config.TINY, make_mesh(data=2, tensor=4), "fsdp_tp")
     >>> report = inspect_trainer(trainer, batch_size=8, seq_len=32)
     >>> print(report.to_text().splitlines()[0])
-    mesh data=2 × tensor=4   strategy fsdp_tp
+    mesh data=2 × tensor=4   strategy fsdp_tp   attention reference
     >>> report.memory.peak_bytes > 0
     True
 """
@@ -16,6 +16,7 @@ import json
 from dataclasses import dataclass, field
 
 from triax.mesh.build import describe
+from triax.models.attention import resolve
 from triax.sharding.introspect.branch_costs import op_costs
 from triax.sharding.introspect.hlo import Collective, collectives_from_compiled, summarize
 from triax.sharding.introspect.memory import MemoryReport, memory_from_compiled
@@ -35,6 +36,7 @@ class StepReport:
     # Pipelined steps: {op kind: {"flops", "bytes"}} for one execution of that op on stage 0
     # (the tick switch's branch, measured on the compiled HLO); {} for an unpipelined step.
     op_costs: dict[str, dict] = field(default_factory=dict)
+    attention: str = ""   # the attention implementation the step runs ("auto" resolved)
 
     def to_json(self) -> dict:
         """The report as plain JSON values (the CLI's ``--json``)."""
@@ -42,7 +44,7 @@ class StepReport:
                 "collectives": [c.to_json() for c in self.collectives],
                 "memory": self.memory.to_json(),
                 "params": [p.to_json() for p in self.params],
-                "op_costs": self.op_costs}
+                "op_costs": self.op_costs, "attention": self.attention}
 
     def dumps(self) -> str:
         """``to_json`` as an indented JSON string."""
@@ -50,7 +52,10 @@ class StepReport:
 
     def to_text(self) -> str:
         """The report as the tables ``triax inspect`` prints."""
-        lines = [f"mesh {self.mesh}   strategy {self.strategy}", "",
+        head = f"mesh {self.mesh}   strategy {self.strategy}"
+        if self.attention:
+            head += f"   attention {self.attention}"
+        lines = [head, "",
                  "communication per step (per device)",
                  f"  {'kind':<20}{'axes':<18}{'ops':>6}{'bytes/op':>14}{'bytes/step':>14}"]
         unknown = [c for c in self.collectives if not c.frequency_known]
@@ -96,15 +101,16 @@ class StepReport:
 
 
 def analyze(compiled, mesh, strategy_name: str = "", params=(),
-            branch_kinds: tuple[str, ...] = ()) -> StepReport:
+            branch_kinds: tuple[str, ...] = (), attention: str = "") -> StepReport:
     """Report for any compiled program on ``mesh``. ``branch_kinds``: a pipelined step's
-    tick-switch branches in order (``Pipeline.branch_kinds``), to measure each op's cost."""
+    tick-switch branches in order (``Pipeline.branch_kinds``), to measure each op's cost;
+    ``attention``: the attention implementation it runs, when known."""
     costs = op_costs(compiled, branch_kinds) if branch_kinds else {}
     costs.pop("idle", None)
     return StepReport(mesh=describe(mesh), strategy=strategy_name,
                       collectives=collectives_from_compiled(compiled, mesh),
                       memory=memory_from_compiled(compiled), params=list(params),
-                      op_costs=costs)
+                      op_costs=costs, attention=attention)
 
 
 def inspect(trainer, batch, seq_len=None) -> StepReport:
@@ -118,7 +124,8 @@ def inspect(trainer, batch, seq_len=None) -> StepReport:
     compiled = trainer.lower(batch, seq_len).compile()
     rows = placement_table(trainer.abstract, trainer.mesh, trainer.strategy)
     kinds = () if trainer.pipeline is None else trainer.pipeline.branch_kinds
-    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows, kinds)
+    return analyze(compiled, trainer.mesh, trainer.strategy.name, rows, kinds,
+                   resolve(trainer.exe.attention))
 
 
 def inspect_trainer(trainer, batch_size: int, seq_len: int) -> StepReport:
