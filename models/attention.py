@@ -125,6 +125,7 @@ class Partial(NamedTuple):
 
 
 def empty_partial(q_BTNH) -> Partial:
+    """The partial of queries ``q_BTNH`` that have seen no key yet."""
     B, T, N, H = q_BTNH.shape
     return Partial(jnp.zeros((B, T, N, H), jnp.float32),
                    jnp.full((B, N, T), _MASKED, jnp.float32),
