@@ -29,7 +29,7 @@ from triax.models import config  # noqa: E402
 from triax.models.axes import using_constraint  # noqa: E402
 from triax.models.attention import Visibility  # noqa: E402
 from triax.models.transformer import cross_entropy, scan_blocks  # noqa: E402
-from triax.pipeline import build  # noqa: E402
+from triax.pipeline import ScheduleKind, build, chunks_per_stage  # noqa: E402
 from triax.pipeline.runner import PipelineConfig  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled  # noqa: E402
@@ -39,6 +39,7 @@ from triax.training.step import Trainer  # noqa: E402
 from triax.units import mib  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "allow")
+KINDS = {k.value for k in ScheduleKind}
 
 
 def vmapped_gpipe(trainer: Trainer, M: int):
@@ -115,7 +116,7 @@ def run(args) -> list[dict]:
     mesh = make_mesh(data=2, pipe=4)
     for M in args.ms:
         for kind in args.schedules:
-            v = 2 if kind == "interleaved" else 1
+            v = 2 if kind == "interleaved" else chunks_per_stage(kind) if kind in KINDS else 1
             if kind == "maxtext-vmap":   # the baseline brings its own loss_and_grad
                 tr = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig("gpipe", M))
                 tr = Trainer(cfg, mesh, tr.strategy, loss_and_grad=vmapped_gpipe(tr, M))
@@ -175,7 +176,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32])
     p.add_argument("--schedules", type=lambda s: s.split(","),
-                   default=["gpipe", "1f1b", "interleaved", "zb-h1", "maxtext-vmap"])
+                   default=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "maxtext-vmap"])
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
     rows = run(args)

@@ -2,6 +2,7 @@
 
     triax schedule --kind zb-h1 --stages 4 --microbatches 8 --json
     triax schedule --kind interleaved --stages 4 --microbatches 8 --virtual 2 --png il.png
+    triax schedule --kind zb-v --stages 4 --microbatches 8 --png zbv.png
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--kind", default="1f1b", choices=[k.value for k in ScheduleKind])
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches M")
-    p.add_argument("--virtual", type=int, default=1, help="chunks per stage (interleaved)")
+    p.add_argument("--virtual", type=int, default=1, help="chunks per stage (interleaved; zb-v always runs 2, in a V)")
     p.add_argument("--json", action="store_true", help="machine-readable facts")
     p.add_argument("--png", metavar="FILE", help="save the timeline (.png or .svg)")
     p.add_argument("--table", action="store_true", help="also print the tick table")

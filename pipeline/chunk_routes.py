@@ -2,7 +2,8 @@
 
 Storage keeps the model's ``[L, ...]`` stack split contiguously over ``pipe``, so stage ``d``
 stores chunks ``d*v … d*v + v-1`` (``v`` chunks of ``Lc`` layers), while the circular
-schedules run chunk ``c`` on stage ``c % S`` as its local chunk ``c // S``. Left to XLA, the
+schedules run chunk ``c`` on stage ``c % S`` as its local chunk ``c // S`` (ZB-V's V runs its
+second leg backwards: ``schedules.chunk_stage``). Left to XLA, the
 reshape between the two becomes all-to-alls plus permutes that move about twice the weights
 that must move (measured: 1.09 MB against 0.56 MB for tiny, 8 layers, S=4, v=2). Here the
 move is explicit: every stage sends exactly ``v`` chunks and receives ``v``, so the edges
@@ -22,14 +23,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triax.pipeline.schedules import chunk_stage
+
 Route = tuple[int, int, int, int]   # (storage stage, storage slot, compute stage, compute slot)
 
 
 @functools.lru_cache(maxsize=None)
-def chunk_routes(stages: int, virtual: int) -> tuple[tuple[Route, ...], ...]:
-    """``virtual`` rounds; in each, every stage sends one stored chunk and receives one."""
+def chunk_routes(stages: int, virtual: int,
+                 v_shape: bool = False) -> tuple[tuple[Route, ...], ...]:
+    """``virtual`` rounds; in each, every stage sends one stored chunk and receives one.
+
+        >>> [(d, s) for rd in chunk_routes(2, 2, v_shape=True) for d, _, s, _ in rd]
+        [(0, 0), (1, 1), (0, 1), (1, 0)]
+    """
     S, v = stages, virtual
-    edges = [(c // v, c % v, c % S, c // S) for c in range(S * v)]
+    edges = [(c // v, c % v, chunk_stage(c, S, v_shape), c // S) for c in range(S * v)]
     rounds = []
     while edges:
         match = _perfect_matching(S, edges)
@@ -38,14 +46,15 @@ def chunk_routes(stages: int, virtual: int) -> tuple[tuple[Route, ...], ...]:
     return tuple(rounds)
 
 
-def moving_rounds(stages: int, virtual: int) -> int:
+def moving_rounds(stages: int, virtual: int, v_shape: bool = False) -> int:
     """How many of :func:`chunk_routes`' rounds send a chunk over ``pipe`` (a round that keeps
     every chunk on its stage moves nothing): per device, the chunks each direction moves."""
-    return sum(any(d != s for d, _, s, _ in rd) for rd in chunk_routes(stages, virtual))
+    return sum(any(d != s for d, _, s, _ in rd)
+               for rd in chunk_routes(stages, virtual, v_shape))
 
 
 def routed(num_layers: int, stages: int, virtual: int) -> bool:
-    """Whether the pipeline moves chunks with :func:`to_compute`: interleaved (``v > 1``) with
+    """Whether the pipeline moves chunks with :func:`to_compute`: interleaved or ZB-V (v > 1) with
     whole chunks on each stage's storage (``S·v | L``). Otherwise no chunk moves (``v = 1``)
     or the stack is kept whole on every stage (uneven ``L``, ``pipeline_strategy``)."""
     return virtual > 1 and num_layers % (stages * virtual) == 0
@@ -79,19 +88,20 @@ def _tables(rounds, S: int):
     return jnp.asarray(src_slot, jnp.int32), jnp.asarray(dst_slot, jnp.int32)
 
 
-def to_compute(tree, stages: int, virtual: int, axis: str = "pipe"):
+def to_compute(tree, stages: int, virtual: int, axis: str = "pipe", v_shape: bool = False):
     """Inside ``shard_map`` over ``axis``: this stage's stored chunks ``[v, ...]`` → the chunks
-    it runs ``[v, ...]`` (local chunk j = global chunk ``j*S + stage``)."""
-    return _move(tree, stages, virtual, axis, reverse=False)
+    it runs ``[v, ...]`` (local chunk j: global chunk ``j*S + stage``, or in a V the chunk
+    ``chunk_stage`` puts on the stage)."""
+    return _move(tree, stages, virtual, axis, reverse=False, v_shape=v_shape)
 
 
-def to_storage(tree, stages: int, virtual: int, axis: str = "pipe"):
+def to_storage(tree, stages: int, virtual: int, axis: str = "pipe", v_shape: bool = False):
     """The inverse of :func:`to_compute` (gradients of the chunks back to where they live)."""
-    return _move(tree, stages, virtual, axis, reverse=True)
+    return _move(tree, stages, virtual, axis, reverse=True, v_shape=v_shape)
 
 
-def _move(tree, S, v, axis, reverse):
-    rounds = chunk_routes(S, v)
+def _move(tree, S, v, axis, reverse, v_shape):
+    rounds = chunk_routes(S, v, v_shape)
     src_slot, dst_slot = _tables(rounds, S)
     if reverse:
         src_slot, dst_slot = dst_slot, src_slot

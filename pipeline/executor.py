@@ -6,7 +6,10 @@ op from the program — idle, F, B, B_in or W — and (3) sends the forward acti
 next stage and (schedules with a backward) the input gradient to the previous one with
 ``ppermute``. A forward stashes what its backward needs (parameters excluded) in a slot the
 program assigned; the backward reads it, adds the weight gradients to the accumulator and
-frees the slot (ZB-H1: B_in stashes its cut for W, W frees both).
+frees the slot (ZB-H1, ZB-V: B_in stashes its cut for W, W frees both). ZB-V's V sends
+some activations down and some gradients up, and files a message on its own stage at the
+turn; the program says which (``tick_program.Ticks``), so the V runs on the same two
+channels.
 
 **No per-tick tax.** Each op kind is its own two-branch conditional, "skip" or "run",
 carrying only the buffers that op writes (F: the stash, the outgoing activation, the loss,
@@ -93,6 +96,7 @@ def _state_put(a, x, j, mb, axis):
 
 
 def _perms(S: int, circular: bool):
+    """The up (s → s+1) and down (s → s-1) channels; circular placement wraps around."""
     fwd = [(s, (s + 1) % S) for s in range(S) if circular or s + 1 < S]
     bwd = [(s, (s - 1) % S) for s in range(S) if circular or s > 0]
     return fwd, bwd
@@ -137,7 +141,7 @@ def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, i
         return {"stash": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
     res = sum(_nbytes(r) for r in residuals)
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
-    if program.schedule.kind.value == "zb-h1":
+    if program.schedule.kind.split_backward:
         inbox += program.ct_slots * sum(_nbytes(c) for c in (cut or [x_sd]))
     return {"stash": program.stash_slots * res, "inbox": inbox}
 
@@ -174,8 +178,16 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
     kinds = _used_kinds(prog.ticks)
     flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
-    fperm, bperm = _perms(spec.stages, spec.virtual > 1)
+    fperm, bperm = _perms(spec.stages, prog.schedule.wraps)
     M = prog.out_slots
+    # ZB-V's extra ways in (the second leg's activations from above, its gradients from
+    # below, both at the turn from the stage itself): only the ones the program uses.
+    scratch = {"fin": prog.fwd_slots, "bin": prog.bwd_slots}
+    filings = [(buf, msg, field) for buf, msg, field in (
+        ("fin", "recv_b", "fwd_in_down_w"), ("fin", "send_f", "fwd_in_turn_w"),
+        ("bin", "recv_f", "bwd_in_up_w"), ("bin", "send_b", "bwd_in_turn_w"))
+        if (getattr(prog.ticks, field) != scratch[buf]).any()]
+    mixed_up, mixed_down = prog.ticks.up_b.any(), prog.ticks.down_f.any()
 
     def slots(n, sd, scratch=1):
         """n live slots (+1 scratch for the inboxes, written every tick; the stash and the
@@ -188,6 +200,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
         c = dict(c, fin=_put(c["fin"], c["recv_f"], row.fwd_in_w))
         if backward:
             c["bin"] = _put(c["bin"], c["recv_b"], row.bwd_in_w)
+        for buf, msg, field in filings:
+            c[buf] = _put(c[buf], c[msg], getattr(row, field))
         # Read-only views, computed inside whichever op reads them.
         chunk = lambda: jax.tree.map(lambda a: _take(a, j), blocks)  # noqa: E731
         extras = lambda: (jax.tree.map(lambda a: _take(a, mb), inputs), consts,  # noqa: E731
@@ -250,9 +264,14 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                 run, writes = ops[k]
                 with jax.named_scope(OP_SCOPE + LABELS[k]):
                     c.update(_gated(flag[k], run, {n: c[n] for n in writes if n in c}))
-        c["recv_f"] = jax.lax.ppermute(c["send_f"], PIPE, fperm)
+        # Up carries the activation, down the gradient, except where a V sends them the
+        # other way (one op per tick: a stage sends at most one message).
+        up = jnp.where(row.up_b > 0, c["send_b"], c["send_f"]) if mixed_up else c["send_f"]
+        c["recv_f"] = jax.lax.ppermute(up, PIPE, fperm)
         if backward:
-            c["recv_b"] = jax.lax.ppermute(c["send_b"], PIPE, bperm)
+            down = (jnp.where(row.down_f > 0, c["send_f"], c["send_b"]) if mixed_down
+                    else c["send_b"])
+            c["recv_b"] = jax.lax.ppermute(down, PIPE, bperm)
         return c, None
 
     carry = {"fin": slots(prog.fwd_slots, x0), "recv_f": x0, "send_f": x0,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place)
+from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place,
+                                      prerequisites)
 from triax.pipeline.validate import validate
 
 F, B, B_IN, W = OpKind.F, OpKind.B, OpKind.B_IN, OpKind.W
@@ -105,11 +106,61 @@ def _zb_pick(s, S, M, nf, nb, nw, done, t):
     return None
 
 
+V_CHUNKS = 2   # ZB-V's chunks per stage: one on the way down, one on the way back
+
+
+def zb_v_orders(S: int, M: int, v: int) -> Orders:
+    """ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory"): two chunks per stage
+    in a V (stage s runs chunk s and chunk 2S-1-s), backward split into B_in and W.
+
+    Greedy list scheduling with unit op times, each stage taking, of the ops whose inputs
+    arrived, a B_in first (the oldest micro-batch's, then the deeper chunk's: it unblocks
+    the neighbour or the stage's own other chunk), else an F (the deeper chunk first) while fewer than
+    2S chunks await their W, else the oldest W. 2S chunks of half a stage each are 1F1B's S
+    micro-batches of a whole stage. For S <= 4 and M >= S the table takes 6M+S-1 ticks, the
+    fewest possible: the only idle ticks are the S-1 the first forward needs to reach the
+    last stage. Larger S lose a few ticks at some M (S = 5, 6, 8: at most 4).
+    """
+    C = V_CHUNKS * S
+    orders: Orders = [[] for _ in range(S)]
+    done: dict[Op, int] = {}
+    count = {(k, c): 0 for k in (F, B_IN, W) for c in range(C)}
+    left, t = 3 * M * C, 0
+    while left:
+        picks = [_zbv_pick(s, S, M, count, done, t) for s in range(S)]
+        for s, op in enumerate(picks):
+            if op is not None:
+                orders[s].append(op)
+                done[op] = t
+                count[op.kind, op.chunk] += 1
+                left -= 1
+        t += 1
+        if t > 10 * (M + S) * 6:
+            raise ScheduleError("zb-v generator did not converge")
+    return orders
+
+
+def _zbv_pick(s, S, M, count, done, t):
+    C = V_CHUNKS * S
+    chunks = (s, C - 1 - s)
+    ready = lambda op: all(d in done and done[d] < t for d in prerequisites(op, C))  # noqa: E731
+    cand = [Op(k, count[k, c], c) for c in chunks for k in (F, B_IN, W) if count[k, c] < M]
+    cand = [op for op in cand if ready(op)]
+    in_flight = sum(count[F, c] - count[W, c] for c in chunks)
+    for kind, key in ((B_IN, lambda o: (-o.mb, o.chunk)), (F, lambda o: (o.chunk, -o.mb)),
+                      (W, lambda o: (-o.mb, o.chunk))):
+        ops = [o for o in cand if o.kind is kind and (kind is not F or in_flight < C)]
+        if ops:
+            return max(ops, key=key)
+    return None
+
+
 GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Orders]] = {
     ScheduleKind.GPIPE: gpipe_orders,
     ScheduleKind.ONE_F_ONE_B: one_f_one_b_orders,
     ScheduleKind.INTERLEAVED: interleaved_orders,
     ScheduleKind.ZB_H1: zb_h1_orders,
+    ScheduleKind.ZB_V: zb_v_orders,
     ScheduleKind.FORWARD_ONLY: forward_only_orders,
 }
 
@@ -122,14 +173,28 @@ def check_request(kind: ScheduleKind, S: int, M: int, v: int) -> None:
     if kind is ScheduleKind.INTERLEAVED and v < 2:
         raise ScheduleError("interleaved needs --virtual v >= 2 chunks per stage "
                             "(with v=1 it is plain 1f1b)")
-    if kind not in (ScheduleKind.INTERLEAVED, ScheduleKind.FORWARD_ONLY) and v != 1:
+    if kind.v_shape and v != V_CHUNKS:
+        raise ScheduleError(f"{kind.value} runs exactly {V_CHUNKS} chunks per stage (its V); "
+                            f"got virtual={v}: leave it at 1 or pass {V_CHUNKS}")
+    if kind not in (ScheduleKind.INTERLEAVED, ScheduleKind.FORWARD_ONLY) and v != 1 \
+            and not kind.v_shape:
         raise ScheduleError(f"{kind.value} runs one chunk per stage; virtual={v} needs "
                             f"--kind interleaved (or forward-only)")
-    if v > 1 and M % S:
+    if v > 1 and M % S and not kind.v_shape:
         raise ScheduleError(
             f"{kind.value} with v={v} needs microbatches divisible by stages: M={M} is not a "
             f"multiple of S={S}, because micro-batches sweep the {v} chunks in groups of S "
             f"(choose M in {{{S}, {2 * S}, {3 * S}, ...}})")
+
+
+def chunks_per_stage(kind: "str | ScheduleKind", virtual: int = 1) -> int:
+    """The chunks per stage ``kind`` runs when asked for ``virtual``: ZB-V always runs its
+    two (``virtual`` 1, the default, means "the schedule's own"); the others ``virtual``.
+
+    >>> chunks_per_stage("zb-v"), chunks_per_stage("interleaved", 2), chunks_per_stage("1f1b")
+    (2, 2, 1)
+    """
+    return V_CHUNKS if ScheduleKind.parse(kind).v_shape and virtual == 1 else virtual
 
 
 def build(kind: "str | ScheduleKind", stages: int, microbatches: int,
@@ -138,8 +203,12 @@ def build(kind: "str | ScheduleKind", stages: int, microbatches: int,
 
     >>> build("gpipe", stages=2, microbatches=2).ticks
     6
+    >>> s = build("zb-v", stages=4, microbatches=8)     # two chunks per stage, in a V
+    >>> s.virtual, s.ticks, s.peak_in_flight            # 6M+S-1 ticks; 2S half-stage chunks
+    (2, 51, 8)
     """
     kind = ScheduleKind.parse(kind)
+    virtual = chunks_per_stage(kind, virtual)
     check_request(kind, stages, microbatches, virtual)
     orders = GENERATORS[kind](stages, microbatches, virtual)
     table = place(orders, stages * virtual)

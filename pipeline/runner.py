@@ -36,7 +36,6 @@ from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
 from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
                                      loss_only, run_ticks)
-from triax.pipeline.chunk_routes import to_compute, to_storage
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
@@ -143,7 +142,7 @@ class Pipeline:
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
         self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
         self.schedule = config.build(self.stages)
-        self.layout = StageLayers(num_layers, self.stages, self.schedule.virtual)
+        self.layout = StageLayers.of(num_layers, self.schedule)
         self.abstract = am
         self.data = sizes.get(DATA, 1)
 
@@ -207,8 +206,11 @@ class Pipeline:
         return {head: Stage(self.abstract.graphdef, self.exe, head) for head in ("loss", "logits")}
 
     def _forward_schedule(self) -> Schedule:
-        return build(ScheduleKind.FORWARD_ONLY, self.stages, self.schedule.microbatches,
-                     self.schedule.virtual)
+        """Evaluation and decode: the forward-only schedule over the training schedule's
+        chunks (one chunk per stage under ZB-V: a forward alone gains nothing from the V,
+        and the layers then stay where they are stored)."""
+        v = 1 if self.schedule.kind.v_shape else self.schedule.virtual
+        return build(ScheduleKind.FORWARD_ONLY, self.stages, self.schedule.microbatches, v)
 
     def _run(self, schedule: Schedule, stage: Stage, params, inputs: dict, consts: dict,
              state=None):
@@ -225,7 +227,7 @@ class Pipeline:
         B = jax.tree.leaves(inputs)[0].shape[0]
         M = schedule.microbatches
         micro = self._check_batch(B, M)
-        lay = self.layout
+        lay = StageLayers.of(self.layout.num_layers, schedule)
         blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
         state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
@@ -238,13 +240,13 @@ class Pipeline:
         def routes(tree, move):  # [1, v, ...] leaves between storage and compute order
             if not lay.routed:
                 return tree
-            moved = move(jax.tree.map(lambda a: a[0], tree), lay.stages, lay.virtual, PIPE)
+            moved = move(jax.tree.map(lambda a: a[0], tree), PIPE)
             return jax.tree.map(lambda a: a[None], moved)
 
         def body(blocks, pieces, inputs, consts, state):
-            blocks = routes(blocks, to_compute)   # before the FSDP gather: 1/data of a chunk
+            blocks = routes(blocks, lay.to_compute)  # before the FSDP gather: 1/data of a chunk
             blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(blocks))   # [v, Lc, ...]
-            state = routes(state, to_compute)
+            state = routes(state, lay.to_compute)
             pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
             # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
@@ -255,12 +257,13 @@ class Pipeline:
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
-            state = routes(jax.tree.map(lambda a: rows(a, 2)[None], res.state), to_storage)
+            state = routes(jax.tree.map(lambda a: rows(a, 2)[None], res.state), lay.to_storage)
             if not backward:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
             g_blocks = bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"]))
-            return (loss, outputs, state, routes(g_blocks, to_storage), pfsdp.reduce(g_pieces))
+            return (loss, outputs, state, routes(g_blocks, lay.to_storage),
+                    pfsdp.reduce(g_pieces))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)
         out_specs = (P(), per_stage_rows, state_spec, bspec if backward else {},

@@ -2,7 +2,8 @@
 
 Pure Python (no JAX): a schedule is a static table ``table[tick][stage]`` holding ``None``
 (idle) or an :class:`Op` ``(kind, mb, chunk)``. ``chunk`` is the *global* model chunk; with
-``v`` virtual chunks per stage and circular placement, chunk ``c`` runs on stage ``c % S``.
+``v`` virtual chunks per stage and circular placement, chunk ``c`` runs on stage ``c % S``;
+ZB-V places its two chunks per stage in a V (:func:`chunk_stage`).
 
 Every generator first writes each stage's op *order* (the policy: GPipe, 1F1B, ...), then
 :func:`place` puts the orders onto unit ticks as early as the dependencies allow (a message
@@ -58,7 +59,18 @@ class ScheduleKind(enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
     FORWARD_ONLY = "forward-only"
+
+    @property
+    def split_backward(self) -> bool:
+        """Runs each backward as B_in then W (zero-bubble schedules)."""
+        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
+
+    @property
+    def v_shape(self) -> bool:
+        """Places two chunks per stage in a V (:func:`chunk_stage`)."""
+        return self is ScheduleKind.ZB_V
 
     @classmethod
     def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
@@ -97,6 +109,15 @@ class Schedule:
     def has_backward(self) -> bool:
         return self.kind is not ScheduleKind.FORWARD_ONLY
 
+    def stage_of(self, chunk: int) -> int:
+        """The stage global ``chunk`` runs on (:func:`chunk_stage`)."""
+        return chunk_stage(chunk, self.stages, self.kind.v_shape)
+
+    @property
+    def wraps(self) -> bool:
+        """Messages wrap from the last stage to the first (circular placement, ``v > 1``)."""
+        return self.virtual > 1 and not self.kind.v_shape
+
     def orders(self) -> list[list[Op]]:
         """Each stage's ops in execution order (the table without its idle ticks)."""
         return [[row[s] for row in self.table if row[s] is not None] for s in range(self.stages)]
@@ -128,9 +149,23 @@ class Schedule:
         return "\n".join(lines)
 
 
+def chunk_stage(chunk: int, stages: int, v_shape: bool = False) -> int:
+    """The stage a global chunk runs on. Circular: ``c % S``. V (ZB-V, two chunks per stage):
+    chunks ``0..S-1`` run down the stages, chunks ``S..2S-1`` back up, so the last chunk (the
+    head and loss) sits on stage 0 beside the embedding.
+
+        >>> [chunk_stage(c, 4, v_shape=True) for c in range(8)]
+        [0, 1, 2, 3, 3, 2, 1, 0]
+    """
+    if v_shape and chunk >= stages:
+        return 2 * stages - 1 - chunk
+    return chunk % stages
+
+
 def closed_form_bubble(kind: ScheduleKind, S: int, M: int, v: int = 1) -> Optional[float]:
-    """Textbook bubble fractions (None for ZB-H1, which has no simple closed form)."""
-    if kind is ScheduleKind.ZB_H1:
+    """Textbook bubble fractions (None for the zero-bubble schedules, whose greedy tables
+    have no closed form for every S and M)."""
+    if kind.split_backward:
         return None
     if kind is ScheduleKind.INTERLEAVED or kind is ScheduleKind.FORWARD_ONLY:
         return (S - 1) / (v * M + S - 1)
@@ -212,7 +247,7 @@ def cost_bubble(orders, S: int, num_chunks: int, costs: dict) -> float:
 
 def in_flight_profile(s: Schedule) -> list[int]:
     """Per stage, the most chunks whose forward ran and whose last backward op has not."""
-    last = OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B
+    last = OpKind.W if s.kind.split_backward else OpKind.B
     peaks = []
     for st in range(s.stages):
         live = peak = 0

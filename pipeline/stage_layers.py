@@ -1,7 +1,8 @@
 """Layers over stages: the stacked ``[L, ...]`` block parameters as ``[S, v, Lc, ...]``.
 
-Chunk ``c`` (``c = j*S + s``: local chunk j of stage s, circular placement) holds layers
-``[c*Lc, (c+1)*Lc)`` with ``Lc = ceil(L / (S*v))``. When ``S*v`` does not divide ``L`` the
+Chunk ``c`` holds layers ``[c*Lc, (c+1)*Lc)`` with ``Lc = ceil(L / (S*v))``; it runs on stage
+``s`` as local chunk ``j = c // S``: circular placement ``c = j*S + s``, or ZB-V's V
+(``v_shape``), whose second leg runs back up: local chunk 1 of stage s is ``2S-1-s``. When ``S*v`` does not divide ``L`` the
 stack is padded with zero blocks, which are exact identities (a zero attention output
 projection and a zero MLP down projection leave the residual stream unchanged); their
 gradients are dropped again by :meth:`StageLayers.from_stages`.
@@ -12,6 +13,10 @@ weights once per step (see :func:`pipeline_strategy` for uneven L).
 
     >>> StageLayers(num_layers=5, stages=2, virtual=1).per_chunk
     3
+    >>> import numpy as np
+    >>> v = StageLayers(num_layers=8, stages=4, virtual=2, v_shape=True)
+    >>> v.to_stages(np.arange(8))[:, :, 0].tolist()    # [stage][local chunk] -> first layer
+    [[0, 7], [1, 6], [2, 5], [3, 4]]
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-from triax.pipeline.chunk_routes import routed
+from triax.pipeline.chunk_routes import routed, to_compute, to_storage
 from triax.sharding.rules import Strategy
 
 
@@ -30,6 +35,12 @@ class StageLayers:
     num_layers: int
     stages: int
     virtual: int = 1
+    v_shape: bool = False     # ZB-V's placement (schedules.chunk_stage)
+
+    @classmethod
+    def of(cls, num_layers: int, schedule) -> "StageLayers":
+        """The layout a ``pipeline.Schedule`` runs."""
+        return cls(num_layers, schedule.stages, schedule.virtual, schedule.kind.v_shape)
 
     @property
     def chunks(self) -> int:
@@ -50,7 +61,9 @@ class StageLayers:
 
     def describe(self) -> str:
         pad = f", {self.padding} identity padding layer(s)" if self.padding else ""
-        return (f"{self.num_layers} layers over {self.stages} stages x {self.virtual} chunk(s): "
+        shape = " in a V" if self.v_shape else ""
+        return (f"{self.num_layers} layers over {self.stages} stages x {self.virtual} "
+                f"chunk(s){shape}: "
                 f"{self.per_chunk} per chunk{pad}")
 
     @property
@@ -58,6 +71,14 @@ class StageLayers:
         """Interleaved with whole chunks per stage: the chunks enter the pipeline in storage
         order (:meth:`stored_chunks`) and ``chunk_routes`` moves them inside ``shard_map``."""
         return routed(self.num_layers, self.stages, self.virtual)
+
+    def to_compute(self, tree, axis: str):
+        """Inside ``shard_map``: stored chunks → the chunks this stage runs (``routed``)."""
+        return to_compute(tree, self.stages, self.virtual, axis, self.v_shape)
+
+    def to_storage(self, tree, axis: str):
+        """Inverse of :meth:`to_compute`."""
+        return to_storage(tree, self.stages, self.virtual, axis, self.v_shape)
 
     def stored_chunks(self, blocks):
         """``[L, ...]`` → ``[S, v, Lc, ...]`` in storage order (chunk ``s*v + r`` at ``[s, r]``):
@@ -83,14 +104,19 @@ class StageLayers:
 
         def one(a):
             a = jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))
-            a = a.reshape((v, S, Lc) + a.shape[1:])
+            a = self._legs(a.reshape((v, S, Lc) + a.shape[1:]))
             return jnp.swapaxes(a, 0, 1)
         return jax.tree.map(one, blocks)
+
+    def _legs(self, a):
+        """``[v, S, ...]`` in chunk order ↔ in stage order: a V's second leg runs backwards
+        (its own inverse)."""
+        return jnp.concatenate([a[:1], a[1:, ::-1]]) if self.v_shape else a
 
     def from_stages(self, blocks):
         """Inverse of :meth:`to_stages` (padding dropped)."""
         def one(a):
-            a = jnp.swapaxes(a, 0, 1)
+            a = self._legs(jnp.swapaxes(a, 0, 1))
             a = a.reshape((self.chunks * self.per_chunk,) + a.shape[3:])
             return a[:self.num_layers]
         return jax.tree.map(one, blocks)

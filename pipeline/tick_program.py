@@ -2,8 +2,8 @@
 
 Besides each cell's op, the executor needs buffer slots: where an arriving activation or
 gradient waits until its op runs, where a forward's residuals wait for their backward,
-(ZB-H1) where B_in's cotangent waits for W, and where a micro-batch's output is kept. Slots
-are assigned here, in Python, by a first-free allocator, so the buffers hold exactly the
+(zero-bubble schedules) where B_in's cotangent waits for W, and where a micro-batch's output
+is kept. Slots are assigned here, in Python, by a first-free allocator, so the buffers hold exactly the
 schedule's live items plus one scratch slot (index = the buffer's slot count) that absorbs
 the writes of ticks that have nothing to keep. Every field is an ``int32[ticks, S]`` array,
 and every slot in it is a real index: no sentinel is left for the executor to resolve.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleKind
+from triax.pipeline.schedules import Op, OpKind, Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -37,6 +37,14 @@ class Ticks:
     stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``; B or W frees it), the
     cut buffer (B_in writes what W needs of its values, W reads) and the per-micro-batch
     outputs (the last chunk's F writes).
+
+    Messages travel on two ``ppermute`` channels, "up" (stage s to s+1) and "down" (s to
+    s-1), and, where consecutive chunks share a stage (ZB-V's turn at stage S-1), stay on the
+    stage. Usually activations go up and gradients down (``fwd_in_w``, ``bwd_in_w``); in a V
+    the second leg's activations come down (``fwd_in_down_w``) and its gradients go up
+    (``bwd_in_up_w``), and the turn files the stage's own output (``*_turn_w``). ``up_b``:
+    the up channel carries this tick's gradient, not its activation; ``down_f`` the reverse.
+    Fields a schedule never uses hold only scratch slots and zeros, and cost nothing.
     """
 
     kind: np.ndarray       # OpKind value; 0 idle
@@ -53,6 +61,12 @@ class Ticks:
     ct_w: np.ndarray
     ct_r: np.ndarray
     out_w: np.ndarray
+    fwd_in_down_w: np.ndarray
+    fwd_in_turn_w: np.ndarray
+    bwd_in_up_w: np.ndarray
+    bwd_in_turn_w: np.ndarray
+    up_b: np.ndarray
+    down_f: np.ndarray
 
     def at(self, t: int, s: int) -> dict:
         """One cell as ``{field: int}`` (for reading and tests)."""
@@ -104,20 +118,24 @@ def compile_program(s: Schedule) -> TickProgram:
     cols = {n: np.full((s.ticks, S), -1 if n.endswith(("_w", "_r")) else 0, np.int32)
             for n in names}
     stash, fin, bin_, ct = ([_Slots() for _ in range(S)] for _ in range(4))
-    # The op that frees a forward's stash: B, or (ZB-H1) W, which reads it with the cut.
+    # The op that frees a forward's stash: B, or (ZB-H1, ZB-V) W, which reads it with the cut.
     final_kind = (None if not s.has_backward else
-                  OpKind.W if s.kind is ScheduleKind.ZB_H1 else OpKind.B)
+                  OpKind.W if s.kind.split_backward else OpKind.B)
     for t, row in enumerate(s.table):
         # Messages sent in tick t-1 arrive at the start of tick t.
         for st, op in enumerate(s.table[t - 1] if t else ()):
-            if op is None:
+            forward = op is not None and op.kind is OpKind.F
+            if op is None or (op.chunk == C - 1 if forward else
+                              op.kind is OpKind.W or op.chunk == 0):
                 continue
-            if op.kind is OpKind.F and op.chunk < C - 1:
-                dst = (st + 1) % S
-                cols["fwd_in_w"][t, dst] = fin[dst].take((op.mb, op.chunk + 1))
-            if op.kind in (OpKind.B, OpKind.B_IN) and op.chunk > 0:
-                dst = (st - 1) % S
-                cols["bwd_in_w"][t, dst] = bin_[dst].take((op.mb, op.chunk - 1))
+            to = op.chunk + 1 if forward else op.chunk - 1
+            dst, way = s.stage_of(to), _way(s, st, forward, to)
+            if forward:
+                cols[_FWD_FIELD[way]][t, dst] = fin[dst].take((op.mb, to))
+                cols["down_f"][t - 1, st] = int(way == "down")
+            else:
+                cols[_BWD_FIELD[way]][t, dst] = bin_[dst].take((op.mb, to))
+                cols["up_b"][t - 1, st] = int(way == "up")
         for st, op in enumerate(row):
             if op is not None:
                 cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
@@ -126,13 +144,28 @@ def compile_program(s: Schedule) -> TickProgram:
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
     sizes = {"stash": size(stash), "fwd_in": size(fin), "bwd_in": size(bin_), "ct": size(ct),
              "out": s.microbatches}
-    for buf in SLOT_FIELDS:  # unassigned slots → that buffer's scratch slot
-        for rw in ("_w", "_r"):
-            if buf + rw in cols:
-                a = cols[buf + rw]
-                a[a < 0] = sizes[buf]
+    for name, a in cols.items():  # unassigned slots → that buffer's scratch slot
+        if name.endswith(("_w", "_r")):
+            a[a < 0] = sizes[next(b for b in SLOT_FIELDS if name.startswith(b))]
     return TickProgram(s, Ticks(**cols), sizes["stash"], sizes["fwd_in"], sizes["bwd_in"],
                        sizes["ct"])
+
+
+# Where an arriving message is filed, by the way it came (up, down, or staying on the stage).
+_FWD_FIELD = {"up": "fwd_in_w", "down": "fwd_in_down_w", "turn": "fwd_in_turn_w"}
+_BWD_FIELD = {"down": "bwd_in_w", "up": "bwd_in_up_w", "turn": "bwd_in_turn_w"}
+
+
+def _way(s: Schedule, st: int, forward: bool, to: int) -> str:
+    """How a message from stage ``st`` reaches chunk ``to``: "turn" (same stage), else along
+    the V (up to a higher stage, down to a lower), else circular: activations up, gradients
+    down (they may wrap around)."""
+    dst = s.stage_of(to)
+    if dst == st:
+        return "turn"
+    if s.kind.v_shape:
+        return "up" if dst > st else "down"
+    return "up" if forward else "down"
 
 
 def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:

@@ -7,8 +7,7 @@ Errors name the tick, the stage and the op::
 """
 from __future__ import annotations
 
-from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, _find,
-                                      prerequisites)
+from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleError, _find, prerequisites
 
 
 def _cells(sched: Schedule):
@@ -31,10 +30,11 @@ def _check_op(t: int, s: int, op: Op, sched: Schedule) -> None:
         raise ScheduleError(f"{where}: micro-batch out of range 0..{sched.microbatches - 1}")
     if not 0 <= op.chunk < sched.num_chunks:
         raise ScheduleError(f"{where}: chunk out of range 0..{sched.num_chunks - 1}")
-    if op.chunk % sched.stages != s:
+    if sched.stage_of(op.chunk) != s:
+        rule = "the V: c, then 2S-1-c" if sched.kind.v_shape else "circular placement c % S"
         raise ScheduleError(f"{where}: chunk {op.chunk} lives on stage "
-                            f"{op.chunk % sched.stages} (circular placement c % S)")
-    split = sched.kind is ScheduleKind.ZB_H1
+                            f"{sched.stage_of(op.chunk)} ({rule})")
+    split = sched.kind.split_backward
     if not sched.has_backward and op.kind is not OpKind.F:
         raise ScheduleError(f"{where}: a forward-only schedule has no backward ops")
     if op.kind is OpKind.B and split or op.kind in (OpKind.B_IN, OpKind.W) and not split:
@@ -61,12 +61,12 @@ def validate(sched: Schedule) -> None:
 
 
 def _check_complete(sched: Schedule, done: dict) -> None:
-    split = sched.kind is ScheduleKind.ZB_H1
+    split = sched.kind.split_backward
     need = [OpKind.F] + ([] if not sched.has_backward else
                          [OpKind.B_IN, OpKind.W] if split else [OpKind.B])
     for m in range(sched.microbatches):
         for c in range(sched.num_chunks):
             for k in need:
                 if Op(k, m, c) not in done:
-                    raise ScheduleError(f"stage {c % sched.stages}: op {Op(k, m, c)} never runs "
+                    raise ScheduleError(f"stage {sched.stage_of(c)}: op {Op(k, m, c)} never runs "
                                         f"(each micro-batch needs one of each per chunk)")

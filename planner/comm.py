@@ -112,11 +112,13 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
     t.add("collective-permute", act / M, sends * passes)
     rules = get_strategy(lay.strategy).rules
     if routed(w.cfg.num_layers, lay.pipe, lay.virtual):
-        # Interleaved: each step moves chunks from their storage stage to the stage that runs
+        # Interleaved and ZB-V: each step moves chunks from their storage stage to the stage that runs
         # them (and their gradients back), one chunk per device per moving round.
         chunk = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
                     if p.startswith("blocks/")) * FP32 / lay.virtual   # fp32 masters, grads
-        t.add("collective-permute", chunk, moving_rounds(lay.pipe, lay.virtual) * passes)
+        v_shape = lay.schedule is not None and lay.schedule.v_shape
+        t.add("collective-permute", chunk,
+              moving_rounds(lay.pipe, lay.virtual, v_shape) * passes)
     if w.train:
         shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
                      if not p.startswith("blocks/"))

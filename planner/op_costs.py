@@ -11,7 +11,8 @@ The ratios are a property of the executor, not of the model's size: every op kin
 same block, and every dense preset's block has the same dots (attention and SwiGLU
 projections), whose backward costs scale with the forward's. So one compile per op-kind set
 serves every dense workload, and the result is cached (per op-kind set and remat policy). GPipe, 1F1B and interleaved run the
-same F and B branches (measured on 1F1B); ZB-H1 runs F, B_in and W.
+same F and B branches (measured on 1F1B); ZB-H1 and ZB-V run F, B_in and W (measured
+on ZB-H1).
 
 Where this process cannot get two CPU devices (JAX started with one, or without a CPU
 backend), the costs fall back to ``DEFAULT_COSTS`` and the source says so and why.
@@ -44,7 +45,8 @@ PROBE_MODEL, PROBE_STAGES, PROBE_MICROBATCHES, PROBE_BATCH, PROBE_SEQ = "tiny", 
 _MEASURED_AS = {ScheduleKind.GPIPE: ScheduleKind.ONE_F_ONE_B,
                 ScheduleKind.ONE_F_ONE_B: ScheduleKind.ONE_F_ONE_B,
                 ScheduleKind.INTERLEAVED: ScheduleKind.ONE_F_ONE_B,
-                ScheduleKind.ZB_H1: ScheduleKind.ZB_H1}
+                ScheduleKind.ZB_H1: ScheduleKind.ZB_H1,
+                ScheduleKind.ZB_V: ScheduleKind.ZB_H1}
 _KIND_OF_LABEL = {label: kind for kind, label in LABELS.items()}
 
 

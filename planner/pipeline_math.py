@@ -68,7 +68,7 @@ def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: 
     """Micro-batches of activations the busiest stage holds (in whole-stage units).
 
     Without a pipeline the local batch is one micro-batch. From the table: its
-    ``peak_in_flight`` chunks, each 1/v of a stage. Closed forms: GPipe keeps all M; 1F1B
+    ``peak_in_flight`` chunks, each 1/v of the stage (the table's own v: ZB-V's two). Closed forms: GPipe keeps all M; 1F1B
     and ZB-H1 at most S; interleaved (v−1)·S + 2(S−1) + 1 chunks.
     """
     S, M, v = stages, max(microbatches, 1), virtual
@@ -76,7 +76,7 @@ def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: 
         return 1.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
-        return max(table.peak_in_flight / v, 1.0)
+        return max(table.peak_in_flight / table.virtual, 1.0)
     if schedule is ScheduleKind.GPIPE:
         return float(M)
     if schedule is ScheduleKind.INTERLEAVED:

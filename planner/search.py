@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
-from triax.pipeline import ScheduleKind
+from triax.pipeline import ScheduleKind, chunks_per_stage
 from triax.pipeline.runner import unpipelinable_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
@@ -26,7 +26,7 @@ from triax.planner.workload import Layout, Workload, divisors
 from triax.sharding.rules import ShardingError
 
 TRAIN_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
-                   ScheduleKind.ZB_H1)
+                   ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
 
 
 @dataclass
@@ -53,7 +53,8 @@ def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
 def _schedules(w: Workload, pipe: int,
                local_batch: int) -> Iterator[tuple[Optional[ScheduleKind], int, int]]:
     """(schedule, M, v) for a pipe size: M in S, 2S, 4S, 8S and the local batch when they
-    divide it; interleaved with v = 2 when every chunk keeps at least one layer."""
+    divide it; interleaved with v = 2, and ZB-V (its own 2), when every chunk keeps at least
+    one layer; each only where the executor builds its table (``microbatch_constraint``)."""
     if pipe == 1:
         yield None, 1, 1
         return
@@ -61,7 +62,7 @@ def _schedules(w: Workload, pipe: int,
                      if m <= local_batch and local_batch % m == 0} or {local_batch})
     kinds = TRAIN_SCHEDULES if w.train else (ScheduleKind.FORWARD_ONLY,)
     for kind in kinds:
-        v = 2 if kind is ScheduleKind.INTERLEAVED else 1
+        v = 2 if kind is ScheduleKind.INTERLEAVED else chunks_per_stage(kind)   # ZB-V: 2
         if w.cfg is not None and pipe * v > w.cfg.num_layers:
             continue
         for m in counts:

@@ -1,5 +1,5 @@
-"""Interleaved chunks move from their storage stage to their compute stage in ``v`` rounds of
-one ``ppermute`` each, and back: the same placement as ``StageLayers.to_stages``."""
+"""Interleaved (and ZB-V) chunks move from their storage stage to their compute stage in ``v``
+rounds of one ``ppermute`` each, and back: the same placement as ``StageLayers.to_stages``."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from triax.mesh import make_mesh
-from triax.pipeline.chunk_routes import chunk_routes, moving_rounds, to_compute, to_storage
+from triax.pipeline.chunk_routes import chunk_routes, moving_rounds
 from triax.pipeline.stage_layers import StageLayers
 
 
@@ -23,17 +23,27 @@ def test_rounds_are_permutations_covering_every_chunk(S, v):
     assert moving_rounds(S, v) <= v
 
 
-@pytest.mark.parametrize("S,v", [(4, 2), (2, 4)])
-def test_moves_equal_the_circular_placement_and_return(devices, S, v):
+def test_v_rounds_place_each_stage_on_both_legs():
+    """ZB-V: stage s runs chunk s and chunk 2S-1-s; stage d stores chunks 2d and 2d+1."""
+    for S in (2, 3, 4, 8):
+        rounds = chunk_routes(S, 2, v_shape=True)
+        runs = sorted((s, j, d * 2 + r) for rd in rounds for d, r, s, j in rd)
+        assert runs == sorted((s, j, s if j == 0 else 2 * S - 1 - s)
+                              for s in range(S) for j in range(2))
+    assert moving_rounds(2, 2, v_shape=True) == 1     # chunk 0 and 2 stay where they are
+
+
+@pytest.mark.parametrize("S,v,v_shape", [(4, 2, False), (2, 4, False), (4, 2, True)])
+def test_moves_equal_the_placement_and_return(devices, S, v, v_shape):
     mesh = make_mesh(pipe=S, data=8 // S)
     L = S * v * 2   # two layers per chunk
     x = jnp.arange(L * 3, dtype=jnp.float32).reshape(L, 3)
-    layout = StageLayers(L, S, v)
+    layout = StageLayers(L, S, v, v_shape)
     assert layout.routed
 
     def body(a):   # [1, v, Lc, 3] stored -> compute order, and back
-        c = to_compute(a[0], S, v)
-        return c[None], to_storage(c, S, v)[None]
+        c = layout.to_compute(a[0], "pipe")
+        return c[None], layout.to_storage(c, "pipe")[None]
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("pipe"), out_specs=(P("pipe"),) * 2,
                               axis_names={"pipe"}, check_vma=False))
     compute, back = f(layout.stored_chunks(x))

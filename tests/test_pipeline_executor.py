@@ -37,6 +37,9 @@ CASES = [  # (schedule, S, M, v, L)
     ("1f1b", 4, 8, 1, 4),
     ("interleaved", 2, 4, 2, 4),
     ("zb-h1", 4, 4, 1, 4),
+    ("zb-v", 2, 4, 1, 4),          # V: chunks routed from storage, the loss on stage 0
+    ("zb-v", 4, 4, 1, 6),          # V over 4 stages: 8 chunks for 6 layers (identity pads)
+    ("zb-v", 2, 2, 1, 3),          # uneven: 3 layers on 2 stages
     ("1f1b", 2, 4, 1, 3),          # uneven: 3 layers on 2 stages (one identity pad)
     ("interleaved", 2, 2, 2, 3),   # uneven chunks: 4 chunks for 3 layers
 ]
@@ -48,6 +51,8 @@ def test_loss_and_grads_match_unpipelined(reference, kind, S, M, v, L):
     tr = Trainer(cfg, make_mesh(pipe=S, devices=jax.devices()[:S]), "dp",
                  pipeline=PipelineConfig(kind, M, v))
     assert tr.pipeline.schedule.microbatches == M
+    assert tr.pipeline.layout.routed == (kind == "zb-v" and L == 4 and S == 2 or
+                                         kind == "interleaved" and L == 4)
     (loss, _), grads = tr.grads(params, batch)
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
     assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"{kind} grads")

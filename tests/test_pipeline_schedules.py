@@ -34,6 +34,8 @@ def test_peak_in_flight(S, M):
     assert build("forward-only", S, M).peak_in_flight == 0
     # ZB-H1 keeps residuals until W, and still holds 1F1B's S on every stage.
     assert in_flight_profile(build("zb-h1", S, M)) == [S] * S
+    # ZB-V: 2S chunks of half a stage each, counted until W: 1F1B's S whole-stage ones.
+    assert in_flight_profile(build("zb-v", S, M)) == [2 * S] * S
     # Megatron's interleaved warm-up: 2(S-1) + (v-1)S + 1 chunk-micro-batches on stage 0.
     if M % S == 0:
         assert build("interleaved", S, M, 2).peak_in_flight == 2 * (S - 1) + S + 1
@@ -47,19 +49,44 @@ def test_zb_h1_bubble_about_a_third_of_1f1b(S, M):
     assert 0.3 < zb / ofob < 0.5
 
 
+@pytest.mark.parametrize("S,M", [(2, 4), (2, 8), (2, 16), (2, 32), (4, 8), (4, 16), (4, 32),
+                                 (3, 6), (8, 32)])
+def test_zb_v_bubble_near_zero_from_m_2s(S, M):
+    """6M+S-1 unit ticks (S ≤ 4): the last stage idles only until its first input arrives,
+    half ZB-H1's bubble and a sixth of 1F1B's at M ≫ S."""
+    zbv, zbh1 = build("zb-v", S, M), build("zb-h1", S, M)
+    assert zbv.virtual == 2
+    if S <= 4:
+        assert zbv.ticks == 6 * M + S - 1
+        assert zbv.bubble_fraction() == pytest.approx((S - 1) / (6 * M + S - 1), abs=1e-12)
+    assert zbv.bubble_fraction() < 0.6 * zbh1.bubble_fraction()
+    assert zbv.bubble_fraction() <= 0.1
+
+
 @pytest.mark.parametrize("kind,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
-                                    ("zb-h1", 1), ("forward-only", 1), ("forward-only", 2)])
+                                    ("zb-h1", 1), ("zb-v", 2), ("forward-only", 1),
+                                    ("forward-only", 2)])
 def test_every_microbatch_once_per_chunk(kind, v):
     s = build(kind, 4, 8, v)
     ops = [op for row in s.table for op in row if op is not None]
     assert len(ops) == len(set(ops))
-    kinds = {ScheduleKind.ZB_H1: {OpKind.F, OpKind.B_IN, OpKind.W},
+    split = {OpKind.F, OpKind.B_IN, OpKind.W}
+    kinds = {ScheduleKind.ZB_H1: split, ScheduleKind.ZB_V: split,
              ScheduleKind.FORWARD_ONLY: {OpKind.F}}.get(s.kind, {OpKind.F, OpKind.B})
     assert {op.kind for op in ops} == kinds
     assert len(ops) == len(kinds) * 8 * 4 * v
-    for op in ops:  # circular placement
+    for op in ops:  # circular placement, or ZB-V's V: down the stages, then back up
         stage = next(st for row in s.table for st, o in enumerate(row) if o == op)
-        assert stage == op.chunk % 4
+        assert stage == (7 - op.chunk if kind == "zb-v" and op.chunk >= 4 else op.chunk % 4)
+
+
+def test_zb_v_turns_on_the_last_stage_and_ends_on_the_first():
+    """The V: chunk S-1 hands to chunk S on stage S-1 (no message between stages), and the
+    last chunk (head and loss) runs on stage 0, beside the embedding."""
+    s = build("zb-v", 4, 8)
+    assert s.stage_of(3) == s.stage_of(4) == 3 and s.stage_of(7) == s.stage_of(0) == 0
+    t3, _ = _where(s, Op(OpKind.F, 0, 3))
+    assert _where(s, Op(OpKind.F, 0, 4)) == (t3 + 1, 3)
 
 
 def _broken(sched, t, s, op):
@@ -112,6 +139,13 @@ def test_validator_rejects_w_before_b_in_duplicates_missing_and_two_ops():
     wrong_stage = _broken(s, 0, 1, Op(OpKind.F, 1, 0))
     with pytest.raises(ScheduleError, match="tick 0, stage 1.*chunk 0 lives on stage 0"):
         validate(wrong_stage)
+    v = build("zb-v", 2, 2)    # chunk 2 runs on stage 1 in the V, not on stage 0 (2 % 2)
+    t, st = _where(v, Op(OpKind.F, 0, 2))
+    with pytest.raises(ScheduleError, match=r"stage 0, op F\(mb=0, chunk=2\): chunk 2 lives on "
+                                            r"stage 1 \(the V"):
+        validate(_broken(_broken(v, t, st, None), t, 0, Op(OpKind.F, 0, 2)))
+    with pytest.raises(ScheduleError, match="zb-v uses B_IN \\+ W for backwards, not B"):
+        validate(_broken(v, *_where(v, Op(OpKind.B_IN, 0, 0)), Op(OpKind.B, 0, 0)))
 
 
 def test_request_errors_name_the_constraint():
@@ -125,6 +159,8 @@ def test_request_errors_name_the_constraint():
         build("pipedream", 4, 8)
     with pytest.raises(ScheduleError, match="must be >= 1"):
         build("gpipe", 0, 8)
+    with pytest.raises(ScheduleError, match="zb-v runs exactly 2 chunks per stage"):
+        build("zb-v", 4, 8, 3)
 
 
 def test_schedule_cli_json_png_and_errors(tmp_path, capsys):
@@ -143,12 +179,18 @@ def test_schedule_cli_json_png_and_errors(tmp_path, capsys):
     assert "M=6 is not a multiple of S=4" in capsys.readouterr().err
     assert main(["schedule", "--kind", "1f1b", "--stages", "2", "--microbatches", "2",
                  "--png", str(tmp_path / "t.jpg")]) == 2
+    capsys.readouterr()
+    assert main(["schedule", "--kind", "zb-v", "--stages", "4", "--microbatches", "8",
+                 "--json"]) == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert (facts["virtual"], facts["ticks"], facts["peak_in_flight"]) == (2, 51, 8)
 
 
 def test_timeline_svg(tmp_path):
     from triax.pipeline.timeline import save
     out = save(build("interleaved", 2, 4, 2), tmp_path / "il.svg")
     assert out.read_text().lstrip().startswith("<?xml")
+    assert save(build("zb-v", 2, 4), tmp_path / "v.svg").read_text().lstrip().startswith("<?xml")
 
 
 def test_schedules_import_without_jax():

@@ -11,7 +11,8 @@ from triax.pipeline.runner import unpipelinable_reason
 from triax.planner import hardware
 from triax.planner.decide import plan
 from triax.planner.memory import estimate, min_devices_for_weights
-from triax.planner.pipeline_math import microbatch_constraint
+from triax.planner.pipeline_math import microbatch_constraint, peak_in_flight
+from triax.planner.search import layouts
 from triax.planner.workload import Layout, Workload
 
 
@@ -155,3 +156,18 @@ def test_schedule_constraints_are_the_generators():
     assert microbatch_constraint(ScheduleKind.ZB_H1, 4, 2) is None
     why = microbatch_constraint(ScheduleKind.INTERLEAVED, 4, 6, 2)
     assert why is not None and "divisible by stages" in why
+
+
+def test_zb_v_is_searched_where_the_executor_runs_it():
+    """The planner enumerates ZB-V with its two chunks per stage only where every chunk keeps
+    a layer and the generator builds the table, and takes its peak from that table: 2S half-
+    stage chunks, 1F1B's S whole-stage micro-batches."""
+    w = Workload.of(config.get("tiny", num_layers=4), train=True, batch=16, seq=32)
+    zbv = [lay for lay in layouts(w, hardware.cluster("h100-80gb", 8, 1))
+           if lay.schedule is ScheduleKind.ZB_V]
+    assert zbv and {(lay.pipe, lay.virtual) for lay in zbv} == {(2, 2)}   # pipe=4: 8 chunks
+    assert all(microbatch_constraint(lay.schedule, lay.pipe, lay.microbatches, 2) is None
+               for lay in zbv)
+    for S, M in ((2, 4), (4, 8), (4, 32)):
+        assert peak_in_flight(ScheduleKind.ZB_V, S, M, 2) == \
+            peak_in_flight(ScheduleKind.ONE_F_ONE_B, S, M) == S

@@ -39,6 +39,9 @@ PIPELINE_CASES = {
     "tiny-pp-zb-h1": ("tiny", 4, 16, 32, Layout(data=2, pipe=4, strategy="dp",
                                                 schedule=ScheduleKind.ZB_H1, microbatches=8),
                       "none"),
+    "tiny-pp-zb-v": ("tiny", 8, 16, 32, Layout(   # the V's chunks are routed from storage too
+        data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ZB_V, microbatches=8,
+        virtual=2), "none"),
     "tiny-pp-interleaved": ("tiny", 8, 16, 32, Layout(
         data=2, pipe=4, strategy="dp", schedule=ScheduleKind.INTERLEAVED, microbatches=8,
         virtual=2), "none"),

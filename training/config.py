@@ -83,7 +83,7 @@ class RunConfig:
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
     microbatches: int = _f(0, "pipeline micro-batches per step (0: 2 × pipe)")
-    virtual: int = _f(1, "pipeline chunks per stage (interleaved only)")
+    virtual: int = _f(1, "pipeline chunks per stage (interleaved; zb-v always runs 2)")
     data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
                             ".parquet file (documents with a text field, or prompt/completion "
                             "pairs whose prompts get no loss; packed)")
