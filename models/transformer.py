@@ -52,7 +52,7 @@ class Block(nnx.Module):
         a_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, mask_BTS, dtype, cache)
         x_BTD = x_BTD + a_BTD
         y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), dtype)
-        return constrain(x_BTD + y_BTD, ("batch", "seq", "act_embed")), aux, cache
+        return constrain(x_BTD + y_BTD, ("batch", "res_seq", "act_embed")), aux, cache
 
 
 def aux_zeros(cfg: ModelConfig) -> dict:
