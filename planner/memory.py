@@ -143,15 +143,17 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
-    ``residual_split`` divides the D-sized terms: the residual stream's share of devices
-    (``residual_split(rules, sizes)``; the tensor degree under sequence parallelism).
+    ``residual_split`` (``residual_split(rules, sizes)``: the tensor degree under sequence
+    parallelism, else 1) divides the residual stream's terms: the two residuals, the
+    attention and MLP outputs (reduce-scattered), the remat block input; the norm outputs
+    are gathered whole for the column-parallel matmuls, which save them.
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
     scores = 2 * _tp_div(N, tensor) * seq
-    D = D / residual_split
+    r = residual_split
     if remat == "full":
-        return D * tokens
+        return D / r * tokens
     if cfg.moe is None:
         f = cfg.mlp_dim / tensor
         ffn, ffn_dots = 5 * f, 3 * f
@@ -162,9 +164,9 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
         ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
         ffn_dots = slots * (D + 3 * fe) + moe.num_experts
     if remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + ffn_dots
-    else:
-        per_token = 6 * D + 5 * nh + 3 * kh + scores + ffn
+        per_token = 2 * D / r + 2 * nh + 2 * kh + scores / 2 + ffn_dots
+    else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
+        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + scores + ffn
     return per_token * tokens
 
 
