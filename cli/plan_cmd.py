@@ -30,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--num-layers", type=int, help="override the preset's layer count")
     p.add_argument("--mesh", help="evaluate this mesh, e.g. data=2,tensor=4 (axes left out=1)")
-    p.add_argument("--strategy", help="strategy for --mesh (dp, fsdp, zero1, tp, fsdp_tp)")
+    p.add_argument("--strategy", help="strategy for --mesh (dp, fsdp, zero1, tp, fsdp_tp, "
+                   "tp_sp, fsdp_tp_sp)")
     p.add_argument("--schedule", help="pipeline schedule for --mesh with pipe > 1")
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none",

@@ -109,7 +109,8 @@ class Attention(nnx.Module):
 
     def output(self, o_BTNH, dtype):
         out = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.wo_NHD[...].astype(dtype))
-        return constrain(out, ("batch", "seq", "act_embed"))
+        # Back on the residual stream (``res_seq``: split over the sequence under SP).
+        return constrain(out, ("batch", "res_seq", "act_embed"))
 
     def __call__(self, x_BTD, positions_BT, vis: Optional[Visibility], exe: ExecConfig,
                  cache: Optional[Cache] = None):
@@ -140,7 +141,7 @@ class MLP(nnx.Module):
         gu = jnp.einsum("BTD,DUF->BTUF", x_BTD, self.w_in_D2F[...].astype(dtype))
         h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "act_mlp"))
         out = jnp.einsum("BTF,FD->BTD", h, self.w_down_FD[...].astype(dtype))
-        return constrain(out, ("batch", "seq", "act_embed")), {}
+        return constrain(out, ("batch", "res_seq", "act_embed")), {}
 
 
 class Embed(nnx.Module):
@@ -152,7 +153,7 @@ class Embed(nnx.Module):
 
     def __call__(self, tokens_BT, dtype):
         x = jnp.take(self.table_VD[...].astype(dtype), tokens_BT, axis=0)
-        return constrain(x, ("batch", "seq", "act_embed"))
+        return constrain(x, ("batch", "res_seq", "act_embed"))
 
     def attend(self, x_BTD, dtype):
         """Tied output projection: logits against the embedding table."""

@@ -54,7 +54,7 @@ class Block(nnx.Module):
         a_BTD, cache = self.attn(self.attn_norm(x_BTD), positions_BT, vis, exe, cache)
         x_BTD = x_BTD + a_BTD
         y_BTD, aux = self.mlp(self.mlp_norm(x_BTD), exe.dtype)
-        return constrain(x_BTD + y_BTD, ("batch", "seq", "act_embed")), aux, cache
+        return constrain(x_BTD + y_BTD, ("batch", "res_seq", "act_embed")), aux, cache
 
 
 def aux_zeros(cfg: ModelConfig) -> dict:

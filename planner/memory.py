@@ -133,7 +133,7 @@ def _tp_div(n: int, t: int) -> float:
 
 
 def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: int,
-                              remat: str) -> float:
+                              remat: str, residual_split: int = 1) -> float:
     """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
 
     No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
@@ -143,12 +143,17 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
+    ``residual_split`` (``residual_split(rules, sizes)``: the tensor degree under sequence
+    parallelism, else 1) divides the residual stream's terms: the two residuals, the
+    attention and MLP outputs (reduce-scattered), the remat block input; the norm outputs
+    are gathered whole for the column-parallel matmuls, which save them.
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
     scores = 2 * _tp_div(N, tensor) * seq
+    r = residual_split
     if remat == "full":
-        return D * tokens
+        return D / r * tokens
     if cfg.moe is None:
         f = cfg.mlp_dim / tensor
         ffn, ffn_dots = 5 * f, 3 * f
@@ -159,10 +164,16 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
         ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
         ffn_dots = slots * (D + 3 * fe) + moe.num_experts
     if remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D + 2 * nh + 2 * kh + scores / 2 + ffn_dots
-    else:
-        per_token = 6 * D + 5 * nh + 3 * kh + scores + ffn
+        per_token = 2 * D / r + 2 * nh + 2 * kh + scores / 2 + ffn_dots
+    else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
+        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + scores + ffn
     return per_token * tokens
+
+
+def residual_split(rules: Rules, sizes: dict[str, int]) -> int:
+    """Devices one residual-stream activation (``res_seq``) is split over along the
+    sequence: the tensor degree under sequence parallelism, else 1."""
+    return prod(sizes.get(a, 1) for a in rules.mesh_axes("res_seq"))
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
@@ -175,12 +186,13 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
         return 0.0 if cfg is None else _inference_activations(w, lay)
     local_batch = w.batch / lay.batch_shards
     mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
-    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none")
+    split = residual_split(get_strategy(lay.strategy).rules, lay.sizes)
+    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split)
     logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
     if lay.pipe > 1:
         return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
-    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat)
+    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split)
     saved = cfg.num_layers * per_layer * in_flight + working
     return (saved + logits) * w.dtype_bytes
 

@@ -45,8 +45,8 @@ class SearchResult:
 def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
     if not w.train:
         return ("tp",) if tensor > 1 else ("dp",)
-    if tensor > 1:
-        return ("tp", "fsdp_tp") if data > 1 else ("tp",)
+    if tensor > 1:   # each with and without sequence parallelism
+        return ("tp", "tp_sp", "fsdp_tp", "fsdp_tp_sp") if data > 1 else ("tp", "tp_sp")
     return ("dp", "fsdp", "zero1") if data > 1 else ("dp",)
 
 

@@ -104,7 +104,8 @@ class Layout:
     def unsharded_over_data(self) -> "Layout":
         """The same layout with the parameters not split over ``data`` (what a gather
         yields): the memory model's per-block working set and the traffic model's gathers."""
-        name = {"fsdp": "dp", "fsdp_tp": "tp", "zero1": "dp"}.get(self.strategy, self.strategy)
+        name = {"fsdp": "dp", "fsdp_tp": "tp", "fsdp_tp_sp": "tp_sp",
+                "zero1": "dp"}.get(self.strategy, self.strategy)
         return dataclasses.replace(self, data=1, strategy=name)
 
     def describe(self) -> str:

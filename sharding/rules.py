@@ -1,8 +1,10 @@
 """Logical axis names → mesh axes: one rules table, and the strategy presets built from it.
 
 Logical names (parameters): ``embed, heads, kv_heads, head_dim, mlp, vocab, layers, experts``.
-Logical names (activations): ``batch, seq, act_embed, act_heads, act_kv_heads, act_mlp,
-act_vocab, act_experts``. Activations get names of their own so that, e.g., FSDP can shard a
+Logical names (activations): ``batch, seq, res_seq, act_embed, act_heads, act_kv_heads,
+act_mlp, act_vocab, act_experts``. ``res_seq`` is the sequence dimension of the residual
+stream (norms, residual adds, the embedding output): replicated over ``tensor`` except under
+the sequence-parallel strategies (``tp_sp``, ``fsdp_tp_sp``), which split it. Activations get names of their own so that, e.g., FSDP can shard a
 weight's ``embed`` dimension over ``data`` while the activation's batch already uses ``data``.
 
 A strategy is nothing but a choice of rules::
@@ -26,13 +28,14 @@ MeshAxes = Union[None, str, tuple[str, ...]]
 
 PARAM_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
               "expert_mlp", "norm")
-ACTIVATION_AXES = ("batch", "seq", "kv_seq", "act_embed", "act_heads", "act_kv_heads",
+ACTIVATION_AXES = ("batch", "seq", "res_seq", "kv_seq", "act_embed", "act_heads", "act_kv_heads",
                    "act_head_dim", "act_mlp", "act_vocab", "act_experts", "capacity")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 # Logical axes whose sharding degrades to replication when the mesh axis is larger than the
-# dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing).
-REPLICABLE = frozenset({"kv_heads", "act_kv_heads"})
+# dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing;
+# a residual stream shorter than the tensor degree, e.g. one decode token, stays whole).
+REPLICABLE = frozenset({"kv_heads", "act_kv_heads", "res_seq"})
 
 
 class ShardingError(ValueError):
@@ -182,6 +185,8 @@ class StrategyKind(enum.Enum):
     ZERO1 = "zero1"
     TP = "tp"
     FSDP_TP = "fsdp_tp"
+    TP_SP = "tp_sp"
+    FSDP_TP_SP = "fsdp_tp_sp"
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,17 @@ _FSDP = {"embed": "data"}
 # Pipeline: stacked layers split over `pipe`. Experts: over `expert` (weights and dispatch).
 _PIPE = {"layers": "pipe"}
 _EXPERT = {"experts": "expert", "act_experts": "expert"}
+# Megatron sequence parallelism: the residual stream outside the column/row matmul pairs is
+# split over `tensor` along the sequence, so XLA turns each row-parallel all-reduce into a
+# reduce-scatter and gathers the sequence again before the next column-parallel matmul.
+_SP = {"res_seq": "tensor"}
+# A sequence-parallel strategy is its tensor-parallel base plus _SP.
+SP_BASE = {StrategyKind.TP_SP: StrategyKind.TP, StrategyKind.FSDP_TP_SP: StrategyKind.FSDP_TP}
 
 
 def _strategy(kind: StrategyKind) -> Strategy:
+    if kind in SP_BASE:
+        return dataclasses.replace(_strategy(SP_BASE[kind]).with_updates(**_SP), name=kind.value)
     base = {**_BATCH, **_PIPE, **_EXPERT}
     if kind is StrategyKind.DP:
         r = Rules.of(base)
@@ -248,7 +261,7 @@ STRATEGIES: dict[str, Strategy] = {k.value: _strategy(k) for k in StrategyKind}
 
 
 def get_strategy(name: str | Strategy) -> Strategy:
-    """Look up a preset by name (``dp, fsdp, zero1, tp, fsdp_tp``)."""
+    """Look up a preset by name (``dp, fsdp, zero1, tp, fsdp_tp, tp_sp, fsdp_tp_sp``)."""
     if isinstance(name, Strategy):
         return name
     try:

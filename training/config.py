@@ -63,7 +63,7 @@ class RunConfig:
     mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
                        "(the remaining devices)",
                    default_help="data × tensor × pipe picked from the devices")
-    strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp")
+    strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp | tp_sp | fsdp_tp_sp")
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = _f(0, "seed for parameters and data order")
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
