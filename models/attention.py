@@ -282,7 +282,7 @@ def _cudnn_fits(q_BTNH, vis: Visibility) -> bool:
 
 def dot_product(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
     """``jax.nn.dot_product_attention``: cuDNN's fused flash attention where it fits
-    (:func:`_cudnn_fits`), XLA's otherwise (with the mask from ``vis``). GQA is native."""
+    (``_cudnn_fits``), XLA's otherwise (with the mask from ``vis``). GQA is native."""
     if _cudnn_fits(q_BTNH, vis):
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=True,
                                             implementation="cudnn")
@@ -317,7 +317,7 @@ CHOICES = ("auto", *IMPLEMENTATIONS)
 
 def resolve(implementation: str, backend: Optional[str] = None) -> str:
     """The concrete implementation ``implementation`` names on ``backend`` (default: JAX's):
-    ``auto`` becomes :data:`AUTO`'s choice; an unknown name is an error naming the choices."""
+    ``auto`` becomes ``AUTO``'s choice; an unknown name is an error naming the choices."""
     if implementation == "auto":
         return AUTO.get(backend or jax.default_backend(), AUTO["cpu"])
     if implementation not in IMPLEMENTATIONS:

@@ -3,7 +3,7 @@
 Pure Python (no JAX): a schedule is a static table ``table[tick][stage]`` holding ``None``
 (idle) or an :class:`Op` ``(kind, mb, chunk)``. ``chunk`` is the *global* model chunk; with
 ``v`` virtual chunks per stage and circular placement, chunk ``c`` runs on stage ``c % S``;
-ZB-V places its two chunks per stage in a V (:func:`chunk_stage`).
+ZB-V places its two chunks per stage in a V (``chunk_stage``).
 
 Every generator first writes each stage's op *order* (the policy: GPipe, 1F1B, ...), then
 :func:`place` puts the orders onto unit ticks as early as the dependencies allow (a message
@@ -69,7 +69,7 @@ class ScheduleKind(enum.Enum):
 
     @property
     def v_shape(self) -> bool:
-        """Places two chunks per stage in a V (:func:`chunk_stage`)."""
+        """Places two chunks per stage in a V (``chunk_stage``)."""
         return self is ScheduleKind.ZB_V
 
     @classmethod
@@ -110,7 +110,7 @@ class Schedule:
         return self.kind is not ScheduleKind.FORWARD_ONLY
 
     def stage_of(self, chunk: int) -> int:
-        """The stage global ``chunk`` runs on (:func:`chunk_stage`)."""
+        """The stage global ``chunk`` runs on (``chunk_stage``)."""
         return chunk_stage(chunk, self.stages, self.kind.v_shape)
 
     @property
