@@ -77,6 +77,7 @@ class Layout:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
+    context: int = 1
     strategy: str = "dp"
     schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
@@ -84,7 +85,7 @@ class Layout:
 
     @property
     def devices(self) -> int:
-        return self.data * self.tensor * self.pipe * self.expert
+        return self.data * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -197,6 +197,7 @@ class Strategy:
     rules: Rules
     optimizer_rules: Rules
     fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
+    context_attention: str = "all-gather"   # attention across `context`: all-gather | ring
 
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
         """This strategy with ``logical name=mesh axes`` rules added (parameters and optimizer)."""
@@ -222,10 +223,13 @@ _FSDP = {"embed": "data"}
 # Pipeline: stacked layers split over `pipe`. Experts: over `expert` (weights and dispatch).
 _PIPE = {"layers": "pipe"}
 _EXPERT = {"experts": "expert", "act_experts": "expert"}
+# Context parallelism: the activations' sequence over `context` (a size-1 axis splits
+# nothing); K/V caches and gathered keys (`kv_seq`) stay whole.
+_CONTEXT = {"seq": "context"}
 
 
 def _strategy(kind: StrategyKind) -> Strategy:
-    base = {**_BATCH, **_PIPE, **_EXPERT}
+    base = {**_BATCH, **_PIPE, **_EXPERT, **_CONTEXT}
     if kind is StrategyKind.DP:
         r = Rules.of(base)
         return Strategy(kind.value, r, r)
