@@ -121,6 +121,8 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
         raise ShardingError(f"rules map 'seq' to {axes}; context parallelism runs over one "
                             f"mesh axis (map 'seq' to 'context')")
     axis, C = axes[0], context_size(mesh, rules)
+    sizes = mesh_sizes(mesh)
+    batch_axes = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
 
     def hook(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str):
         T, S = q_BTNH.shape[1], k_BSKH.shape[1]
@@ -131,11 +133,15 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
         context = jax.sharding.get_abstract_mesh()
         nested = not context.empty and context.manual_axes   # inside the pipeline's shard_map
         m = context if nested else mesh
-        seq = P(None, axis)
+        # The batch axes are manual too: left automatic, XLA would regather the batch over
+        # them at the boundary (the specs say nothing of them).
+        rows = tuple(a for a in batch_axes if not nested or a not in context.manual_axes)
+        seq = P(rows or None, axis)
         vis_spec = Visibility(seq, seq, None if vis.q_segment_BT is None else seq,
                               None if vis.k_segment_BS is None else seq)
         return jax.shard_map(
-            _local_attention(scheme, implementation, axis, C), mesh=m, axis_names={axis},
+            _local_attention(scheme, implementation, axis, C), mesh=m,
+            axis_names={axis, *rows},
             in_specs=(seq, seq, seq, vis_spec), out_specs=seq,
         )(q_BTNH, k_BSKH, v_BSKH, vis)
     return hook
