@@ -32,7 +32,9 @@ LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 # Logical axes whose sharding degrades to replication when the mesh axis is larger than the
 # dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing).
-REPLICABLE = frozenset({"kv_heads", "act_kv_heads"})
+# Likewise `seq` over `context` for a sequence shorter than the axis or not divisible by it
+# (decode's one token, a short prompt): those steps run on the whole sequence.
+REPLICABLE = frozenset({"kv_heads", "act_kv_heads", "seq"})
 
 
 class ShardingError(ValueError):

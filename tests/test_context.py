@@ -99,3 +99,10 @@ def test_ring_context2_tensor2_data2_matches(reference):
 
 def test_packed_sequences_ring_context4_matches(reference_packed):
     check(run(make("ring", context=4, data=2), pack=True), reference_packed)
+
+
+def test_cli_choices_are_the_schemes():
+    from triax.sharding.context import SCHEMES
+    from triax.training.config import RunConfig
+    field = RunConfig.__dataclass_fields__["context_attention"]
+    assert tuple(field.metadata["choices"]) == SCHEMES
