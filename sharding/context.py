@@ -136,11 +136,14 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
         # The batch axes are manual too: left automatic, XLA would regather the batch over
         # them at the boundary (the specs say nothing of them).
         rows = tuple(a for a in batch_axes if not nested or a not in context.manual_axes)
+        # Inside the pipeline's tick switch the ring's ppermutes come out NaN on XLA:CPU (not
+        # yet understood): pipelined stages gather instead (docs/long_context.md).
+        local_scheme = "all-gather" if nested else scheme
         seq = P(rows or None, axis)
         vis_spec = Visibility(seq, seq, None if vis.q_segment_BT is None else seq,
                               None if vis.k_segment_BS is None else seq)
         return jax.shard_map(
-            _local_attention(scheme, implementation, axis, C), mesh=m,
+            _local_attention(local_scheme, implementation, axis, C), mesh=m,
             axis_names={axis, *rows},
             in_specs=(seq, seq, seq, vis_spec), out_specs=seq,
         )(q_BTNH, k_BSKH, v_BSKH, vis)

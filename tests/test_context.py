@@ -106,3 +106,16 @@ def test_cli_choices_are_the_schemes():
     from triax.training.config import RunConfig
     field = RunConfig.__dataclass_fields__["context_attention"]
     assert tuple(field.metadata["choices"]) == SCHEMES
+
+
+def test_pipe2_context2_matches(devices):
+    from triax.pipeline.runner import PipelineConfig
+    cfg = CFG.replace(num_layers=2)
+
+    def grads(mesh, pipeline=None):
+        tr = Trainer(cfg, mesh, dataclasses.replace(get_strategy("dp"), context_attention="ring"),
+                     pipeline=pipeline)
+        (loss, _), g = tr.grads(tr.init(seed=0)["params"], tr.example_batch(4, T))
+        return float(loss), jax.device_get(g), None
+    check(grads(make_mesh(context=2, pipe=2, data=2), PipelineConfig("1f1b", 2)),
+          grads(make_mesh(devices=devices[:1])))
