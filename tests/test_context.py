@@ -119,3 +119,22 @@ def test_pipe2_context2_matches(devices):
         return float(loss), jax.device_get(g), None
     check(grads(make_mesh(context=2, pipe=2, data=2), PipelineConfig("1f1b", 2)),
           grads(make_mesh(devices=devices[:1])))
+
+
+def visible_pairs_per_rank(order_T, C):
+    """Unmasked (query, key) pairs each context rank's queries have, by the model's mask."""
+    from triax.models.attention import Visibility
+    order_BT = np.asarray(order_T)[None]
+    visible_TS = np.asarray(Visibility.self_attention(order_BT).mask())[0]
+    return visible_TS.reshape(C, -1, visible_TS.shape[1]).sum(axis=(1, 2))
+
+
+@pytest.mark.parametrize("C", [2, 4, 8])
+def test_zigzag_layout_balances_causal_work(C):
+    from triax.sharding.context import zigzag_order
+    T = 64
+    zig = visible_pairs_per_rank(zigzag_order(T, C), C)
+    contiguous = visible_pairs_per_rank(np.arange(T), C)
+    assert zig.max() / zig.mean() <= 1.1, zig
+    assert contiguous.max() / contiguous.mean() > 1.4, contiguous   # about 2 - 1/C
+    assert sorted(zigzag_order(T, C)) == list(range(T))   # a permutation: no token lost
