@@ -77,11 +77,11 @@ class Layout:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
-    context: int = 1
     strategy: str = "dp"
     schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
     virtual: int = 1
+    context: int = 1    # last: callers build layouts positionally
 
     @property
     def devices(self) -> int:
