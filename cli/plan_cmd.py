@@ -61,6 +61,10 @@ def _layout(args):
     sizes = parse_mesh(args.mesh)
     if any(v < 1 for v in sizes.values()):
         raise ValueError(f"--mesh sizes must be ≥ 1 (no -1 fill in a plan): {args.mesh}")
+    if sizes.get("context", 1) > 1:
+        raise ValueError(f"--mesh {args.mesh}: the planner does not model context parallelism "
+                         f"yet; plan without the context axis, or measure a context mesh with "
+                         f"`triax inspect --mesh {args.mesh}`")
     sched = ScheduleKind.parse(args.schedule) if args.schedule else None
     return Layout(**sizes, strategy=args.strategy, schedule=sched,
                   microbatches=args.microbatches or 1,

@@ -1,7 +1,8 @@
 """Mesh construction: named axes, topology-aware device order, hybrid (node-aware) meshes.
 
-Axis order is fixed: ``data`` outermost (slowest links), then ``pipe``, ``expert``, and
-``tensor`` innermost, so tensor-parallel collectives stay on the fastest links.
+Axis order is fixed: ``data`` outermost (slowest links), then ``pipe``, ``expert``,
+``context`` and ``tensor`` innermost, so tensor-parallel collectives stay on the fastest
+links and context groups (a ring of K/V passes every layer) sit right beside them.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES: tuple[str, ...] = ("data", "pipe", "expert", "tensor")
+AXES: tuple[str, ...] = ("data", "pipe", "expert", "context", "tensor")
 
 
 def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -45,17 +46,18 @@ def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """Build a ``Mesh`` over ``(data, pipe, expert, tensor)`` with Auto axis types.
+              devices: Sequence[jax.Device] | None = None, context: int = 1) -> Mesh:
+    """Build a ``Mesh`` over ``(data, pipe, expert, context, tensor)`` with Auto axis types.
 
     Auto axes let XLA's SPMD partitioner insert the collectives. One size may be -1.
 
     >>> mesh = make_mesh(data=-1)          # all devices on `data`
     >>> mesh.axis_names
-    ('data', 'pipe', 'expert', 'tensor')
+    ('data', 'pipe', 'expert', 'context', 'tensor')
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert), len(devices))
+    sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert,
+                               context=context), len(devices))
     shape = tuple(sizes[a] for a in AXES)
     try:
         arr = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
@@ -66,14 +68,15 @@ def make_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
 
 def make_hybrid_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
                      devices: Sequence[jax.Device] | None = None,
-                     num_nodes: int | None = None) -> Mesh:
+                     num_nodes: int | None = None, context: int = 1) -> Mesh:
     """A (within node) × (across nodes) mesh: ``tensor`` never crosses a node boundary.
 
     Nodes are ``process_index`` groups (or ``slice_index`` on TPU). ``tensor`` must divide
     the per-node device count; ``data`` then ``pipe`` absorb the across-node factor.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert), len(devices))
+    sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert,
+                               context=context), len(devices))
     groups = _node_groups(devices, num_nodes)
     per_node = len(groups[0])
     nodes = len(groups)

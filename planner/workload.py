@@ -81,10 +81,11 @@ class Layout:
     schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
     virtual: int = 1
+    context: int = 1    # last: callers build layouts positionally
 
     @property
     def devices(self) -> int:
-        return self.data * self.tensor * self.pipe * self.expert
+        return self.data * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -21,9 +21,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
+from triax.models.attention import using_attention
 from triax.models.config import ModelConfig
 from triax.models.moe import using_moe_runner
 from triax.models.transformer import Transformer
+from triax.sharding.context import context_attention
 from triax.sharding.experts import check_expert_mesh, expert_runner
 from triax.sharding.rules import Rules, ShardingError, Strategy, get_strategy
 
@@ -210,9 +212,11 @@ def activation_constraint(mesh: Mesh, rules: Rules) -> Callable:
 @contextlib.contextmanager
 def activation_sharding(mesh: Mesh, strategy: str | Strategy):
     """While tracing, resolve the model's logical activation axes through ``strategy``."""
-    rules = get_strategy(strategy).rules
+    strategy = get_strategy(strategy)
+    rules = strategy.rules
     with using_constraint(activation_constraint(mesh, rules)), \
-            using_moe_runner(expert_runner(mesh, rules)):
+            using_moe_runner(expert_runner(mesh, rules)), \
+            using_attention(context_attention(mesh, rules, strategy.context_attention)):
         yield
 
 

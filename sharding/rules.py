@@ -33,9 +33,10 @@ ACTIVATION_AXES = ("batch", "seq", "res_seq", "kv_seq", "act_embed", "act_heads"
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 # Logical axes whose sharding degrades to replication when the mesh axis is larger than the
-# dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing;
-# a residual stream shorter than the tensor degree, e.g. one decode token, stays whole).
-REPLICABLE = frozenset({"kv_heads", "act_kv_heads", "res_seq"})
+# dimension (Megatron replicates KV heads across the extra tensor ranks instead of refusing).
+# Likewise the sequence over `context` or `tensor` for a sequence shorter than the axis or not
+# divisible by it (decode's one token, a short prompt): those steps run on the whole sequence.
+REPLICABLE = frozenset({"kv_heads", "act_kv_heads", "seq", "res_seq"})
 
 
 class ShardingError(ValueError):
@@ -202,6 +203,7 @@ class Strategy:
     rules: Rules
     optimizer_rules: Rules
     fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
+    context_attention: str = "all-gather"   # attention across `context`: all-gather | ring
 
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
         """This strategy with ``logical name=mesh axes`` rules added (parameters and optimizer)."""
@@ -227,10 +229,14 @@ _FSDP = {"embed": "data"}
 # Pipeline: stacked layers split over `pipe`. Experts: over `expert` (weights and dispatch).
 _PIPE = {"layers": "pipe"}
 _EXPERT = {"experts": "expert", "act_experts": "expert"}
+# Context parallelism: the activations' sequence over `context` (a size-1 axis splits
+# nothing), the residual stream's too; K/V caches and gathered keys (`kv_seq`) stay whole.
+_CONTEXT = {"seq": "context", "res_seq": "context"}
 # Megatron sequence parallelism: the residual stream outside the column/row matmul pairs is
-# split over `tensor` along the sequence, so XLA turns each row-parallel all-reduce into a
-# reduce-scatter and gathers the sequence again before the next column-parallel matmul.
-_SP = {"res_seq": "tensor"}
+# split over `tensor` along the sequence (within its `context` chunk), so XLA turns each
+# row-parallel all-reduce into a reduce-scatter and gathers the sequence again before the
+# next column-parallel matmul.
+_SP = {"res_seq": ("context", "tensor")}
 # A sequence-parallel strategy is its tensor-parallel base plus _SP.
 SP_BASE = {StrategyKind.TP_SP: StrategyKind.TP, StrategyKind.FSDP_TP_SP: StrategyKind.FSDP_TP}
 
@@ -238,7 +244,7 @@ SP_BASE = {StrategyKind.TP_SP: StrategyKind.TP, StrategyKind.FSDP_TP_SP: Strateg
 def _strategy(kind: StrategyKind) -> Strategy:
     if kind in SP_BASE:
         return dataclasses.replace(_strategy(SP_BASE[kind]).with_updates(**_SP), name=kind.value)
-    base = {**_BATCH, **_PIPE, **_EXPERT}
+    base = {**_BATCH, **_PIPE, **_EXPERT, **_CONTEXT}
     if kind is StrategyKind.DP:
         r = Rules.of(base)
         return Strategy(kind.value, r, r)

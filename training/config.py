@@ -64,6 +64,11 @@ class RunConfig:
                        "(the remaining devices)",
                    default_help="data × tensor × pipe picked from the devices")
     strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp | tp_sp | fsdp_tp_sp")
+    context_attention: str = _f("all-gather", "attention across the context mesh axis: "
+                                              "all-gather (K/V gathered) | ring (K/V passed "
+                                              "around with ppermute)",
+                                choices=("all-gather", "ring"))  # = sharding.context.SCHEMES
+                                # (JAX-free here; tests/test_context.py holds them equal)
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = _f(0, "seed for parameters and data order")
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")

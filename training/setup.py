@@ -19,6 +19,7 @@ schedule / micro-batch combination fails before anything compiles.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -29,6 +30,8 @@ from jax.sharding import Mesh
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
 from triax.pipeline.runner import PipelineConfig, unpipelinable_reason
+from triax.sharding.context import check_scheme
+from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig
 from triax.training.data_source import batch_keys
 from triax.training.step import Trainer
@@ -61,7 +64,7 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
-    compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run.strategy, pipeline=pipeline,
+    compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run_strategy(run), pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
                                  accum_steps=run.grad_accum,
                                  skip_nonfinite=run.on_nonfinite == "skip"),
@@ -75,6 +78,12 @@ def check_seq_len(run: RunConfig, cfg: ModelConfig) -> None:
         raise ValueError(f"--seq-len {run.seq_len} is longer than {cfg.name}'s context "
                          f"(max_seq_len {cfg.max_seq_len}); use --seq-len {cfg.max_seq_len} or "
                          f"less, or a model with a longer context")
+
+
+def run_strategy(run: RunConfig) -> Strategy:
+    """``--strategy`` with ``--context-attention`` (the scheme the context axis runs)."""
+    return dataclasses.replace(get_strategy(run.strategy),
+                               context_attention=check_scheme(run.context_attention))
 
 
 def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:

@@ -29,10 +29,11 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
-from triax.models.attention import packed_visibility
+from triax.models.attention import Visibility, packed_visibility
 from triax.models.layers import ExecConfig
 from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.sharding.context import context_size, zigzag_batch
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
                                       batch_sharding, init_fn, param_shardings)
 from triax.sharding.introspect.placement import placement_table
@@ -51,6 +52,9 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float3
 def packed_inputs(batch: Batch) -> tuple:
     """``(positions_BT, vis)`` for the model: None, None (causal over ``0..T-1``) unless
     the batch packs documents (``segment_ids``, ``positions``)."""
+    if "order" in batch:   # a permuted layout (context parallelism's zigzag)
+        return batch["positions"], Visibility.self_attention(batch["order"],
+                                                             batch.get("segment_ids"))
     return batch.get("positions"), packed_visibility(batch.get("segment_ids"))
 
 
@@ -215,7 +219,16 @@ class Trainer:
         out, _ = jax.lax.scan(body, zeros, micro)
         return out
 
+    def balanced(self, batch: Batch) -> Batch:
+        """The batch in context parallelism's zigzag layout (unchanged without a context
+        axis, for a user's model, or pipelined, whose stages see plain causal order)."""
+        C = context_size(self.mesh, self.strategy.rules)
+        if C == 1 or self.cfg is None or self.pipeline is not None:
+            return batch
+        return zigzag_batch(batch, C)
+
     def _step_fn(self, state, batch):
+        batch = self.balanced(batch)
         with activation_sharding(self.mesh, self.strategy):
             (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
@@ -271,6 +284,7 @@ class Trainer:
     def grads(self, params, batch):
         """Loss and gradients only (for equivalence checks), sharded like the step."""
         def f(params, batch):
+            batch = self.balanced(batch)
             with activation_sharding(self.mesh, self.strategy):
                 return self.loss_and_grad(params, batch)
         return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))(
