@@ -130,6 +130,9 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
             # Not self-attention over the split sequence (decode against a cache): whole
             # arrays, XLA gathers what it needs.
             return kernel(implementation)(q_BTNH, k_BSKH, v_BSKH, vis)
+        # A local block of a causal sequence is not itself plain causal (dot_product's
+        # is_causal would be wrong there): keep only the orders and segments.
+        vis = Visibility(vis.q_order_BT, vis.k_order_BS, vis.q_segment_BT, vis.k_segment_BS)
         context = jax.sharding.get_abstract_mesh()
         nested = not context.empty and context.manual_axes   # inside the pipeline's shard_map
         m = context if nested else mesh
