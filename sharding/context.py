@@ -10,7 +10,7 @@ runs it in a ``shard_map`` manual over ``context`` by one of two schemes:
 - **ring**: each device keeps its K/V block and passes it on with ``ppermute``, C−1 times;
   every block arriving is folded into an online softmax (``models.attention.accumulate``),
   so no device ever holds more than two K/V blocks. The backward runs the ring in reverse
-  by autodiff of the ``ppermute``s (checked against one device in tests/test_context.py).
+  by autodiff of the ``ppermute`` ops (checked against one device in tests/test_context.py).
 
 **Load balancing** (:func:`zigzag_order`): causally, later tokens see more keys, so with
 contiguous chunks the last rank works C× the first. The step permutes the tokens once at
