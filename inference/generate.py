@@ -1,7 +1,7 @@
 """One call from "weights + mesh + prompts" to generated text (used by the CLI and notebook).
 
     >>> server = build_server(model="tiny", num_layers=1, seed=0, mesh_sizes={"tensor": 2},
-    ...                       replicas=2, max_new_tokens=4)
+    ...                       replicas=4, max_new_tokens=4)
     >>> out = generate(server, ["Hello", "The mesh"], max_new_tokens=4)
     >>> [len(r["tokens"]) for r in out["results"]], out["decode_tokens_per_s"] > 0
     ([4, 4], True)

@@ -14,9 +14,10 @@ from triax.hf import Checkpoint, read_model_config
 
 def test_init_from_then_export_gives_the_fixture_back(tmp_path, capsys, devices):
     ck, out = tmp_path / "ck", tmp_path / "hf"
+    # --lr 1e-30: an Adam step moves no fp32 weight (a zero --lr is refused as a mistake).
     assert main(["train", "--init-from", fixture("llama"), "--data", "markov", "--mesh",
                  "data=4,tensor=2", "--strategy", "fsdp_tp", "--steps", "1", "--lr",
-                 "0", "--batch-size", "8", "--seq-len", "16", "--eval-batches", "0",
+                 "1e-30", "--batch-size", "8", "--seq-len", "16", "--eval-batches", "0",
                  "--checkpoint-dir", str(ck), "--no-progress"]) == 0
     assert main(["export", "--checkpoint", str(ck), "--out", str(out)]) == 0
     assert "tokenizer.json" in os.listdir(out)  # the run's --init-from directory's
