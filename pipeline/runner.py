@@ -77,6 +77,14 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
     Shapes are the stage's view inside ``shard_map``: whole over ``tensor`` (that axis stays
     automatic; XLA may split some residuals over it, so this is an upper bound there).
     """
+    return dict(_buffer_bytes(cfg, stages, config, exe, rows, seq_len))
+
+
+@functools.lru_cache(maxsize=256)
+def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: ExecConfig,
+                  rows: int, seq_len: int) -> dict[str, int]:
+    """``activation_buffer_bytes``, cached: the planner asks the same question for every
+    strategy that shares a pipeline layout (building the tick table is the costly part)."""
     schedule = config.build(stages)
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
     res_shapes, cut_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
