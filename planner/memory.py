@@ -173,7 +173,7 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
 def residual_split(rules: Rules, sizes: dict[str, int]) -> int:
     """Devices one residual-stream activation (``res_seq``) is split over along the
     sequence: the tensor degree under sequence parallelism, else 1."""
-    return prod(sizes.get(a, 1) for a in rules.mesh_axes("res_seq"))
+    return rules.split_size("res_seq", sizes)
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:

@@ -42,15 +42,11 @@ SCHEMES = ("all-gather", "ring")
 
 def context_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     """The mesh axes (size > 1) the activations' sequence is split over."""
-    sizes = mesh_sizes(mesh)
-    return tuple(a for a in rules.mesh_axes("seq") if sizes.get(a, 1) > 1)
+    return rules.split_axes("seq", mesh_sizes(mesh))
 
 
 def context_size(mesh: Mesh, rules: Rules) -> int:
-    sizes, n = mesh_sizes(mesh), 1
-    for a in context_axes(mesh, rules):
-        n *= sizes[a]
-    return n
+    return rules.split_size("seq", mesh_sizes(mesh))
 
 
 def check_scheme(scheme: str) -> str:

@@ -45,15 +45,11 @@ from triax.sharding.rules import Rules, ShardingError
 
 def expert_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     """The mesh axes (size > 1) that experts are split over."""
-    sizes = mesh_sizes(mesh)
-    return tuple(a for a in rules.mesh_axes("experts") if sizes.get(a, 1) > 1)
+    return rules.split_axes("experts", mesh_sizes(mesh))
 
 
 def expert_parallel_size(mesh: Mesh, rules: Rules) -> int:
-    sizes, n = mesh_sizes(mesh), 1
-    for a in expert_axes(mesh, rules):
-        n *= sizes[a]
-    return n
+    return rules.split_size("experts", mesh_sizes(mesh))
 
 
 def check_expert_mesh(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> None:

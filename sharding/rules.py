@@ -79,6 +79,17 @@ class Rules:
             raise self.unknown_names_error({logical: None})
         return self.as_dict().get(logical, ())
 
+    def split_axes(self, logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
+        """The mesh axes (size > 1 in ``sizes``) that ``logical`` is split over."""
+        return tuple(a for a in self.mesh_axes(logical) if sizes.get(a, 1) > 1)
+
+    def split_size(self, logical: str, sizes: Mapping[str, int]) -> int:
+        """How many pieces ``logical`` is split into on a mesh of ``sizes``."""
+        n = 1
+        for a in self.split_axes(logical, sizes):
+            n *= sizes[a]
+        return n
+
     def unknown_names_error(self, where: Mapping[str, Optional[str]]) -> ShardingError:
         """One error for every unknown name (``{name: where it was met}``), with the fix."""
         names = sorted(where)
