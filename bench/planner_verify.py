@@ -6,7 +6,7 @@ Prints the markdown table of docs/benchmarks.md's "Planner: predicted against co
 section (sizes in MiB, ``triax.units.mib``). Plans with 8 devices compile in this process;
 others go through ``verify``'s subprocess with their own device count. The "fitted" column
 says which rows a planner constant was fitted on: none since the pipeline stash is derived
-from the executor (``pipeline.runner.activation_buffer_bytes``) rather than fitted (the
+from the executor (``pipeline.buffer_sizes.activation_buffer_bytes``) rather than fitted (the
 removed ``PIPELINE_STASH_FACTOR`` was fitted on the tiny 1F1B/GPipe rows). ``--new`` runs only the rows added for
 issue 12 (zb-h1, interleaved, remat=full, pipe × tensor).
 """

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place,
@@ -208,7 +209,13 @@ def build(kind: "str | ScheduleKind", stages: int, microbatches: int,
     (2, 51, 8)
     """
     kind = ScheduleKind.parse(kind)
-    virtual = chunks_per_stage(kind, virtual)
+    return _build(kind, stages, microbatches, chunks_per_stage(kind, virtual))
+
+
+@functools.lru_cache(maxsize=1024)
+def _build(kind: ScheduleKind, stages: int, microbatches: int, virtual: int) -> Schedule:
+    """``build``, cached: a Schedule is frozen (its table is nested tuples), and the planner,
+    the executor and the buffer accounting ask for the same tables many times."""
     check_request(kind, stages, microbatches, virtual)
     orders = GENERATORS[kind](stages, microbatches, virtual)
     table = place(orders, stages * virtual)

@@ -18,7 +18,6 @@ built from a model, a mesh, a strategy and a schedule.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional
@@ -34,12 +33,11 @@ from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
-from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_bytes,
-                                     loss_only, run_ticks)
+from triax.pipeline.executor import DATA, PIPE, StepSpec, branch_kinds, run_ticks
+from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
@@ -65,51 +63,6 @@ def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
     """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact.
     Every built-in model pipelines (MoE too: the expert all-to-all runs inside the stages)."""
     return None
-
-
-def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig",
-                            exe: ExecConfig, rows: int, seq_len: int) -> dict[str, int]:
-    """Per-stage bytes of the training tick loop's activation buffers (``executor.
-    buffer_bytes``): the stash of pullback residuals and the inboxes, for micro-batches of
-    ``rows`` sequences of ``seq_len`` tokens on one data shard. Traced abstractly
-    (``jax.eval_shape``; nothing is allocated), so it prices a 70B model on a laptop.
-
-    Shapes are the stage's view inside ``shard_map``: whole over ``tensor`` (that axis stays
-    automatic; XLA may split some residuals over it, so this is an upper bound there).
-    """
-    return dict(_buffer_bytes(cfg, stages, config, exe, rows, seq_len))
-
-
-@functools.lru_cache(maxsize=256)
-def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: ExecConfig,
-                  rows: int, seq_len: int) -> dict[str, int]:
-    """``activation_buffer_bytes``, cached: the planner asks the same question for every
-    strategy that shares a pipeline layout (building the tick table is the costly part)."""
-    schedule = config.build(stages)
-    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
-    res_shapes, cut_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
-    return buffer_bytes(compile_program(schedule), res_shapes, x, cut_shapes)
-
-
-@functools.lru_cache(maxsize=64)
-def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
-                     seq_len: int):
-    """One chunk's pullback residual shapes, its split backward's cut (what B_in stashes for
-    W) and its activation: the costly trace, shared by every schedule and micro-batch count
-    with the same chunk (the planner asks many)."""
-    am = abstract_model(cfg)
-    sd = jax.ShapeDtypeStruct
-    chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
-    pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
-    tokens = sd((rows, seq_len), jnp.int32)
-    inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
-    consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
-    extras = (inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
-    stage = Stage(am.graphdef, exe, "loss")
-    x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
-    with using_constraint(None):
-        sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
-    return sb.shapes, sb.cut_shapes, x
 
 
 @dataclass(frozen=True)

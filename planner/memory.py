@@ -28,7 +28,8 @@ from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
-from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
+from triax.pipeline.buffer_sizes import activation_buffer_bytes
+from triax.pipeline.runner import PipelineConfig
 from triax.pipeline.stage_layers import pipeline_strategy
 from triax.sharding.rules import Rules, get_strategy
 from triax.training.config import PRECISIONS
@@ -199,7 +200,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
 
 def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     """The pipeline executor's activation buffers on one stage, asked of the executor
-    (``pipeline.runner.activation_buffer_bytes``: the schedule's slot counts × the traced
+    (``pipeline.buffer_sizes.activation_buffer_bytes``: the schedule's slot counts × the traced
     residual shapes, nothing allocated). The residuals are traced whole over ``tensor``; XLA
     splits them over it as it splits the layer's weights, so they are divided by ``tensor``
     (the activations passed between stages are not split)."""
@@ -207,13 +208,8 @@ def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     config = PipelineConfig(sched.value, lay.microbatches, lay.virtual)
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
-    buf = _buffers(w.cfg, lay.pipe, config, exe, rows, w.seq)
+    buf = activation_buffer_bytes(w.cfg, lay.pipe, config, exe, rows, w.seq)   # cached there
     return buf["stash"] / lay.tensor + buf["inbox"]
-
-
-@functools.lru_cache(maxsize=64)
-def _buffers(cfg, stages, config, exe, rows, seq) -> dict[str, int]:
-    return activation_buffer_bytes(cfg, stages, config, exe, rows, seq)
 
 
 def _inference_activations(w: Workload, lay: Layout) -> float:
