@@ -85,9 +85,12 @@ class Visibility:
         return Visibility(self.q_order_BT, k_order_BS, self.q_segment_BT, k_segment_BS)
 
 
-def packed_visibility(segment_ids_BT) -> Optional[Visibility]:
-    """Causal attention inside each packed document (``triax.training.packing``), or None
-    (plain causal) when the batch packs nothing."""
+def packed_visibility(segment_ids_BT, order_BT=None) -> Optional[Visibility]:
+    """Causal attention inside each packed document (``triax.training.packing``), in the
+    causal order ``order_BT`` when the tokens are permuted (context parallelism's zigzag
+    layout) or else 0…T−1; None (plain causal) when the batch packs and permutes nothing."""
+    if order_BT is not None:
+        return Visibility.self_attention(order_BT, segment_ids_BT)
     if segment_ids_BT is None:
         return None
     B, T = segment_ids_BT.shape
@@ -125,11 +128,12 @@ class Partial(NamedTuple):
 
 
 def empty_partial(q_BTNH) -> Partial:
-    """The partial of queries ``q_BTNH`` that have seen no key yet."""
+    """The partial of queries ``q_BTNH`` that have seen no key yet. Built ``_like`` q, so
+    inside a ``shard_map`` it varies over the same manual axes (a scan carry must)."""
     B, T, N, H = q_BTNH.shape
-    return Partial(jnp.zeros((B, T, N, H), jnp.float32),
-                   jnp.full((B, N, T), _MASKED, jnp.float32),
-                   jnp.zeros((B, N, T), jnp.float32))
+    return Partial(jnp.zeros_like(q_BTNH, jnp.float32),
+                   jnp.full_like(q_BTNH, _MASKED, jnp.float32, shape=(B, N, T)),
+                   jnp.zeros_like(q_BTNH, jnp.float32, shape=(B, N, T)))
 
 
 def accumulate(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility) -> Partial:
@@ -256,10 +260,10 @@ def grad_blocks(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, do_BTNH, lse_BNT, d_BNT
             return dq + dq_blk, (dk, dv)
         if not skip_masked:
             return run(dq_BTNH)
-        zeros = jnp.zeros(k.shape, jnp.float32)
+        zeros = jnp.zeros_like(k, jnp.float32)
         return jax.lax.cond(bvis.mask().any(), run, lambda dq: (dq, (zeros, zeros)), dq_BTNH)
 
-    dq_BTNH, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_BTNH.shape, jnp.float32),
+    dq_BTNH, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q_BTNH, jnp.float32),
                                      (ks, vs, orders, segs))
     unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, K, H)[:, :S]  # noqa: E731
     return dq_BTNH, unstack(dk), unstack(dv)

@@ -32,9 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
-from triax.models.attention import (AttentionFn, Visibility, accumulate, empty_partial, finish,
-                                    kernel)
+from triax.models.attention import BLOCK_SIZE, AttentionFn, Visibility, kernel
 from triax.models.axes import using_constraint
+from triax.sharding.ring import LAYOUTS, RingSpec, ring_attention
 from triax.sharding.rules import Rules, ShardingError
 
 SCHEMES = ("all-gather", "ring")
@@ -80,7 +80,8 @@ def zigzag_batch(batch: Mapping[str, jax.Array], C: int) -> dict:
     return out
 
 
-def _local_attention(scheme: str, implementation: str, axis: str, C: int):
+def _local_attention(scheme: str, implementation: str, axis: str, C: int,
+                     layout: Optional[str]):
     def all_gather(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
         k_seg = None if vis.k_segment_BS is None else gather(vis.k_segment_BS)
@@ -88,15 +89,8 @@ def _local_attention(scheme: str, implementation: str, axis: str, C: int):
         return kernel(implementation)(q_BTNH, gather(k_BSKH), gather(v_BSKH), full)
 
     def ring(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
-        perm = [(i, (i + 1) % C) for i in range(C)]
-        block = (k_BSKH, v_BSKH, vis.k_order_BS, vis.k_segment_BS)
-        part = empty_partial(q_BTNH)
-        for step in range(C):
-            k, v, order, segment = block
-            part = accumulate(part, q_BTNH, k, v, vis.keys(order, segment))
-            if step < C - 1:   # the last block needs no onward pass
-                block = jax.lax.ppermute(block, axis, perm)
-        return finish(part, q_BTNH.dtype)
+        return ring_attention(RingSpec(axis, C, layout, BLOCK_SIZE), q_BTNH, k_BSKH, v_BSKH,
+                              vis)
 
     fn = ring if scheme == "ring" else all_gather
 
@@ -106,10 +100,16 @@ def _local_attention(scheme: str, implementation: str, axis: str, C: int):
     return local
 
 
-def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
-                      ) -> Optional[AttentionFn]:
-    """The attention hook for ``mesh`` (None without a context axis)."""
+def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather",
+                      layout: Optional[str] = None) -> Optional[AttentionFn]:
+    """The attention hook for ``mesh`` (None without a context axis). ``layout`` vouches for
+    the tokens' order along the split sequence, which the ring's causal skipping reads:
+    ``"zigzag"`` (:func:`zigzag_batch`), ``"contiguous"`` (order 0…T−1), or None (any
+    order: blocks are skipped by a data-dependent test)."""
     check_scheme(scheme)
+    if layout is not None and layout not in LAYOUTS:
+        raise ShardingError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)} "
+                            f"or None (any order)")
     axes = context_axes(mesh, rules)
     if not axes:
         return None
@@ -135,14 +135,11 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
         # The batch axes are manual too: left automatic, XLA would regather the batch over
         # them at the boundary (the specs say nothing of them).
         rows = tuple(a for a in batch_axes if not nested or a not in context.manual_axes)
-        # Inside the pipeline's tick switch the ring's ppermutes come out NaN on XLA:CPU (not
-        # yet understood): pipelined stages gather instead (docs/long_context.md).
-        local_scheme = "all-gather" if nested else scheme
         seq = P(rows or None, axis)
         vis_spec = Visibility(seq, seq, None if vis.q_segment_BT is None else seq,
                               None if vis.k_segment_BS is None else seq)
         return jax.shard_map(
-            _local_attention(local_scheme, implementation, axis, C), mesh=m,
+            _local_attention(scheme, implementation, axis, C, layout), mesh=m,
             axis_names={axis, *rows},
             in_specs=(seq, seq, seq, vis_spec), out_specs=seq,
         )(q_BTNH, k_BSKH, v_BSKH, vis)
