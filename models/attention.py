@@ -269,8 +269,18 @@ def grad_blocks(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, do_BTNH, lse_BNT, d_BNT
     return dq_BTNH, unstack(dk), unstack(dv)
 
 
+def tie_to_queries(q_BTNH, vis: Visibility):
+    """``(q, vis)`` through one ``optimization_barrier``: for JAX the masks then depend on the
+    queries. Inside a scan (the layer stack) a custom_vjp forward's work that depends only
+    on loop invariants (the masks: orders, segments) is otherwise hoisted out of the scan
+    when it is differentiated and computed for every key block at once, stacked: the
+    ``[blocks, B, N, T, block]`` arrays this kernel exists to avoid."""
+    return jax.lax.optimization_barrier((q_BTNH, vis))
+
+
 def _forward(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int):
     """``(o_BTNH, lse_BNT)``: the online softmax scanned over key blocks."""
+    q_BTNH, vis = tie_to_queries(q_BTNH, vis)
     part = fold_blocks(empty_partial(q_BTNH), q_BTNH, k_BSKH, v_BSKH, vis, block)
     return finish(part, q_BTNH.dtype), log_sum_exp(part)
 

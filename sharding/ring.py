@@ -45,7 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from triax.models.attention import (Partial, Visibility, empty_partial, finish, fold_blocks,
-                                    grad_blocks, log_sum_exp, no_grad, out_grad_dot)
+                                    grad_blocks, log_sum_exp, no_grad, out_grad_dot,
+                                    tie_to_queries)
 
 LAYOUTS = ("zigzag", "contiguous")   # the orders a caller may vouch for (None: any order)
 BRANCHES = {"zigzag": ("keys_head", "queries_tail"), "contiguous": ("skip", "full"),
@@ -103,15 +104,41 @@ def _unpack(blk):
     return kv[0], kv[1], ids[0], (ids[1] if ids.shape[0] > 1 else None)
 
 
-def _rows(vis: Visibility, sl: slice) -> Visibility:
-    """The queries ``sl`` of ``vis`` (keys unchanged)."""
-    seg = None if vis.q_segment_BT is None else vis.q_segment_BT[:, sl]
-    return Visibility(vis.q_order_BT[:, sl], vis.k_order_BS, seg, vis.k_segment_BS)
+def region(branch: str, T: int) -> Optional[tuple[slice, slice]]:
+    """``(queries, keys)`` of the local block's T queries and the arriving block's T keys
+    that ``branch`` computes (None: nothing): the one place the branches' halves are cut."""
+    h = T // 2
+    return {"full": (slice(0, T), slice(0, T)), "keys_head": (slice(0, T), slice(0, h)),
+            "queries_tail": (slice(h, T), slice(0, T)), "skip": None}[branch]
 
 
-def _keys(k_BSKH, v_BSKH, order_BS, seg_BS, sl: slice):
-    return (k_BSKH[:, sl], v_BSKH[:, sl], order_BS[:, sl],
-            None if seg_BS is None else seg_BS[:, sl])
+def _rows(x, sl: slice, axis: int):
+    """``x[sl]`` along ``axis`` (x itself when ``sl`` covers it)."""
+    if sl.start == 0 and sl.stop == x.shape[axis]:
+        return x
+    return jax.lax.slice_in_dim(x, sl.start, sl.stop, axis=axis)
+
+
+def _put_rows(x, sl: slice, axis: int, new):
+    if sl.start == 0 and sl.stop == x.shape[axis]:
+        return new
+    return jax.lax.dynamic_update_slice_in_dim(x, new, sl.start, axis=axis)
+
+
+def _add_rows(x, sl: slice, axis: int, add):
+    return _put_rows(x, sl, axis, _rows(x, sl, axis) + add)
+
+
+def _queries(vis: Visibility, qs: slice) -> Visibility:
+    seg = None if vis.q_segment_BT is None else _rows(vis.q_segment_BT, qs, 1)
+    return Visibility(_rows(vis.q_order_BT, qs, 1), vis.k_order_BS, seg, vis.k_segment_BS)
+
+
+def _keys(blk, ks: slice):
+    """``(k, v, order, segments)`` of the arriving block's keys ``ks``."""
+    k, v, order, seg = _unpack(blk)
+    return (_rows(k, ks, 1), _rows(v, ks, 1), _rows(order, ks, 1),
+            None if seg is None else _rows(seg, ks, 1))
 
 
 def _tile(spec: RingSpec, keys: int) -> int:
@@ -121,32 +148,27 @@ def _tile(spec: RingSpec, keys: int) -> int:
 # ---- forward ------------------------------------------------------------------------------
 
 def _forward_branches(spec: RingSpec, q_BTNH, vis: Visibility):
-    """``(part, blk) -> part`` for each of ``BRANCHES[spec.layout]``."""
+    """``(part, blk) -> part`` for each of ``BRANCHES[spec.layout]``: the arriving block's
+    keys of the branch's :func:`region` folded into its queries' rows of ``part``."""
     T = q_BTNH.shape[1]
-    h = T // 2
 
-    def fold(part, q, vis, k, v, order, seg):
-        return fold_blocks(part, q, k, v, vis.keys(order, seg), _tile(spec, k.shape[1]),
-                           skip_masked=False)
+    def branch(name):
+        if region(name, T) is None:
+            return lambda part, blk: part
+        qs, ks = region(name, T)
 
-    def full(part, blk):
-        return fold(part, q_BTNH, vis, *_unpack(blk))
-
-    def keys_head(part, blk):      # all queries x the block's first chunk
-        return fold(part, q_BTNH, vis, *_keys(*_unpack(blk), slice(0, h)))
-
-    def queries_tail(part, blk):   # the second query chunk x the whole block
-        tail = Partial(part.o_BTNH[:, h:], part.m_BNT[..., h:], part.l_BNT[..., h:])
-        tail = fold(tail, q_BTNH[:, h:], _rows(vis, slice(h, None)), *_unpack(blk))
-        return Partial(part.o_BTNH.at[:, h:].set(tail.o_BTNH),
-                       part.m_BNT.at[..., h:].set(tail.m_BNT),
-                       part.l_BNT.at[..., h:].set(tail.l_BNT))
-
-    def skip(part, blk):
-        return part
-
-    named = {"full": full, "keys_head": keys_head, "queries_tail": queries_tail, "skip": skip}
-    return [named[b] for b in BRANCHES[spec.layout]]
+        def run(part, blk):
+            k, v, order, seg = _keys(blk, ks)
+            sub = Partial(_rows(part.o_BTNH, qs, 1), _rows(part.m_BNT, qs, 2),
+                          _rows(part.l_BNT, qs, 2))
+            sub = fold_blocks(sub, _rows(q_BTNH, qs, 1), k, v,
+                              _queries(vis, qs).keys(order, seg), _tile(spec, k.shape[1]),
+                              skip_masked=False)
+            return Partial(_put_rows(part.o_BTNH, qs, 1, sub.o_BTNH),
+                           _put_rows(part.m_BNT, qs, 2, sub.m_BNT),
+                           _put_rows(part.l_BNT, qs, 2, sub.l_BNT))
+        return run
+    return [branch(b) for b in BRANCHES[spec.layout]]
 
 
 def _step_index(spec: RingSpec, rank, step, vis: Visibility, blk):
@@ -161,6 +183,7 @@ def _perm(C: int):
 
 def _forward(spec: RingSpec, q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
     """``(o_BTNH, lse_BNT)`` of the local queries against every rank's keys."""
+    q_BTNH, vis = tie_to_queries(q_BTNH, vis)   # no masks hoisted out of the layer scan
     rank = jax.lax.axis_index(spec.axis)
     part = fold_blocks(empty_partial(q_BTNH), q_BTNH, k_BSKH, v_BSKH, vis,
                        _tile(spec, k_BSKH.shape[1]), skip_masked=False)   # the local block
@@ -169,8 +192,12 @@ def _forward(spec: RingSpec, q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
     def step(carry, s):
         part, blk = carry
         blk = jax.lax.ppermute(blk, spec.axis, _perm(spec.size))   # rank i - s's block
+        # The index is tied to the carry for the reason ``tie_to_queries`` gives: a switch on
+        # an index JAX knows (rank and step) would have its branches' constant parts
+        # hoisted out of the layer scan, stacked over the ring's steps.
+        index, part = jax.lax.optimization_barrier((_step_index(spec, rank, s, vis, blk), part))
         with jax.named_scope(FWD_SCOPE):
-            part = jax.lax.switch(_step_index(spec, rank, s, vis, blk), branches, part, blk)
+            part = jax.lax.switch(index, branches, part, blk)
         return (part, blk), None
 
     (part, _), _ = jax.lax.scan(step, (part, _pack(k_BSKH, v_BSKH, vis)),
@@ -182,35 +209,25 @@ def _forward(spec: RingSpec, q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
 
 def _backward_branches(spec: RingSpec, q_BTNH, vis: Visibility, do_BTNH, lse_BNT, d_BNT):
     """``(dq_BTNH, dkv, blk) -> (dq_BTNH, dkv)`` for each of ``BRANCHES[spec.layout]``;
-    ``dkv`` is the travelling block's float32 ``[2, B, S, K, H]`` dK/dV accumulator."""
+    ``dkv`` is the travelling block's float32 ``[2, B, S, K, H]`` dK/dV accumulator, to
+    which the branch's :func:`region` adds this rank's part."""
     T = q_BTNH.shape[1]
-    h = T // 2
 
-    def grads(q, vis, do, lse, d, k, v, order, seg):
-        dq, dk, dv = grad_blocks(q, k, v, vis.keys(order, seg), do, lse, d,
-                                 _tile(spec, k.shape[1]), skip_masked=False)
-        return dq, jnp.stack([dk, dv])
+    def branch(name):
+        if region(name, T) is None:
+            return lambda dq, dkv, blk: (dq, dkv)
+        qs, ks = region(name, T)
 
-    def full(dq, dkv, blk):
-        dq_b, dkv_b = grads(q_BTNH, vis, do_BTNH, lse_BNT, d_BNT, *_unpack(blk))
-        return dq + dq_b, dkv + dkv_b
-
-    def keys_head(dq, dkv, blk):
-        dq_b, dkv_b = grads(q_BTNH, vis, do_BTNH, lse_BNT, d_BNT,
-                            *_keys(*_unpack(blk), slice(0, h)))
-        return dq + dq_b, dkv.at[:, :, :h].add(dkv_b)
-
-    def queries_tail(dq, dkv, blk):
-        t = slice(h, None)
-        dq_b, dkv_b = grads(q_BTNH[:, t], _rows(vis, t), do_BTNH[:, t], lse_BNT[..., t],
-                            d_BNT[..., t], *_unpack(blk))
-        return dq.at[:, t].add(dq_b), dkv + dkv_b
-
-    def skip(dq, dkv, blk):
-        return dq, dkv
-
-    named = {"full": full, "keys_head": keys_head, "queries_tail": queries_tail, "skip": skip}
-    return [named[b] for b in BRANCHES[spec.layout]]
+        def run(dq, dkv, blk):
+            k, v, order, seg = _keys(blk, ks)
+            dq_b, dk, dv = grad_blocks(_rows(q_BTNH, qs, 1), k, v,
+                                       _queries(vis, qs).keys(order, seg),
+                                       _rows(do_BTNH, qs, 1), _rows(lse_BNT, qs, 2),
+                                       _rows(d_BNT, qs, 2), _tile(spec, k.shape[1]),
+                                       skip_masked=False)
+            return _add_rows(dq, qs, 1, dq_b), _add_rows(dkv, ks, 2, jnp.stack([dk, dv]))
+        return run
+    return [branch(b) for b in BRANCHES[spec.layout]]
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0,))
