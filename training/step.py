@@ -291,14 +291,19 @@ class Trainer:
                  for k, v in batch.items()}
         return self._jitted_step.lower(self.abstract_state(), batch)
 
-    def grads(self, params, batch):
-        """Loss and gradients only (for equivalence checks), sharded like the step."""
+    @cached_property
+    def jitted_grads(self):
+        """The jitted ``(params, batch) -> ((loss, aux), grads)`` that :meth:`grads` runs
+        (``.lower(...)`` it to read the compiled program)."""
         def f(params, batch):
             batch = self.balanced(batch)
             with self.sharding_context():
                 return self.loss_and_grad(params, batch)
-        return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))(
-            params, self.shard_batch(batch))
+        return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))
+
+    def grads(self, params, batch):
+        """Loss and gradients only (for equivalence checks), sharded like the step."""
+        return self.jitted_grads(params, self.shard_batch(batch))
 
     def example_batch(self, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
         """Random token batch for the built-in language model."""
