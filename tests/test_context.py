@@ -101,7 +101,8 @@ def test_ring_step_runs_the_zigzag_halves(ring8):
     between two halves of a block of equal cost (an unknown layout gives skip / full)."""
     from triax.sharding import ring
     from triax.sharding.introspect.ring_balance import ring_switches
-    switches = ring_switches(ring8.lower(B, T).compile())
+    switches = ring_switches(ring8.lower(B, 64).compile())   # halves of 4 (XLA drops a
+    # matmul over a dimension of size 1, as T=16's halves of one token would have)
     assert {sw.scope for sw in switches} == {ring.FWD_SCOPE, ring.BWD_SCOPE}, switches
     for sw in switches:
         head, tail = (b.flops for b in sw.branches)
