@@ -7,16 +7,18 @@ runs it in a ``shard_map`` manual over ``context`` by one of two schemes:
 
 - **all-gather**: K and V (and their order/segment arrays) gathered over ``context``; the
   queries stay split. Simple; each device holds the whole K/V of one layer for a moment.
-- **ring**: each device keeps its K/V block and passes it on with ``ppermute``, C−1 times;
-  every block arriving is folded into an online softmax (``models.attention.accumulate``),
-  so no device ever holds more than two K/V blocks. The backward runs the ring in reverse
-  by autodiff of the ``ppermute`` ops (checked against one device in tests/test_context.py).
+- **ring** (``sharding.ring``): each device keeps its K/V block and passes it on with
+  ``ppermute``, C−1 times; every block arriving is folded into an online softmax, so no
+  device ever holds more than two K/V blocks. A custom VJP runs the ring again backward
+  (dK/dV travel with their blocks), and each step computes only the part of its block that
+  the layout says is visible.
 
 **Load balancing** (:func:`zigzag_order`): causally, later tokens see more keys, so with
-contiguous chunks the last rank works C× the first. The step permutes the tokens once at
-its input so that rank i holds chunks i and 2C−1−i (head and tail); ``Visibility`` carries
-each token's original order, so masks stay right, and the loss, a sum over tokens, needs no
-un-permuting.
+contiguous chunks the last rank works about twice the mean. The step permutes the tokens
+once at its input so that rank i holds chunks i and 2C−1−i (head and tail), and tells the
+hook (``layout="zigzag"``): every ring step then costs every rank half a block.
+``Visibility`` carries each token's original order, so masks stay right, and the loss, a
+sum over tokens, needs no un-permuting.
 
     >>> zigzag_order(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
@@ -126,6 +128,10 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather",
             # Not self-attention over the split sequence (decode against a cache): whole
             # arrays, XLA gathers what it needs.
             return kernel(implementation)(q_BTNH, k_BSKH, v_BSKH, vis)
+        if layout == "zigzag" and (T // C) % 2:
+            raise ShardingError(f"sequence length {T} with context={C}: the zigzag layout "
+                                f"holds two chunks per rank and needs T divisible by "
+                                f"2·context = {2 * C}")
         # A local block of a causal sequence is not itself plain causal (dot_product's
         # is_causal would be wrong there): keep only the orders and segments.
         vis = Visibility(vis.q_order_BT, vis.k_order_BS, vis.q_segment_BT, vis.k_segment_BS)

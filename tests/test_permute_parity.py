@@ -39,7 +39,8 @@ def test_stage_conditional_permutes_keep_the_stages_sends_right(devices):
         stage = jax.lax.axis_index("pipe")
 
         def tick(t, x):
-            run = lambda w: {"x": jax.lax.ppermute(w["x"], "context", [(0, 1), (1, 0)])}  # noqa: E731
+            def run(w):
+                return {"x": jax.lax.ppermute(w["x"], "context", [(0, 1), (1, 0)])}
             x = gated((stage == t).astype(jnp.int32), run, {"x": x}, "pipe", 2)["x"]
             return jax.lax.ppermute(x, "pipe", [(0, 1), (1, 0)])
         return jax.lax.fori_loop(0, 2, tick, x)
