@@ -93,9 +93,17 @@ def main() -> None:
         "Attention FLOPs per context rank, read from the compiled HLO of the ring's forward "
         "and backward alone (tiny's heads, T = 8·C, fp32; `sharding.introspect.ring_balance`"
         "):", "", *rows, "",
+        "Rank i's figure is the local block plus, per ring step, the branch it takes. "
+        "Contiguous: rank i computes i + 1 blocks, max ÷ mean about 2C/(C+1) (a little above: "
+        "at this size XLA merges the local block's recomputed scores in the backward with the "
+        "forward's, so the local block costs one matmul less than a ring step's whole block). "
+        "Zigzag: every rank computes its local block and C−1 half blocks.", "",
         f"Compiled temporaries per device of tiny's training step (1 layer, batch 1, seq "
         f"{a.seq}, fp32; `memory_analysis()`). `auto` is the reference kernel on CPU; the "
         f"ring runs its own tiles whatever `--attention` says:", "", *mem, "",
+        "The ring's temporaries fall as 1/C (each step's scores are [B, N, T/C, 512]); the "
+        "all-gather scheme's too here, but with `auto` it materialises [B, N, T/C, T] "
+        "scores, and with a larger K·H it also holds the whole gathered K/V.", "",
         "Regenerate: `JAX_NUM_CPU_DEVICES=8 python bench/context.py`."])
     print(body)
     if not a.no_write:
