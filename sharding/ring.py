@@ -57,6 +57,9 @@ FWD_SCOPE, BWD_SCOPE = "context_ring_fwd", "context_ring_bwd"
 
 @dataclass(frozen=True)
 class RingSpec:
+    """Static facts of one ring: its mesh axis and size, the layout the caller vouches for
+    (:func:`static_branch` reads it) and the keys per tile inside each step."""
+
     axis: str                       # the mesh axis the ring runs over (manual here)
     size: int                       # C, its size
     layout: Optional[str] = None    # "zigzag", "contiguous", or None (any order)
