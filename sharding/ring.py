@@ -44,9 +44,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from triax.models.attention import (Partial, Visibility, empty_partial, finish, fold_blocks,
-                                    grad_blocks, log_sum_exp, no_grad, out_grad_dot,
-                                    tie_to_queries)
+from triax.models.attention import (BLOCK_SIZE, Partial, Visibility, empty_partial, finish,
+                                    fold_blocks, grad_blocks, log_sum_exp, no_grad,
+                                    out_grad_dot, tie_to_queries)
 
 LAYOUTS = ("zigzag", "contiguous")   # the orders a caller may vouch for (None: any order)
 BRANCHES = {"zigzag": ("keys_head", "queries_tail"), "contiguous": ("skip", "full"),
@@ -63,7 +63,7 @@ class RingSpec:
     axis: str                       # the mesh axis the ring runs over (manual here)
     size: int                       # C, its size
     layout: Optional[str] = None    # "zigzag", "contiguous", or None (any order)
-    block: int = 512                # keys per tile inside each step
+    block: int = BLOCK_SIZE         # keys per tile inside each step
 
     def __post_init__(self):
         if self.layout is not None and self.layout not in LAYOUTS:
