@@ -85,9 +85,12 @@ class Visibility:
         return Visibility(self.q_order_BT, k_order_BS, self.q_segment_BT, k_segment_BS)
 
 
-def packed_visibility(segment_ids_BT) -> Optional[Visibility]:
-    """Causal attention inside each packed document (``triax.training.packing``), or None
-    (plain causal) when the batch packs nothing."""
+def packed_visibility(segment_ids_BT, order_BT=None) -> Optional[Visibility]:
+    """Causal attention inside each packed document (``triax.training.packing``), in the
+    causal order ``order_BT`` when the tokens are permuted (context parallelism's zigzag
+    layout) or else 0…T−1; None (plain causal) when the batch packs and permutes nothing."""
+    if order_BT is not None:
+        return Visibility.self_attention(order_BT, segment_ids_BT)
     if segment_ids_BT is None:
         return None
     B, T = segment_ids_BT.shape
@@ -125,11 +128,12 @@ class Partial(NamedTuple):
 
 
 def empty_partial(q_BTNH) -> Partial:
-    """The partial of queries ``q_BTNH`` that have seen no key yet."""
+    """The partial of queries ``q_BTNH`` that have seen no key yet. Built ``_like`` q, so
+    inside a ``shard_map`` it varies over the same manual axes (a scan carry must)."""
     B, T, N, H = q_BTNH.shape
-    return Partial(jnp.zeros((B, T, N, H), jnp.float32),
-                   jnp.full((B, N, T), _MASKED, jnp.float32),
-                   jnp.zeros((B, N, T), jnp.float32))
+    return Partial(jnp.zeros_like(q_BTNH, jnp.float32),
+                   jnp.full_like(q_BTNH, _MASKED, jnp.float32, shape=(B, N, T)),
+                   jnp.zeros_like(q_BTNH, jnp.float32, shape=(B, N, T)))
 
 
 def accumulate(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility) -> Partial:
@@ -185,22 +189,100 @@ def _key_blocks(k_BSKH, v_BSKH, vis: Visibility, block: int):
     return stack(k_BSKH, 0), stack(v_BSKH, 0), stack(vis.k_order_BS, _NEVER), seg
 
 
-def _forward(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int):
-    """``(o_BTNH, lse_BNT)``: the online softmax scanned over key blocks; a block no query
-    sees (causal: every block after the queries) is skipped."""
+def log_sum_exp(part: Partial) -> jax.Array:
+    """``lse_BNT``, the log-sum-exp of each row's visible scores (what a backward recomputes
+    the probabilities from); +inf for a row that saw no key (its probabilities are 0)."""
+    return jnp.where(part.l_BNT > 0, part.m_BNT + jnp.log(part.l_BNT), jnp.inf)
+
+
+def fold_blocks(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int,
+                skip_masked: bool = True) -> Partial:
+    """``part`` with the keys ``k``/``v`` folded in ``block`` keys at a time (a scan of
+    :func:`accumulate`), so scores held at once are ``[B, N, T, block]``. ``skip_masked``:
+    a block no query sees (causal: every block after the queries) is skipped by a
+    data-dependent ``lax.cond``; off, every block is computed (its mask still applied)."""
     ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
 
     def step(part, blk):
         k, v, order, seg = blk
         bvis = vis.keys(order, seg)
+        if not skip_masked:
+            return accumulate(part, q_BTNH, k, v, bvis), None
         part = jax.lax.cond(bvis.mask().any(),
                             lambda p: accumulate(p, q_BTNH, k, v, bvis), lambda p: p, part)
         return part, None
 
-    part, _ = jax.lax.scan(step, empty_partial(q_BTNH), (ks, vs, orders, segs))
-    # log-sum-exp of each row's visible scores; +inf for a row that saw none (its p is 0)
-    lse_BNT = jnp.where(part.l_BNT > 0, part.m_BNT + jnp.log(part.l_BNT), jnp.inf)
-    return finish(part, q_BTNH.dtype), lse_BNT
+    return jax.lax.scan(step, part, (ks, vs, orders, segs))[0]
+
+
+def out_grad_dot(do_BTNH, o_BTNH) -> jax.Array:
+    """``d_BNT = Σ_j P_ij dP_ij = do_i · o_i`` (float32), the softmax backward's row term."""
+    return jnp.einsum("BTNH,BTNH->BNT", do_BTNH.astype(jnp.float32), o_BTNH.astype(jnp.float32))
+
+
+def block_grads(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, do_BTNH, lse_BNT, d_BNT):
+    """FlashAttention-2's backward for one block of keys: the block's probabilities
+    recomputed from q, k and the rows' saved log-sum-exp, nothing of size T × S kept.
+    Returns float32 ``(dq_BTNH, dk_BSKH, dv_BSKH)``: this block's part of dq (to add over
+    blocks) and the whole of the block's dk and dv for these queries. ``do`` in q's dtype."""
+    B, T, N, H = q_BTNH.shape
+    K = k_BSKH.shape[2]
+    scale = 1.0 / math.sqrt(H)
+    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
+    visible_BTS = vis.mask()
+    k_BSNH, v_BSNH = repeat_kv(k_BSKH, N), repeat_kv(v_BSKH, N)
+    s_BNTS = _scores(q_BTNH, k_BSNH, visible_BTS)
+    p_BNTS = jnp.where(visible_BTS[:, None], jnp.exp(s_BNTS - lse_BNT[..., None]), 0.0)
+    dv_BSNH = f32("BNTS,BTNH->BSNH", p_BNTS.astype(do_BTNH.dtype), do_BTNH)
+    dp_BNTS = f32("BTNH,BSNH->BNTS", do_BTNH, v_BSNH)
+    ds_BNTS = (p_BNTS * (dp_BNTS - d_BNT[..., None]) * scale).astype(q_BTNH.dtype)
+    dq_BTNH = f32("BNTS,BSNH->BTNH", ds_BNTS, k_BSNH)
+    dk_BSNH = f32("BNTS,BTNH->BSNH", ds_BNTS, q_BTNH)
+    # query head n read KV head n // G: its gradient sums over the G query heads
+    group = lambda x: x.reshape(*x.shape[:2], K, N // K, H).sum(axis=3)  # noqa: E731
+    return dq_BTNH, group(dk_BSNH), group(dv_BSNH)
+
+
+def grad_blocks(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, do_BTNH, lse_BNT, d_BNT,
+                block: int, skip_masked: bool = True):
+    """:func:`block_grads` scanned over ``block`` keys at a time (skipping, with
+    ``skip_masked``, a block no query sees, as :func:`fold_blocks` does): float32
+    ``(dq_BTNH, dk_BSKH, dv_BSKH)`` of these queries against all of ``k``/``v``."""
+    B, S, K, H = k_BSKH.shape
+    ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
+
+    def step(dq_BTNH, blk):
+        k, v, order, seg = blk
+        bvis = vis.keys(order, seg)
+
+        def run(dq):
+            dq_blk, dk, dv = block_grads(q_BTNH, k, v, bvis, do_BTNH, lse_BNT, d_BNT)
+            return dq + dq_blk, (dk, dv)
+        if not skip_masked:
+            return run(dq_BTNH)
+        zeros = jnp.zeros_like(k, jnp.float32)
+        return jax.lax.cond(bvis.mask().any(), run, lambda dq: (dq, (zeros, zeros)), dq_BTNH)
+
+    dq_BTNH, (dk, dv) = jax.lax.scan(step, jnp.zeros_like(q_BTNH, jnp.float32),
+                                     (ks, vs, orders, segs))
+    unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, K, H)[:, :S]  # noqa: E731
+    return dq_BTNH, unstack(dk), unstack(dv)
+
+
+def tie_to_queries(q_BTNH, vis: Visibility):
+    """``(q, vis)`` through one ``optimization_barrier``: for JAX the masks then depend on the
+    queries. Inside a scan (the layer stack) a custom_vjp forward's work that depends only
+    on loop invariants (the masks: orders, segments) is otherwise hoisted out of the scan
+    when it is differentiated and computed for every key block at once, stacked: the
+    ``[blocks, B, N, T, block]`` arrays this kernel exists to avoid."""
+    return jax.lax.optimization_barrier((q_BTNH, vis))
+
+
+def _forward(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int):
+    """``(o_BTNH, lse_BNT)``: the online softmax scanned over key blocks."""
+    q_BTNH, vis = tie_to_queries(q_BTNH, vis)
+    part = fold_blocks(empty_partial(q_BTNH), q_BTNH, k_BSKH, v_BSKH, vis, block)
+    return finish(part, q_BTNH.dtype), log_sum_exp(part)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -213,48 +295,20 @@ def _blockwise_fwd(q_BTNH, k_BSKH, v_BSKH, vis, block):
     return o_BTNH, (q_BTNH, k_BSKH, v_BSKH, vis, o_BTNH, lse_BNT)
 
 
+def no_grad(vis: Visibility):
+    """The cotangent of a :class:`Visibility` (integer arrays: float0 zeros)."""
+    return jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), vis)
+
+
 def _blockwise_bwd(block, res, do_BTNH):
-    """FlashAttention-2's backward: each key block's probabilities are recomputed from q, k
-    and the saved log-sum-exp, so nothing of size T × S is ever stored."""
+    """The backward by :func:`grad_blocks`: each key block's probabilities are recomputed
+    from q, k and the saved log-sum-exp, so nothing of size T × S is ever stored."""
     q_BTNH, k_BSKH, v_BSKH, vis, o_BTNH, lse_BNT = res
-    B, T, N, H = q_BTNH.shape
-    K = k_BSKH.shape[2]
-    scale = 1.0 / math.sqrt(H)
-    f32 = partial(jnp.einsum, preferred_element_type=jnp.float32)
-    # D_i = sum_j P_ij dP_ij = do_i · o_i
-    d_BNT = jnp.einsum("BTNH,BTNH->BNT", do_BTNH.astype(jnp.float32),
-                       o_BTNH.astype(jnp.float32))
-    do_BTNH = do_BTNH.astype(q_BTNH.dtype)
-    ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
-
-    def grads(dq_BTNH, k, v, bvis):
-        visible_BTS = bvis.mask()
-        k_BSNH, v_BSNH = repeat_kv(k, N), repeat_kv(v, N)
-        s_BNTS = _scores(q_BTNH, k_BSNH, visible_BTS)
-        p_BNTS = jnp.where(visible_BTS[:, None], jnp.exp(s_BNTS - lse_BNT[..., None]), 0.0)
-        dv_BSNH = f32("BNTS,BTNH->BSNH", p_BNTS.astype(do_BTNH.dtype), do_BTNH)
-        dp_BNTS = f32("BTNH,BSNH->BNTS", do_BTNH, v_BSNH)
-        ds_BNTS = (p_BNTS * (dp_BNTS - d_BNT[..., None]) * scale).astype(q_BTNH.dtype)
-        dq_BTNH = dq_BTNH + f32("BNTS,BSNH->BTNH", ds_BNTS, k_BSNH)
-        dk_BSNH = f32("BNTS,BTNH->BSNH", ds_BNTS, q_BTNH)
-        # query head n read KV head n // G: its gradient sums over the G query heads
-        group = lambda x: x.reshape(*x.shape[:2], K, N // K, H).sum(axis=3)
-        return dq_BTNH, (group(dk_BSNH), group(dv_BSNH))
-
-    def step(dq_BTNH, blk):
-        k, v, order, seg = blk
-        bvis = vis.keys(order, seg)
-        zeros = jnp.zeros(k.shape, jnp.float32)
-        return jax.lax.cond(bvis.mask().any(), lambda dq: grads(dq, k, v, bvis),
-                            lambda dq: (dq, (zeros, zeros)), dq_BTNH)
-
-    dq_BTNH, (dk, dv) = jax.lax.scan(step, jnp.zeros(q_BTNH.shape, jnp.float32),
-                                     (ks, vs, orders, segs))
-    S = k_BSKH.shape[1]
-    unstack = lambda x: jnp.moveaxis(x, 0, 1).reshape(B, -1, K, H)[:, :S]
-    vis_zero = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), vis)
-    return (dq_BTNH.astype(q_BTNH.dtype), unstack(dk).astype(k_BSKH.dtype),
-            unstack(dv).astype(v_BSKH.dtype), vis_zero)
+    d_BNT = out_grad_dot(do_BTNH, o_BTNH)
+    dq, dk, dv = grad_blocks(q_BTNH, k_BSKH, v_BSKH, vis, do_BTNH.astype(q_BTNH.dtype),
+                             lse_BNT, d_BNT, block)
+    return (dq.astype(q_BTNH.dtype), dk.astype(k_BSKH.dtype), dv.astype(v_BSKH.dtype),
+            no_grad(vis))
 
 
 _blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)

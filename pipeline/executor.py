@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triax.pipeline.permute_parity import gated
 from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.schedules import OpKind, Schedule
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
@@ -144,12 +145,6 @@ def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, i
     if program.schedule.kind.split_backward:
         inbox += program.ct_slots * sum(_nbytes(c) for c in (cut or [x_sd]))
     return {"stash": program.stash_slots * res, "inbox": inbox}
-
-
-def _gated(flag, run, live: dict) -> dict:
-    """``run(live)`` where ``flag`` is 1, else ``live`` untouched: a two-branch conditional
-    carrying only the buffers the op writes, so XLA updates them in place."""
-    return jax.lax.switch(flag, [lambda w: w, run], live)
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:
@@ -263,7 +258,8 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             if k in kinds:
                 run, writes = ops[k]
                 with jax.named_scope(OP_SCOPE + LABELS[k]):
-                    c.update(_gated(flag[k], run, {n: c[n] for n in writes if n in c}))
+                    c.update(gated(flag[k], run, {n: c[n] for n in writes if n in c}, PIPE,
+                                    spec.stages))
         # Up carries the activation, down the gradient, except where a V sends them the
         # other way (one op per tick: a stage sends at most one message).
         up = jnp.where(row.up_b > 0, c["send_b"], c["send_f"]) if mixed_up else c["send_f"]

@@ -250,7 +250,8 @@ class Pipeline:
         weights = weights.astype(jnp.float32)
         inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights,
                   # packed documents: their boundaries travel with each micro-batch's tokens
-                  **{k: batch[k] for k in ("segment_ids", "positions") if k in batch}}
+                  # and the zigzag layout's causal order (training.step.Trainer.balanced)
+                  **{k: batch[k] for k in ("segment_ids", "positions", "order") if k in batch}}
         consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
                   "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
         loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,

@@ -92,7 +92,8 @@ class Stage:
                          lambda: x_in_BTD)
         if self.head == "loss":
             y_BTD, aux, _ = model.run_blocks(x, inputs.get("positions"),
-                                             packed_visibility(inputs.get("segment_ids")),
+                                             packed_visibility(inputs.get("segment_ids"),
+                                                               inputs.get("order")),
                                              exe=self.exe)
 
             def loss():

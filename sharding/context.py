@@ -7,16 +7,18 @@ runs it in a ``shard_map`` manual over ``context`` by one of two schemes:
 
 - **all-gather**: K and V (and their order/segment arrays) gathered over ``context``; the
   queries stay split. Simple; each device holds the whole K/V of one layer for a moment.
-- **ring**: each device keeps its K/V block and passes it on with ``ppermute``, C−1 times;
-  every block arriving is folded into an online softmax (``models.attention.accumulate``),
-  so no device ever holds more than two K/V blocks. The backward runs the ring in reverse
-  by autodiff of the ``ppermute`` ops (checked against one device in tests/test_context.py).
+- **ring** (``sharding.ring``): each device keeps its K/V block and passes it on with
+  ``ppermute``, C−1 times; every block arriving is folded into an online softmax, so no
+  device ever holds more than two K/V blocks. A custom VJP runs the ring again backward
+  (dK/dV travel with their blocks), and each step computes only the part of its block that
+  the layout says is visible.
 
 **Load balancing** (:func:`zigzag_order`): causally, later tokens see more keys, so with
-contiguous chunks the last rank works C× the first. The step permutes the tokens once at
-its input so that rank i holds chunks i and 2C−1−i (head and tail); ``Visibility`` carries
-each token's original order, so masks stay right, and the loss, a sum over tokens, needs no
-un-permuting.
+contiguous chunks the last rank works about twice the mean. The step permutes the tokens
+once at its input so that rank i holds chunks i and 2C−1−i (head and tail), and tells the
+hook (``layout="zigzag"``): every ring step then costs every rank half a block.
+``Visibility`` carries each token's original order, so masks stay right, and the loss, a
+sum over tokens, needs no un-permuting.
 
     >>> zigzag_order(8, 2).tolist()
     [0, 1, 6, 7, 2, 3, 4, 5]
@@ -32,9 +34,9 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
-from triax.models.attention import (AttentionFn, Visibility, accumulate, empty_partial, finish,
-                                    kernel)
+from triax.models.attention import BLOCK_SIZE, AttentionFn, Visibility, kernel
 from triax.models.axes import using_constraint
+from triax.sharding.ring import LAYOUTS, RingSpec, ring_attention
 from triax.sharding.rules import Rules, ShardingError
 
 SCHEMES = ("all-gather", "ring")
@@ -80,7 +82,8 @@ def zigzag_batch(batch: Mapping[str, jax.Array], C: int) -> dict:
     return out
 
 
-def _local_attention(scheme: str, implementation: str, axis: str, C: int):
+def _local_attention(scheme: str, implementation: str, axis: str, C: int,
+                     layout: Optional[str]):
     def all_gather(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
         gather = functools.partial(jax.lax.all_gather, axis_name=axis, axis=1, tiled=True)
         k_seg = None if vis.k_segment_BS is None else gather(vis.k_segment_BS)
@@ -88,15 +91,8 @@ def _local_attention(scheme: str, implementation: str, axis: str, C: int):
         return kernel(implementation)(q_BTNH, gather(k_BSKH), gather(v_BSKH), full)
 
     def ring(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
-        perm = [(i, (i + 1) % C) for i in range(C)]
-        block = (k_BSKH, v_BSKH, vis.k_order_BS, vis.k_segment_BS)
-        part = empty_partial(q_BTNH)
-        for step in range(C):
-            k, v, order, segment = block
-            part = accumulate(part, q_BTNH, k, v, vis.keys(order, segment))
-            if step < C - 1:   # the last block needs no onward pass
-                block = jax.lax.ppermute(block, axis, perm)
-        return finish(part, q_BTNH.dtype)
+        return ring_attention(RingSpec(axis, C, layout, BLOCK_SIZE), q_BTNH, k_BSKH, v_BSKH,
+                              vis)
 
     fn = ring if scheme == "ring" else all_gather
 
@@ -106,10 +102,16 @@ def _local_attention(scheme: str, implementation: str, axis: str, C: int):
     return local
 
 
-def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
-                      ) -> Optional[AttentionFn]:
-    """The attention hook for ``mesh`` (None without a context axis)."""
+def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather",
+                      layout: Optional[str] = None) -> Optional[AttentionFn]:
+    """The attention hook for ``mesh`` (None without a context axis). ``layout`` vouches for
+    the tokens' order along the split sequence, which the ring's causal skipping reads:
+    ``"zigzag"`` (:func:`zigzag_batch`), ``"contiguous"`` (order 0…T−1), or None (any
+    order: blocks are skipped by a data-dependent test)."""
     check_scheme(scheme)
+    if layout is not None and layout not in LAYOUTS:
+        raise ShardingError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)} "
+                            f"or None (any order)")
     axes = context_axes(mesh, rules)
     if not axes:
         return None
@@ -126,6 +128,10 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
             # Not self-attention over the split sequence (decode against a cache): whole
             # arrays, XLA gathers what it needs.
             return kernel(implementation)(q_BTNH, k_BSKH, v_BSKH, vis)
+        if layout == "zigzag" and (T // C) % 2:
+            raise ShardingError(f"sequence length {T} with context={C}: the zigzag layout "
+                                f"holds two chunks per rank and needs T divisible by "
+                                f"2·context = {2 * C}")
         # A local block of a causal sequence is not itself plain causal (dot_product's
         # is_causal would be wrong there): keep only the orders and segments.
         vis = Visibility(vis.q_order_BT, vis.k_order_BS, vis.q_segment_BT, vis.k_segment_BS)
@@ -135,14 +141,11 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
         # The batch axes are manual too: left automatic, XLA would regather the batch over
         # them at the boundary (the specs say nothing of them).
         rows = tuple(a for a in batch_axes if not nested or a not in context.manual_axes)
-        # Inside the pipeline's tick switch the ring's ppermutes come out NaN on XLA:CPU (not
-        # yet understood): pipelined stages gather instead (docs/long_context.md).
-        local_scheme = "all-gather" if nested else scheme
         seq = P(rows or None, axis)
         vis_spec = Visibility(seq, seq, None if vis.q_segment_BT is None else seq,
                               None if vis.k_segment_BS is None else seq)
         return jax.shard_map(
-            _local_attention(local_scheme, implementation, axis, C), mesh=m,
+            _local_attention(scheme, implementation, axis, C, layout), mesh=m,
             axis_names={axis, *rows},
             in_specs=(seq, seq, seq, vis_spec), out_specs=seq,
         )(q_BTNH, k_BSKH, v_BSKH, vis)

@@ -204,19 +204,28 @@ def activation_constraint(mesh: Mesh, rules: Rules) -> Callable:
     sizes = mesh_sizes(mesh)
 
     def fn(x, logical_axes):
+        if jax.sharding.get_abstract_mesh().manual_axes:
+            # Inside a shard_map (context attention, the pipeline): the constraint names the
+            # whole mesh, which is wrong there. A custom_vjp rule (ring, blockwise) is traced
+            # lazily, after the shard_map's own ``using_constraint(None)`` has been left.
+            return x
         spec = rules.spec(logical_axes, x.shape, sizes, what="activation")
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
     return fn
 
 
 @contextlib.contextmanager
-def activation_sharding(mesh: Mesh, strategy: str | Strategy):
-    """While tracing, resolve the model's logical activation axes through ``strategy``."""
+def activation_sharding(mesh: Mesh, strategy: str | Strategy,
+                        context_layout: Optional[str] = None):
+    """While tracing, resolve the model's logical activation axes through ``strategy``;
+    ``context_layout``: the tokens' layout along a ``context``-split sequence
+    (``sharding.context.context_attention``; None: any order)."""
     strategy = get_strategy(strategy)
     rules = strategy.rules
     with using_constraint(activation_constraint(mesh, rules)), \
             using_moe_runner(expert_runner(mesh, rules)), \
-            using_attention(context_attention(mesh, rules, strategy.context_attention)):
+            using_attention(context_attention(mesh, rules, strategy.context_attention,
+                                              context_layout)):
         yield
 
 

@@ -1,6 +1,8 @@
 """Context parallelism (``triax.sharding.context``) equals one device: loss, every gradient
-and (ring, context=8) the parameters after 3 steps, fp32; and the compiled step moves K/V the
-way its scheme says (ring: collective-permutes over ``context`` only; all-gather: K and V)."""
+and the parameters after 3 steps, fp32, for both schemes at context 2, 4 and 8 (with data,
+tensor, packed documents, and pipe × context); and the compiled step moves K/V the way its
+scheme says (ring: collective-permutes over ``context`` only; all-gather: K and V). The
+ring's own structure (causal skipping, FLOP balance, memory) is tests/test_ring_attention.py."""
 import dataclasses
 
 import jax
@@ -60,7 +62,7 @@ def reference(devices):
 
 @pytest.fixture(scope="module")
 def reference_packed(devices):
-    return run(make("ring", devices=devices[:1]), pack=True)
+    return run(make("ring", devices=devices[:1]), n_steps=3, pack=True)
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +74,27 @@ def test_ring_context8_matches_single_device(reference, ring8):
     check(run(ring8, n_steps=3), reference)
 
 
+@pytest.mark.parametrize("scheme, strategy, mesh", [
+    ("all-gather", "dp", dict(context=8)),
+    ("all-gather", "dp", dict(context=2, data=2)),
+    ("ring", "fsdp_tp", dict(context=2, tensor=2, data=2)),
+], ids=["all-gather-context8", "all-gather-context2-data2", "ring-context2-tensor2-data2"])
+def test_matches_single_device(reference, devices, scheme, strategy, mesh):
+    n = int(np.prod(list(mesh.values())))
+    check(run(make(scheme, strategy, devices=devices[:n], **mesh), n_steps=3), reference)
+
+
+@pytest.fixture(scope="module")
+def all_gather4():
+    return make("all-gather", context=4, data=2)
+
+
+@pytest.mark.parametrize("scheme", ["ring", "all-gather"])
+def test_packed_sequences_context4_matches(reference_packed, all_gather4, scheme):
+    tr = all_gather4 if scheme == "all-gather" else make(scheme, context=4, data=2)
+    check(run(tr, n_steps=3, pack=True), reference_packed)
+
+
 def test_ring_moves_kv_by_collective_permute_over_context_only(ring8):
     coll = collectives_from_compiled(ring8.lower(B, T).compile(), ring8.mesh)
     permutes = [c for c in coll if c.kind == "collective-permute"]
@@ -79,26 +102,31 @@ def test_ring_moves_kv_by_collective_permute_over_context_only(ring8):
     assert not [c for c in coll if c.kind == "all-gather" and "context" in c.axes], coll
 
 
-def test_all_gather_context4_data2_matches_and_gathers_exactly_kv(reference):
-    tr = make("all-gather", context=4, data=2)
-    check(run(tr), reference)
-    coll = collectives_from_compiled(tr.lower(B, T).compile(), tr.mesh)
+def test_ring_step_runs_the_zigzag_halves(ring8):
+    """The training step tells the ring its zigzag layout: each ring step's switch chooses
+    between two halves of a block, both computing (an unknown layout gives skip / full).
+    Their equal cost is tests/test_ring_attention.py's (here, at halves of one token, XLA
+    turns one backward matmul into an elementwise product)."""
+    from triax.sharding import ring
+    from triax.sharding.introspect.ring_balance import ring_switches
+    switches = ring_switches(ring8.lower(B, T).compile())
+    assert {sw.scope for sw in switches} == {ring.FWD_SCOPE, ring.BWD_SCOPE}, switches
+    for sw in switches:
+        assert len(sw.branches) == 2 and min(b.flops for b in sw.branches) > 0, sw
+
+
+def test_all_gather_context4_data2_gathers_exactly_kv(all_gather4):
+    tr = all_gather4   # the packed step above: the same compiled program
+    keys = ("inputs", "targets", "segment_ids", "positions")
+    coll = collectives_from_compiled(tr.lower(B, T, keys).compile(), tr.mesh)
     gathers = [c for c in coll if c.kind == "all-gather" and c.axes == ("context",)]
     # K and V of the one layer: [B/data, T, kv_heads, head_dim] fp32 each (and their
-    # int32 order arrays [B/data, T], which the mask compares).
+    # int32 order and segment arrays [B/data, T], which the mask compares).
     kv_bytes = (B // 2) * T * CFG.num_kv_heads * CFG.head_dim * 4
     floats = sorted(c.bytes_per_device for c in gathers if c.bytes_per_device >= kv_bytes)
     assert sum(c.count for c in gathers if c.bytes_per_device == kv_bytes) == 2, gathers
     assert floats == [kv_bytes], gathers
     assert not [c for c in coll if c.kind == "collective-permute"], coll
-
-
-def test_ring_context2_tensor2_data2_matches(reference):
-    check(run(make("ring", "fsdp_tp", context=2, tensor=2, data=2)), reference)
-
-
-def test_packed_sequences_ring_context4_matches(reference_packed):
-    check(run(make("ring", context=4, data=2), pack=True), reference_packed)
 
 
 def test_cli_choices_are_the_schemes():
@@ -108,17 +136,41 @@ def test_cli_choices_are_the_schemes():
     assert tuple(field.metadata["choices"]) == SCHEMES
 
 
-def test_pipe2_context2_matches(devices):
+def test_pipe2_context2_ring_matches(devices):
+    """The ring inside the pipeline's tick conditionals, in the zigzag layout: equal to one
+    device (loss, gradients, 3 steps), collective-permutes over ``context`` in the compiled
+    program, and each op's skip branch running as many collective-permutes as its run
+    branch (``pipeline.permute_parity``: without that, XLA:CPU mixes the stages' sends)."""
     from triax.pipeline.runner import PipelineConfig
-    cfg = CFG.replace(num_layers=2)
+    from triax.sharding.introspect.branch_costs import op_conditionals
+    cfg, rows = CFG.replace(num_layers=2), 4
+    st = dataclasses.replace(get_strategy("dp"), context_attention="ring")
 
-    def grads(mesh, pipeline=None):
-        tr = Trainer(cfg, mesh, dataclasses.replace(get_strategy("dp"), context_attention="ring"),
-                     pipeline=pipeline)
-        (loss, _), g = tr.grads(tr.init(seed=0)["params"], tr.example_batch(4, T))
-        return float(loss), jax.device_get(g), None
-    check(grads(make_mesh(context=2, pipe=2, data=2), PipelineConfig("1f1b", 2)),
-          grads(make_mesh(devices=devices[:1])))
+    def go(tr):
+        state = tr.init(seed=0)
+        batches = [tr.example_batch(rows, T, seed=i) for i in range(3)]
+        args = (state["params"], tr.shard_batch(batches[0]))
+        compiled = tr.jitted_grads.lower(*args).compile()
+        (loss, _), g = compiled(*args)
+        for b in batches:
+            state, _ = tr.step(state, b)
+        return (float(loss), jax.device_get(g), jax.device_get(state["params"])), compiled
+
+    tr = Trainer(cfg, make_mesh(context=2, pipe=2, data=2), st,
+                 pipeline=PipelineConfig("1f1b", 2))
+    assert tr.context_layout == "zigzag"
+    out, compiled = go(tr)
+    check(out, go(Trainer(cfg, make_mesh(devices=devices[:1]), st))[0])
+    coll = collectives_from_compiled(compiled, tr.mesh)
+    assert [c for c in coll if c.kind == "collective-permute" and c.axes == ("context",)], coll
+    # No K/V gathered ([micro-batch rows, T, kv_heads, head_dim] fp32; the gathers over
+    # context left are the first stage's embedding gradient: tokens and dx, for its scatter).
+    kv_bytes = (rows // 4) * T * CFG.num_kv_heads * CFG.head_dim * 4
+    assert not [c for c in coll if c.kind == "all-gather" and "context" in c.axes
+                and c.bytes_per_device == kv_bytes], coll
+    ops = op_conditionals(compiled)
+    assert ops["F"][1].permutes > 0 and ops["B"][1].permutes > ops["F"][1].permutes, ops
+    assert all(skip.permutes == run.permutes for skip, run in ops.values()), ops
 
 
 def visible_pairs_per_rank(order_T, C):

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
-from triax.models.attention import Visibility, packed_visibility
+from triax.models.attention import packed_visibility
 from triax.models.layers import ExecConfig
 from triax.models.transformer import cross_entropy
 from triax.pipeline.runner import Pipeline, PipelineConfig
@@ -52,10 +52,8 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float3
 def packed_inputs(batch: Batch) -> tuple:
     """``(positions_BT, vis)`` for the model: None, None (causal over ``0..T-1``) unless
     the batch packs documents (``segment_ids``, ``positions``)."""
-    if "order" in batch:   # a permuted layout (context parallelism's zigzag)
-        return batch["positions"], Visibility.self_attention(batch["order"],
-                                                             batch.get("segment_ids"))
-    return batch.get("positions"), packed_visibility(batch.get("segment_ids"))
+    return batch.get("positions"), packed_visibility(batch.get("segment_ids"),
+                                                     batch.get("order"))
 
 
 def model_loss(am: AbstractModel, exe: ExecConfig):
@@ -219,17 +217,29 @@ class Trainer:
         out, _ = jax.lax.scan(body, zeros, micro)
         return out
 
+    @property
+    def context_layout(self) -> Optional[str]:
+        """The token layout along a split sequence (``sharding.context``): ``"zigzag"`` for
+        the built-in model on a context axis (pipelined too), None otherwise (no context
+        axis, or a user's model, whose attention sees its own order)."""
+        if context_size(self.mesh, self.strategy.rules) == 1 or self.cfg is None:
+            return None
+        return "zigzag"
+
     def balanced(self, batch: Batch) -> Batch:
-        """The batch in context parallelism's zigzag layout (unchanged without a context
-        axis, for a user's model, or pipelined, whose stages see plain causal order)."""
-        C = context_size(self.mesh, self.strategy.rules)
-        if C == 1 or self.cfg is None or self.pipeline is not None:
+        """The batch in :attr:`context_layout` (unchanged unless that is the zigzag)."""
+        if self.context_layout != "zigzag":
             return batch
-        return zigzag_batch(batch, C)
+        return zigzag_batch(batch, context_size(self.mesh, self.strategy.rules))
+
+    def sharding_context(self):
+        """What the step is traced under: the strategy's activation shardings, and the
+        context hook told the layout :meth:`balanced` put the tokens in."""
+        return activation_sharding(self.mesh, self.strategy, self.context_layout)
 
     def _step_fn(self, state, batch):
         batch = self.balanced(batch)
-        with activation_sharding(self.mesh, self.strategy):
+        with self.sharding_context():
             (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
@@ -281,14 +291,19 @@ class Trainer:
                  for k, v in batch.items()}
         return self._jitted_step.lower(self.abstract_state(), batch)
 
-    def grads(self, params, batch):
-        """Loss and gradients only (for equivalence checks), sharded like the step."""
+    @cached_property
+    def jitted_grads(self):
+        """The jitted ``(params, batch) -> ((loss, aux), grads)`` that :meth:`grads` runs
+        (``.lower(...)`` it to read the compiled program)."""
         def f(params, batch):
             batch = self.balanced(batch)
-            with activation_sharding(self.mesh, self.strategy):
+            with self.sharding_context():
                 return self.loss_and_grad(params, batch)
-        return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))(
-            params, self.shard_batch(batch))
+        return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))
+
+    def grads(self, params, batch):
+        """Loss and gradients only (for equivalence checks), sharded like the step."""
+        return self.jitted_grads(params, self.shard_batch(batch))
 
     def example_batch(self, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
         """Random token batch for the built-in language model."""

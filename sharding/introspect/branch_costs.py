@@ -12,6 +12,8 @@ rather than assumed (F=1, B=2, ...).
   counts as one instruction), leaving out what moves nothing (parameters, tuples,
   get-tuple-element, bitcasts, constants).
 * Dots: how many matmul instructions run (:func:`op_matmuls`).
+* Permutes: how many collective-permutes run (the pipeline keeps them equal across an op's
+  two branches: ``pipeline.permute_parity``).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
   ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
@@ -53,6 +55,7 @@ class Cost:
     flops: int = 0
     bytes: int = 0
     dots: int = 0                 # matmul instructions run (dot, convolution)
+    permutes: int = 0             # collective-permutes run
     nested: dict[str, "Cost"] = field(default_factory=dict)   # nested conditional branches
     unknown_loops: list[str] = field(default_factory=list)    # counted once: no trip count
 
@@ -60,6 +63,7 @@ class Cost:
         self.flops += other.flops * times
         self.bytes += other.bytes * times
         self.dots += other.dots * times
+        self.permutes += other.permutes * times
         self.nested.update(other.nested)
         self.unknown_loops += other.unknown_loops
 
@@ -130,6 +134,8 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
             for _, c in ins.calls:
                 cost.add(computation_cost(m, c, depth + 1))
             continue
+        if ins.op in ("collective-permute", "collective-permute-start"):
+            cost.permutes += 1
         if ins.op in ("dot", "convolution"):
             cost.flops += _matmul_flops(m, comp, ins)
             cost.dots += 1
@@ -180,9 +186,9 @@ def _loop_conditionals(m: Module):
         frontier = nxt
 
 
-def op_branch_costs(compiled_or_text) -> dict[str, Cost]:
-    """``{label: cost of one run}`` of every pipeline op: the conditionals the executor
-    places in the named scope ``OP_SCOPE + label``, each "skip" (branch 0) or "run" (1)."""
+def op_conditionals(compiled_or_text) -> dict[str, tuple[Cost, Cost]]:
+    """``{label: (skip, run)}``, the cost of one execution of each branch of every pipeline
+    op: the conditionals the executor places in the named scope ``OP_SCOPE + label``."""
     text = compiled_or_text if isinstance(compiled_or_text, str) else \
         compiled_text(compiled_or_text)
     m = parse_module(text)
@@ -191,8 +197,14 @@ def op_branch_costs(compiled_or_text) -> dict[str, Cost]:
         name = re.search(r'op_name="([^"]*)"', ins.rest)
         label = re.search(re.escape(OP_SCOPE) + r"(\w+)", name.group(1)) if name else None
         if label and len(ins.branches) == 2 and label.group(1) not in found:
-            found[label.group(1)] = computation_cost(m, ins.branches[1])
+            found[label.group(1)] = tuple(computation_cost(m, b) for b in ins.branches)
     return found
+
+
+def op_branch_costs(compiled_or_text) -> dict[str, Cost]:
+    """``{label: cost of one run}`` of every pipeline op (:func:`op_conditionals`' run
+    branch)."""
+    return {k: run for k, (_, run) in op_conditionals(compiled_or_text).items()}
 
 
 def op_matmuls(compiled, branch_kinds: Sequence[str]) -> dict[str, dict]:
