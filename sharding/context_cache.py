@@ -174,15 +174,19 @@ class ContextCache:
         return hook
 
     def write_prompt(self, cache, scratch, slots_b):
-        """``cache[:, slots_b, :T]`` (positions) from the prompt's ``scratch`` cache
-        ``[L, b, T, K, H]``: in the striped layout each rank copies its own block (T/C
-        positions) into its slice, no communication; slots ``>= B`` are dropped."""
-        def local(c, s, slots):
-            return c.at[:, slots, :s.shape[2]].set(s.astype(c.dtype), mode="drop")
-        spec = P(None, None, self.axis)
-        return {n: jax.shard_map(local, mesh=self.mesh, axis_names={self.axis},
-                                 in_specs=(spec, spec, P()), out_specs=spec)(
-                    cache[n], scratch[n], slots_b) for n in cache}
+        """``cache`` with the prompt's ``scratch`` cache ``[L, b, T, K, H]`` in decode slots
+        ``slots_b`` (slots ``>= B`` dropped). Both are striped, so rank r's T/C prompt
+        positions go to the first T/C local slots of its own S/C: seen as ``[L, B, C, S/C,
+        K, H]``, the copy runs along the context-split dimension, with no communication."""
+        C = self.size
+
+        def write(c_LBSKH, s_LbTKH):
+            L, B, S = c_LBSKH.shape[:3]
+            c = c_LBSKH.reshape(L, B, C, S // C, *c_LBSKH.shape[3:])
+            s = s_LbTKH.reshape(*s_LbTKH.shape[:2], C, -1, *s_LbTKH.shape[3:])
+            c = c.at[:, slots_b, :, :s.shape[3]].set(s.astype(c.dtype), mode="drop")
+            return c.reshape(c_LBSKH.shape)
+        return {n: write(cache[n], scratch[n]) for n in cache}
 
 
 def context_cache(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
