@@ -98,14 +98,12 @@ class ContextCache:
     def _auto_constraint(self):
         """Inside a shard_map manual over context and the batch axes: the model's logical
         constraints resolved by the rules, with the manual axes left out."""
-        sizes = mesh_sizes(self.mesh)
         manual = {self.axis, *self.rows}
+        # As size 1 the manual axes drop out of every spec (the arrays here are their blocks).
+        sizes = {a: 1 if a in manual else n for a, n in mesh_sizes(self.mesh).items()}
 
         def fn(x, logical_axes):
             spec = self.rules.spec(logical_axes, x.shape, sizes, what="activation")
-            keep = [tuple(a for a in ((d,) if isinstance(d, str) else d or ()) if a not in manual)
-                    for d in spec]
-            spec = P(*[k[0] if len(k) == 1 else (k or None) for k in keep])
             return jax.lax.with_sharding_constraint(
                 x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
         return fn

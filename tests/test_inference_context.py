@@ -49,13 +49,13 @@ def one_device(params, reference, devices):
     return run(eng, reference)
 
 
-def run(eng, reference):
+def run(eng, reference, n=len(PROMPTS)):
+    """Greedy tokens and logits of the first ``n`` prompts, decoding the reference's tokens."""
     ref_tokens = reference[0]
-    n = len(PROMPTS)
-    tokens = [np.asarray(eng.prefill(range(n), [np.array(p) for p in PROMPTS], [0] * n))]
+    tokens = [np.asarray(eng.prefill(range(n), [np.array(p) for p in PROMPTS[:n]], [0] * n))]
     logits = [np.asarray(eng.last_logits)]
     for t in range(1, NEW):
-        tokens.append(np.asarray(eng.decode(np.array([r[t - 1] for r in ref_tokens]),
+        tokens.append(np.asarray(eng.decode(np.array([r[t - 1] for r in ref_tokens[:n]]),
                                             np.ones(n, bool), np.zeros(n))))
         logits.append(np.asarray(eng.last_logits))
     return np.stack(tokens, 1), np.stack(logits, 1)
@@ -79,6 +79,15 @@ def test_tokens_and_logits_match_one_device_and_reference(layout, scheme, engine
     assert tokens.tolist() == reference[0] == one_device[0].tolist()
     np.testing.assert_allclose(logits, reference[1], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(logits, one_device[1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_decode_row_per_data_shard(params, reference):
+    """Two slots on data=2: the blocks inside the decode's shard_map hold one row each."""
+    eng = Engine(CFG, params, make_mesh(context=4, data=2), "tp",
+                 dataclasses.replace(ECFG, max_batch=2))
+    tokens, logits = run(eng, reference, n=2)   # rows are independent: the first two's
+    assert tokens.tolist() == reference[0][:2]
+    np.testing.assert_allclose(logits, reference[1][:2], rtol=1e-5, atol=1e-5)
 
 
 def shapes(eng):
