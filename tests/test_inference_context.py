@@ -2,7 +2,7 @@
 tokens and logits equal one device's and the no-cache reference's, for both prefill schemes;
 the compiled prefill attends across the split prompt by its scheme and gathers no
 activation; the compiled decode moves only per-slice attention partials over ``context``;
-the cache per device is 1/C of the whole."""
+the cache per device is 1/C of the whole; ``triax generate --mesh context=2,tensor=4``."""
 import dataclasses
 import importlib
 import json
@@ -167,22 +167,20 @@ def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engi
                for c in collectives_from_compiled(compiled, eng.mesh)), compiled
 
 
-def _generate(capsys, *flags):
-    argv = ["generate", "--model", "tiny", "--num-layers", "1", "--seed", "0", "--slots", "1",
-            "--prompt", "A prompt long enough to split over the context ranks.",
-            "--max-new-tokens", "4", "--json", *flags]
-    assert main(argv) == 0
-    return [r["tokens"] for r in json.loads(capsys.readouterr().out)["results"]]
-
-
-def test_cli_generate_context2_tensor4_gives_the_tensor8_tokens(capsys, monkeypatch):
+def test_cli_generate_context2_tensor4_gives_the_reference_tokens(capsys, monkeypatch, params):
+    """``triax generate --mesh context=2,tensor=4``: the tokens of ``--mesh tensor=8`` (which
+    equal the no-cache reference, tests/test_inference_generate.py), checked against the
+    reference itself to save a second CLI run."""
     gen = importlib.import_module("triax.inference.generate")   # the package's `generate`
     servers = []                                                 # is the function
     real = gen.generate
     monkeypatch.setattr(gen, "generate", lambda server, *a, **k: (servers.append(server),
                                                                    real(server, *a, **k))[1])
-    want = _generate(capsys, "--mesh", "tensor=8")
-    got = _generate(capsys, "--mesh", "context=2,tensor=4", "--context-attention", "ring")
-    assert got == want and len(got[0]) == 4
+    prompt = "A prompt long enough to split over the context ranks."
+    assert main(["generate", "--model", "tiny", "--num-layers", "1", "--seed", "0",
+                 "--slots", "1", "--prompt", prompt, "--max-new-tokens", "4", "--json",
+                 "--mesh", "context=2,tensor=4", "--context-attention", "ring"]) == 0
+    got = [r["tokens"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert got == greedy_reference(CFG, params, [gen.TOKENIZER.encode(prompt)], 4)[0]
     eng = servers[-1].engines[0]
     assert eng.context is not None and eng.strategy.context_attention == "ring"
