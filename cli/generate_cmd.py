@@ -19,7 +19,8 @@ from triax.cli.run_flags import FIELDS, add_run_flags
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with a KV cache (TP, replicas, pipeline, context)",
+    p = sub.add_parser("generate",
+                       help="generate text with a KV cache (TP, replicas, pipeline, context)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")

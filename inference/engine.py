@@ -136,7 +136,7 @@ class Engine:
         if B % self.sizes["data"]:
             raise InferenceError(f"max_batch={B} decode slots must divide over "
                                  f"data={self.sizes['data']}; choose a multiple")
-        self.cache_shape, self.cache_sharding = self._cache_layout(B)
+        _, self.cache_sharding = self._cache_layout(B)
         self.cache = self._zeros_cache(B)
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.

@@ -16,9 +16,9 @@ that first attends to it).
 **Hook** (:func:`cached_attention`): writing a layer's new keys/values and attending over
 its cache is one step that a parallelism may replace while tracing
 (:func:`using_cache_attention`), as ``models.attention.using_attention`` replaces attention:
-context parallelism keeps the cache split along its positions (``triax.sharding.
-context_cache``), which places entries and merges per-slice results its own way. The model
-never names a mesh.
+context parallelism keeps the cache split along its positions
+(``triax.sharding.context_cache``), which places entries and combines per-slice results its
+own way. The model never names a mesh.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
