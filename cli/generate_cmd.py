@@ -4,6 +4,8 @@ init, on any serving layout.
     triax generate --model tiny --seed 0 --prompt "Hello" --max-new-tokens 16 \\
         --mesh tensor=2 --replicas 4 --greedy --json
     triax generate --model-dir Llama-3.2-1B --prompt "Hello" --max-new-tokens 16 --mesh tensor=2
+    triax generate --model tiny --prompts-file long.txt --max-new-tokens 16 \\
+        --mesh context=2,tensor=4 --context-attention ring    # KV cache split over context
 
 With ``--model-dir`` the prompts go through the directory's ``tokenizer.json``.
 """
@@ -13,10 +15,12 @@ import argparse
 import json
 
 from triax.cli.common import start_devices
+from triax.cli.run_flags import FIELDS, add_run_flags
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text with a KV cache (TP, replicas, pipeline)",
+    p = sub.add_parser("generate",
+                       help="generate text with a KV cache (TP, replicas, pipeline, context)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")
@@ -37,9 +41,10 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop-token", type=int, action="append", default=[],
                    help="token id that ends a sequence (repeatable; 257 is EOS)")
-    p.add_argument("--mesh", default="", help="one replica's mesh, e.g. tensor=2 or "
-                   "pipe=2,tensor=2 (axes left out are 1; default: tensor over all of a "
-                   "replica's devices)")
+    p.add_argument("--mesh", default="", help="one replica's mesh, e.g. tensor=2, "
+                   "pipe=2,tensor=2 or context=2,tensor=4 (axes left out are 1; default: "
+                   "tensor over all of a replica's devices)")
+    add_run_flags(p, ["context_attention"])   # the prefill's, on a mesh with a context axis
     p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
     p.add_argument("--skip-memory-check", action="store_true",
@@ -79,7 +84,9 @@ def run(args) -> int:
     server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers, model_dir=args.model_dir,
-                          check_memory=not args.skip_memory_check)
+                          check_memory=not args.skip_memory_check,
+                          context_attention=(args.context_attention
+                                             or FIELDS["context_attention"].default))
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

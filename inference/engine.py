@@ -4,7 +4,9 @@ The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chos
 and samples their first token; ``decode`` advances every slot by one token. Shapes are
 bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
 all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
-decodes through the pipeline (``triax.inference.forward``).
+decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis
+(and no ``pipe``) the cache is split along its positions and the prompt along its tokens
+(``triax.sharding.context_cache``).
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
@@ -20,7 +22,7 @@ import dataclasses
 import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +37,7 @@ from triax.models.decode import CACHE_AXES, cache_shape
 from triax.models.layers import ExecConfig
 from triax.models.moe import inference_routing
 from triax.pipeline.runner import default_decode_microbatches
+from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -67,12 +70,27 @@ class EngineConfig:
 CACHE_DTYPE = jnp.float32
 
 
-def kv_cache_sharding(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, batch: int,
-                      length: int) -> NamedSharding:
-    """Where the KV cache of ``batch`` slots × ``length`` positions lives on ``mesh``."""
-    shape = cache_shape(cfg, batch, length)
-    return NamedSharding(mesh, strategy.rules.spec(CACHE_AXES, shape, mesh_sizes(mesh),
-                                                   what="KV cache"))
+def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
+    """The context-split cache layout an engine on ``mesh`` uses, or None: no context axis,
+    or pipeline decode (whose stages run whole over ``context``)."""
+    if mesh_sizes(mesh)["pipe"] > 1:
+        return None
+    return context_cache(mesh, strategy.rules, strategy.context_attention)
+
+
+def kv_cache_layout(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, batch: int,
+                    max_len: int) -> tuple[tuple[int, ...], NamedSharding]:
+    """Shape and placement of the KV cache of ``batch`` slots × ``max_len`` positions on
+    ``mesh``: the strategy's rules, with the positions split over ``context`` (rounded up to
+    a multiple of it) where ``split_context`` says so."""
+    ctx = split_context(mesh, strategy)
+    if ctx is None:
+        shape = cache_shape(cfg, batch, max_len)
+        spec = strategy.rules.spec(CACHE_AXES, shape, mesh_sizes(mesh), what="KV cache")
+    else:
+        shape = cache_shape(cfg, batch, ctx.length(max_len))
+        spec = ctx.spec(shape)
+    return shape, NamedSharding(mesh, spec)
 
 
 def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy,
@@ -84,8 +102,8 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     weights = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
-    shape = cache_shape(cfg, ecfg.max_batch, ecfg.max_len)
-    cache = kv_cache_sharding(cfg, mesh, st, ecfg.max_batch, ecfg.max_len).shard_shape(shape)
+    shape, sharding = kv_cache_layout(cfg, mesh, st, ecfg.max_batch, ecfg.max_len)
+    cache = sharding.shard_shape(shape)
     return {"weights": weights,
             "KV cache": 2 * math.prod(cache) * jnp.dtype(CACHE_DTYPE).itemsize}
 
@@ -108,16 +126,18 @@ class Engine:
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = ecfg.microbatches or default_decode_microbatches(self.sizes["pipe"])
+        self.context = split_context(mesh, self.strategy)
         if self.pipelined:
             check_pipeline(self.am, mesh, B, self.microbatches)
             self._fwd = pipelined_forward(self.am, mesh, self.strategy, exe, self.microbatches)
         else:
-            self._fwd = plain_forward(self.am, mesh, self.strategy, exe)
+            self._fwd = plain_forward(self.am, mesh, self.strategy, exe,
+                                      self.context and self.context.attention_hook())
         if B % self.sizes["data"]:
             raise InferenceError(f"max_batch={B} decode slots must divide over "
                                  f"data={self.sizes['data']}; choose a multiple")
-        self.cache_sharding = self._cache_sharding(B)
-        self.cache = self._zeros_cache(B, ecfg.max_len)
+        _, self.cache_sharding = self._cache_layout(B)
+        self.cache = self._zeros_cache(B)
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(6,))
@@ -131,12 +151,12 @@ class Engine:
         return cls(cfg, params, mesh, strategy, **kw)
 
     # ---- placement -------------------------------------------------------------------------
-    def _cache_sharding(self, batch: int) -> NamedSharding:
-        return kv_cache_sharding(self.cfg, self.mesh, self.strategy, batch, self.ecfg.max_len)
+    def _cache_layout(self, batch: int, length: Optional[int] = None):
+        return kv_cache_layout(self.cfg, self.mesh, self.strategy, batch,
+                               length or self.ecfg.max_len)
 
-    def _zeros_cache(self, batch: int, length: int):
-        shape = cache_shape(self.cfg, batch, length)
-        sh = self._cache_sharding(batch)
+    def _zeros_cache(self, batch: int):
+        shape, sh = self._cache_layout(batch)
         make = jax.jit(lambda: {"k": jnp.zeros(shape, CACHE_DTYPE),
                                 "v": jnp.zeros(shape, CACHE_DTYPE)},
                        out_shardings={"k": sh, "v": sh})
@@ -155,13 +175,21 @@ class Engine:
 
     def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
         b, T = tokens_bT.shape
-        shape = cache_shape(self.cfg, b, T)
-        tmp = {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}
-        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
-        logits_bTV, tmp = self._fwd(params, tokens_bT, positions, tmp)
-        last_bV = jnp.take_along_axis(logits_bTV, (lengths_b - 1)[:, None, None], axis=1)[:, 0]
+        shape, sh = self._cache_layout(b, T)   # the prompt's scratch cache
+        tmp = jax.lax.with_sharding_constraint(
+            {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}, sh)
+        # The position of each token as it enters: in order, or striped over `context`.
+        order = np.arange(T) if self.context is None else self.context.order(T)
+        index = jnp.asarray(np.argsort(order), jnp.int32)   # where each position sits
+        positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, T))
+        logits_bTV, tmp = self._fwd(params, jnp.take(tokens_bT, order, axis=1), positions, tmp)
+        last_b = index[lengths_b - 1]
+        last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
         tok = sample(last_bV, rule, seeds_b, lengths_b)
-        cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
+        if self.context is None:
+            cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
+        else:
+            cache = self.context.write_prompt(cache, tmp, slots_b)
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 
@@ -212,7 +240,8 @@ class Engine:
         return out
 
     def _bucket(self, n_tokens: int) -> int:
-        return next(b for b in self.ecfg.buckets() if b >= n_tokens)
+        T = next(b for b in self.ecfg.buckets() if b >= n_tokens)
+        return T if self.context is None else self.context.length(T)   # splits over context
 
     def _prefill_batches(self) -> tuple[int, int]:
         """The two prefill batch buckets: one row per data shard (and micro-batch), or all."""

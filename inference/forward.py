@@ -12,12 +12,13 @@ the first stage, the head on the last, activations move by ``ppermute``.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from flax import nnx
 from jax.sharding import Mesh
 
 from triax.mesh.build import mesh_sizes
+from triax.models.decode import CacheAttentionFn, using_cache_attention
 from triax.models.layers import ExecConfig
 from triax.pipeline.runner import Pipeline, PipelineConfig, unpipelinable_reason
 from triax.pipeline.schedules import ScheduleKind
@@ -25,11 +26,12 @@ from triax.sharding.partition import AbstractModel, activation_sharding
 from triax.sharding.rules import ShardingError, Strategy
 
 
-def plain_forward(am: AbstractModel, mesh: Mesh, strategy: Strategy,
-                  exe: ExecConfig) -> Callable:
-    """One SPMD program; XLA inserts the tensor-parallel collectives."""
+def plain_forward(am: AbstractModel, mesh: Mesh, strategy: Strategy, exe: ExecConfig,
+                  cache_attention: Optional[CacheAttentionFn] = None) -> Callable:
+    """One SPMD program; XLA inserts the tensor-parallel collectives. ``cache_attention``
+    replaces the model's cached attention (``triax.sharding.context_cache``'s hook)."""
     def fwd(params, tokens_BT, positions_BT, cache):
-        with activation_sharding(mesh, strategy):
+        with activation_sharding(mesh, strategy), using_cache_attention(cache_attention):
             logits_BTV, _, cache = nnx.merge(am.graphdef, params)(tokens_BT, positions_BT,
                                                                   exe=exe, cache=cache)
         return logits_BTV, cache

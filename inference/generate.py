@@ -8,6 +8,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Mapping, Optional, Sequence
 
@@ -20,6 +21,7 @@ from triax.inference.server import Server, replica_meshes
 from triax.text.byte_tokenizer import ByteTokenizer
 from triax.mesh import mesh_sizes as sizes_of
 from triax.models import config as model_config
+from triax.sharding.context import check_scheme
 from triax.sharding.rules import get_strategy
 from triax.text.tokenizer import Tokenizer
 from triax.training.memory_check import check_fits, planner_suggestion
@@ -43,12 +45,17 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
                  sampling: SamplingConfig = SamplingConfig(), longest: int = 64,
                  max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
                  num_layers: Optional[int] = None, devices=None,
-                 model_dir: Optional[str] = None, check_memory: bool = True) -> Server:
+                 model_dir: Optional[str] = None, check_memory: bool = True,
+                 context_attention: str = "all-gather") -> Server:
     """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
     come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
     preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
-    weights and KV cache are checked against a device's memory before anything loads."""
+    weights and KV cache are checked against a device's memory before anything loads.
+    ``context_attention``: the prefill's attention across a ``context`` axis (all-gather or
+    ring; docs/long_context.md)."""
     mesh_sizes = dict(mesh_sizes or {})
+    strategy = dataclasses.replace(get_strategy(strategy),
+                                   context_attention=check_scheme(context_attention))
     meshes = replica_meshes(mesh_sizes, replicas, devices)
     if model_dir is not None and (checkpoint or model):
         raise InferenceError("give one of --model-dir, --checkpoint, --model")

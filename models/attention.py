@@ -8,7 +8,8 @@ segment array for both sides; decode against a KV cache uses the queries' cache 
 and the slot indices. No ``[B, T, S]`` mask exists until an implementation asks for one
 (:meth:`Visibility.mask`, for any block of queries and keys).
 
-**Online softmax** (:func:`empty_partial`, :func:`accumulate`, :func:`finish`): attention
+**Online softmax** (:func:`empty_partial`, :func:`accumulate`, :func:`finish`; partials over
+disjoint keys combine by :func:`merge`, or across devices by :func:`combine`): attention
 over keys seen one block at a time, carrying an unnormalised output with the running max
 and sum of every query row, so a kernel never holds more than one block's scores. Blockwise
 attention scans these over key blocks; ring attention (context parallelism) applies them to
@@ -152,13 +153,22 @@ def accumulate(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility) -> Partia
     return Partial(o_BTNH, m_BNT, l_BNT)
 
 
+def combine(parts: Partial, reduce_max: Callable, reduce_sum: Callable) -> Partial:
+    """Partials over disjoint key sets combined into one over their union; the sets lie
+    along whatever ``reduce_max``/``reduce_sum`` reduce: a stacked leading axis
+    (:func:`merge`), or a mesh axis (``lax.pmax``/``lax.psum``, one set per device)."""
+    m_BNT = reduce_max(parts.m_BNT)
+    c_BNT = jnp.exp(parts.m_BNT - m_BNT)   # each set rescaled to the common max
+    o_BTNH = reduce_sum(parts.o_BTNH * jnp.swapaxes(c_BNT, -1, -2)[..., None])
+    return Partial(o_BTNH, m_BNT, reduce_sum(parts.l_BNT * c_BNT))
+
+
 def merge(a: Partial, b: Partial) -> Partial:
     """Two partials over disjoint key sets combined into one over their union."""
-    m_BNT = jnp.maximum(a.m_BNT, b.m_BNT)
-    ca_BNT, cb_BNT = jnp.exp(a.m_BNT - m_BNT), jnp.exp(b.m_BNT - m_BNT)
-    o_BTNH = (a.o_BTNH * ca_BNT.transpose(0, 2, 1)[..., None]
-              + b.o_BTNH * cb_BNT.transpose(0, 2, 1)[..., None])
-    return Partial(o_BTNH, m_BNT, a.l_BNT * ca_BNT + b.l_BNT * cb_BNT)
+    both = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
+    out = combine(both, lambda x: x.max(axis=0, keepdims=True),
+                  lambda x: x.sum(axis=0, keepdims=True))
+    return jax.tree.map(lambda x: x[0], out)
 
 
 def finish(part: Partial, dtype) -> jax.Array:

@@ -9,8 +9,16 @@ are independent, so a batch mixes prompts of different lengths (and, in serving,
 different steps).
 
 Slots after a row's current position may hold stale values from padding or an earlier
-request; the cache's visibility (``models.attention.Visibility.cache``) hides them, and they are overwritten before any query can see them
-(a position is always written in the same call that first attends to it).
+request; the cache's visibility (``models.attention.Visibility.cache``) hides them, and they
+are overwritten before any query can see them (a position is always written in the same call
+that first attends to it).
+
+**Hook** (:func:`cached_attention`): writing a layer's new keys/values and attending over
+its cache is one step that a parallelism may replace while tracing
+(:func:`using_cache_attention`), as ``models.attention.using_attention`` replaces attention:
+context parallelism keeps the cache split along its positions
+(``triax.sharding.context_cache``), which places entries and combines per-slice results its
+own way. The model never names a mesh.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -24,9 +32,14 @@ request; the cache's visibility (``models.attention.Visibility.cache``) hides th
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 
+from triax.models.attention import Visibility, attention
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
 
@@ -56,3 +69,33 @@ def write_layer(layer_cache: Cache, k_BTKH, v_BTKH, positions_BT) -> Cache:
     start_B = positions_BT[:, 0]
     return {"k": constrain(write_rows(layer_cache["k"], k_BTKH, start_B), CACHE_AXES[1:]),
             "v": constrain(write_rows(layer_cache["v"], v_BTKH, start_B), CACHE_AXES[1:])}
+
+
+# (q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation) -> (o_BTNH, layer_cache)
+CacheAttentionFn = Callable[..., tuple[jax.Array, Cache]]
+_HOOK: contextvars.ContextVar[Optional[CacheAttentionFn]] = contextvars.ContextVar(
+    "triax_cache_attention", default=None)
+
+
+def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: Cache, positions_BT,
+                     implementation: str = "reference"):
+    """``(o_BTNH, layer_cache)``: the ``T`` new keys/values written at ``positions_BT``, then
+    the queries attend over every cache slot at or before their position; or whatever the
+    installed hook does with the same arguments."""
+    hook = _HOOK.get()
+    if hook is not None:
+        return hook(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation)
+    layer_cache = write_layer(layer_cache, k_BTKH, v_BTKH, positions_BT)
+    k_BSKH, v_BSKH = (layer_cache[n].astype(q_BTNH.dtype) for n in ("k", "v"))
+    vis = Visibility.cache(positions_BT, k_BSKH.shape[1])
+    return attention(q_BTNH, k_BSKH, v_BSKH, vis, implementation), layer_cache
+
+
+@contextlib.contextmanager
+def using_cache_attention(fn: Optional[CacheAttentionFn]):
+    """Route every :func:`cached_attention` call through ``fn`` while the context is open."""
+    token = _HOOK.set(fn)
+    try:
+        yield
+    finally:
+        _HOOK.reset(token)

@@ -17,7 +17,7 @@ from flax import nnx
 from triax.models.attention import Visibility, attention
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig, RopeScaling
-from triax.models.decode import Cache, write_layer
+from triax.models.decode import Cache, cached_attention
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,9 @@ class Attention(nnx.Module):
         (``vis`` is ignored)."""
         q, k, v = self.project_qkv(x_BTD, positions_BT, exe.dtype)
         if cache is not None:
-            cache = write_layer(cache, k, v, positions_BT)
-            k, v = cache["k"].astype(exe.dtype), cache["v"].astype(exe.dtype)
-            vis = Visibility.cache(positions_BT, k.shape[1])
-        elif vis is None:
+            o, cache = cached_attention(q, k, v, cache, positions_BT, exe.attention)
+            return self.output(o, exe.dtype), cache
+        if vis is None:
             vis = Visibility.causal(*x_BTD.shape[:2])
         return self.output(attention(q, k, v, vis, exe.attention), exe.dtype), cache
 

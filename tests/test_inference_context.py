@@ -1,0 +1,186 @@
+"""Generation with the KV cache split over ``context`` (``triax.sharding.context_cache``):
+tokens and logits equal one device's and the no-cache reference's, for both prefill schemes;
+the compiled prefill attends across the split prompt by its scheme and gathers no
+activation; the compiled decode moves only per-slice attention partials over ``context``;
+the cache per device is 1/C of the whole; ``triax generate --mesh context=2,tensor=4``."""
+import dataclasses
+import importlib
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from triax.cli.main import main
+from triax.inference.engine import Engine, EngineConfig, held_bytes_per_device
+from triax.inference.reference import greedy_reference
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.sharding.introspect.hlo import collectives_from_compiled
+from triax.sharding.partition import abstract_model, init_params
+from triax.sharding.rules import get_strategy
+
+CFG = config.TINY.replace(num_layers=1)
+# The longest prompt (26 tokens) takes the top bucket, max_len=30: 15 tokens per rank on
+# context=2; on context=4 the bucket and the cache round up to 32 (8 tokens per rank, padded).
+PROMPTS = [[72, 101, 108, 108, 111], [7] * 12 + [3, 9], [200, 1, 2], list(range(40, 66))]
+NEW = 5
+ECFG = EngineConfig(max_batch=4, max_len=30, min_bucket=6)
+LAYOUTS = {"context2_tensor4": {"context": 2, "tensor": 4},
+           "context4_data2": {"context": 4, "data": 2}}
+CASES = [(layout, scheme) for layout in LAYOUTS for scheme in ("all-gather", "ring")]
+F32 = 4
+
+
+@pytest.fixture(scope="module")
+def params(devices):
+    return jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
+                                      "tp", seed=0))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return greedy_reference(CFG, params, PROMPTS, NEW)
+
+
+@pytest.fixture(scope="module")
+def one_device(params, reference, devices):
+    eng = Engine(CFG, params, make_mesh(devices=devices[:1]), "tp", ECFG)
+    return run(eng, reference)
+
+
+def run(eng, reference, n=len(PROMPTS)):
+    """Greedy tokens and logits of the first ``n`` prompts, decoding the reference's tokens."""
+    ref_tokens = reference[0]
+    tokens = [np.asarray(eng.prefill(range(n), [np.array(p) for p in PROMPTS[:n]], [0] * n))]
+    logits = [np.asarray(eng.last_logits)]
+    for t in range(1, NEW):
+        tokens.append(np.asarray(eng.decode(np.array([r[t - 1] for r in ref_tokens[:n]]),
+                                            np.ones(n, bool), np.zeros(n))))
+        logits.append(np.asarray(eng.last_logits))
+    return np.stack(tokens, 1), np.stack(logits, 1)
+
+
+@pytest.fixture(scope="module")
+def engines(params):
+    out = {}
+    for layout, scheme in CASES:
+        st = dataclasses.replace(get_strategy("tp"), context_attention=scheme)
+        out[layout, scheme] = Engine(CFG, params, make_mesh(**LAYOUTS[layout]), st, ECFG)
+    return out
+
+
+@pytest.mark.parametrize("layout,scheme", CASES)
+def test_tokens_and_logits_match_one_device_and_reference(layout, scheme, engines, reference,
+                                                          one_device):
+    eng = engines[layout, scheme]
+    assert eng.context is not None and eng.context.size == LAYOUTS[layout]["context"]
+    tokens, logits = run(eng, reference)
+    assert tokens.tolist() == reference[0] == one_device[0].tolist()
+    np.testing.assert_allclose(logits, reference[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits, one_device[1], rtol=1e-5, atol=1e-5)
+
+
+def test_one_decode_row_per_data_shard(params, reference):
+    """Two slots on data=2: the blocks inside the decode's shard_map hold one row each."""
+    eng = Engine(CFG, params, make_mesh(context=4, data=2), "tp",
+                 dataclasses.replace(ECFG, max_batch=2))
+    tokens, logits = run(eng, reference, n=2)   # rows are independent: the first two's
+    assert tokens.tolist() == reference[0][:2]
+    np.testing.assert_allclose(logits, reference[1][:2], rtol=1e-5, atol=1e-5)
+
+
+def shapes(eng):
+    """Per-device figures of ``eng``'s mesh: context size, data size, the prefill bucket of
+    PROMPTS, rows per data shard, KV heads and query heads per device."""
+    sizes = dict(eng.mesh.shape)
+    C, data, tensor = sizes["context"], sizes["data"], sizes["tensor"]
+    T = eng._bucket(max(len(p) for p in PROMPTS))
+    # KV heads split over tensor only where they divide (tiny's 2 stay whole on tensor=4)
+    kv = CFG.num_kv_heads // tensor if CFG.num_kv_heads % tensor == 0 else CFG.num_kv_heads
+    return C, data, T, ECFG.max_batch // data, kv, CFG.num_heads // tensor
+
+
+def over_context(compiled, eng):
+    return [c for c in collectives_from_compiled(compiled, eng.mesh) if "context" in c.axes]
+
+
+def prefill_compiled(eng, T):
+    b = ECFG.max_batch
+    args = (eng.params, eng.cache, np.zeros((b, T), np.int32), np.ones(b, np.int32),
+            np.zeros(b, np.int32), np.zeros(b, np.int32), eng._rule())
+    return eng._prefill_jit.lower(*args).compile()
+
+
+@pytest.mark.parametrize("layout,scheme", CASES)
+def test_prefill_attends_across_the_split_prompt_and_gathers_no_activation(layout, scheme,
+                                                                           engines):
+    eng = engines[layout, scheme]
+    C, data, T, rows, kv, heads = shapes(eng)
+    coll = over_context(prefill_compiled(eng, T), eng)
+    kv_whole = rows * T * kv * CFG.head_dim * F32        # one layer's K (or V), gathered
+    kv_block = kv_whole // C                              # the block one rank holds
+    if scheme == "all-gather":
+        gathers = [c for c in coll if c.kind == "all-gather"]
+        # K and V of the one layer, gathered once each (their int32 orders are smaller)
+        assert sum(c.count for c in gathers if c.bytes_per_device == kv_whole) == 2, coll
+        assert all(c.bytes_per_device <= kv_whole for c in gathers), coll
+        assert not [c for c in coll if c.kind == "collective-permute"], coll
+    else:
+        permutes = [c for c in coll if c.kind == "collective-permute"]
+        assert all(c.axes == ("context",) for c in permutes), permutes
+        # K and V blocks passed on C-1 times (XLA may split their KV heads over tensor
+        # further), beside the blocks' int32 orders [rows, T/C]
+        kv_moves = [c for c in permutes if c.bytes_per_device > rows * (T // C) * 4]
+        assert sum(c.count for c in kv_moves) == 2 * (C - 1), permutes
+        assert all(c.bytes_per_device <= kv_block for c in kv_moves), permutes
+        assert not [c for c in coll if c.kind == "all-gather"], coll
+    # Nothing else crosses `context` but the first sampled token's logits (vocab over tensor).
+    others = [c for c in coll if c.kind not in ("all-gather", "collective-permute")]
+    assert all(c.kind == "all-reduce" and c.bytes_per_device <= rows * CFG.vocab_size * F32
+               for c in others), others
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engines):
+    eng = engines[layout, "all-gather"]
+    C, data, T, rows, kv, heads = shapes(eng)
+    B = ECFG.max_batch
+    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
+    compiled = eng._decode_jit.lower(*args).compile()
+    # Over `context`: each rank's partial for the one query, o [B, 1, N, H] with its row max
+    # and sum [B, N, 1], reduced (pmax, psum), per layer; and no other collective at all.
+    coll = over_context(compiled, eng)
+    partial = rows * heads * (CFG.head_dim + 2) * F32
+    assert all(c.kind == "all-reduce" for c in coll), coll
+    assert sum(c.bytes_per_device * c.count for c in coll) == partial * CFG.num_layers, coll
+    # The cache per device: 1/C of its positions (and 1/data of its rows), donated in place.
+    S = eng.cache["k"].shape[2]
+    assert S == -(-ECFG.max_len // C) * C   # the cache length rounds up to a multiple of C
+    whole = 2 * CFG.num_layers * B * S * CFG.num_kv_heads * CFG.head_dim * F32
+    per_device = whole * kv // CFG.num_kv_heads // (C * data)
+    assert eng.cache_bytes_per_device() == per_device
+    assert compiled.memory_analysis().alias_size_in_bytes == per_device
+    assert held_bytes_per_device(CFG, eng.mesh, eng.strategy, ECFG)["KV cache"] == per_device
+    # No collective on any axis moves the cache (a slice's worth of k or v, or more).
+    assert all(c.bytes_per_device < per_device // 2
+               for c in collectives_from_compiled(compiled, eng.mesh)), compiled
+
+
+def test_cli_generate_context2_tensor4_gives_the_reference_tokens(capsys, monkeypatch, params):
+    """``triax generate --mesh context=2,tensor=4``: the tokens of ``--mesh tensor=8`` (which
+    equal the no-cache reference, tests/test_inference_generate.py), checked against the
+    reference itself to save a second CLI run."""
+    gen = importlib.import_module("triax.inference.generate")   # the package's `generate`
+    servers = []                                                 # is the function
+    real = gen.generate
+    monkeypatch.setattr(gen, "generate", lambda server, *a, **k: (servers.append(server),
+                                                                   real(server, *a, **k))[1])
+    prompt = "A prompt long enough to split over the context ranks."
+    assert main(["generate", "--model", "tiny", "--num-layers", "1", "--seed", "0",
+                 "--slots", "1", "--prompt", prompt, "--max-new-tokens", "4", "--json",
+                 "--mesh", "context=2,tensor=4", "--context-attention", "ring"]) == 0
+    got = [r["tokens"] for r in json.loads(capsys.readouterr().out)["results"]]
+    assert got == greedy_reference(CFG, params, [gen.TOKENIZER.encode(prompt)], 4)[0]
+    eng = servers[-1].engines[0]
+    assert eng.context is not None and eng.strategy.context_attention == "ring"
