@@ -40,7 +40,8 @@ from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.split_backward import StageBackward
-from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
+from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
+                                  missing_protocol)
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.experts import expert_parallel_size
@@ -76,8 +77,18 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
 
     Shapes are the stage's view inside ``shard_map``: whole over ``tensor`` (that axis stays
     automatic; XLA may split some residuals over it, so this is an upper bound there).
+
+    ``loop``: what an op materialises besides the buffers when the chunk's layers run as a
+    loop (more than one layer per chunk; XLA inlines a one-trip loop): the loop's stacked
+    residuals for one micro-batch, which F's loop emits before they are written into the
+    slot and B's loop takes as inputs sliced out of it.
     """
-    return dict(_buffer_bytes(cfg, stages, config, exe, rows, seq_len))
+    out = dict(_buffer_bytes(cfg, stages, config, exe, rows, seq_len))
+    schedule = config.build(stages)
+    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
+    out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
+        if per_chunk > 1 and schedule.has_backward else 0
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -110,6 +121,28 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     with using_constraint(None):
         sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
     return sb.shapes, sb.cut_shapes, x
+
+
+@functools.lru_cache(maxsize=64)
+def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                         seq_len: int) -> int:
+    """Bytes of the residuals one chunk's layer loop (``run_blocks``' scan) stacks for one
+    micro-batch: the stash's share that the loop itself emits (the embedding's and the
+    head's residuals come from the stage's conditionals, outside it). Traced abstractly."""
+    am = abstract_model(cfg)
+    sd = jax.ShapeDtypeStruct
+    chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
+    pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
+    stage = Stage(am.graphdef, exe, "loss")
+    tokens = sd((rows, seq_len), jnp.int32)
+    x = sd(stage.activation(chunk, pieces, {"tokens": tokens}).shape, exe.dtype)
+
+    def blocks(chunk, pieces, x, extras):
+        y, aux, _ = stage.model(chunk, pieces).run_blocks(x, exe=exe)
+        return y, aux
+    with using_constraint(None):
+        shapes = Residuals.trace(blocks, chunk, pieces, x, ()).shapes
+    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in shapes)
 
 
 @dataclass(frozen=True)
