@@ -29,7 +29,7 @@ from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
 from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
-from triax.pipeline.stage_layers import pipeline_strategy
+from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.sharding.rules import Rules, get_strategy
 from triax.training.config import PRECISIONS
 
@@ -200,15 +200,17 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
 def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     """The pipeline executor's activation buffers on one stage, asked of the executor
     (``pipeline.runner.activation_buffer_bytes``: the schedule's slot counts × the traced
-    residual shapes, nothing allocated). The residuals are traced whole over ``tensor``; XLA
-    splits them over it as it splits the layer's weights, so they are divided by ``tensor``
-    (the activations passed between stages are not split)."""
+    residual shapes, nothing allocated), and the residual set an op's layer loop
+    materialises beside them when a chunk holds several layers (``loop``). The residuals are
+    traced whole over ``tensor``; XLA splits them over it as it splits the layer's weights,
+    so they are divided by ``tensor`` (the activations passed between stages are not
+    split)."""
     sched = lay.schedule or ScheduleKind.ONE_F_ONE_B
     config = PipelineConfig(sched.value, lay.microbatches, lay.virtual)
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
     buf = _buffers(w.cfg, lay.pipe, config, exe, rows, w.seq)
-    return buf["stash"] / lay.tensor + buf["inbox"]
+    return (buf["stash"] + buf["loop"]) / lay.tensor + buf["inbox"]
 
 
 @functools.lru_cache(maxsize=64)
@@ -245,9 +247,10 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         # triax trains fp32 parameters; under mixed precision they *are* the fp32 master
         # weights and each block is cast to bf16/fp16 as it runs (block_weights below).
         # Gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them), plus
-        # one block's gradient before its reduction. AdamW: mu and nu in fp32.
+        # one block's gradient before its reduction (a pipeline's B: its chunk's). AdamW: mu
+        # and nu in fp32.
         params = p_local * FP32
-        grads = o_local * FP32 + _block_grad_elements(w, lay) * FP32
+        grads = o_local * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
     else:
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
@@ -279,6 +282,16 @@ def _block_grad_elements(w: Workload, lay: Layout) -> int:
     rules = layout_rules(w, lay.unsharded_over_data())
     return sum(local_elements(s[1:], l[1:], rules, lay.sizes)   # one layer of the stack
                for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
+
+
+def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
+    """The gradient a backward produces before adding it up: one block's (the layer scan's
+    iteration), or with a pipeline B's whole chunk's (its layer loop emits the chunk's
+    stacked gradients, which the executor then adds into the stage's accumulator)."""
+    blocks = 1
+    if lay.pipe > 1 and w.cfg is not None:
+        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual).per_chunk
+    return blocks * _block_grad_elements(w, lay)
 
 
 def min_devices_for_weights(w: Workload, device_memory: float) -> int:
