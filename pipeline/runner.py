@@ -38,6 +38,7 @@ from triax.pipeline.executor import (DATA, PIPE, StepSpec, branch_kinds, buffer_
                                      loss_only, run_ticks)
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
+from triax.pipeline.jaxpr_split import reads
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
 from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.stage import (ProtocolStage, Residuals, Stage, loss_weight,
@@ -128,7 +129,8 @@ def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows
                          seq_len: int) -> int:
     """Bytes of the residuals one chunk's layer loop (``run_blocks``' scan) stacks for one
     micro-batch: the stash's share that the loop itself emits (the embedding's and the
-    head's residuals come from the stage's conditionals, outside it). Traced abstractly."""
+    head's residuals come from the stage's conditionals, outside it), those its pullback
+    reads (XLA drops the rest from the loop). Traced abstractly."""
     am = abstract_model(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
@@ -141,8 +143,12 @@ def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows
         y, aux, _ = stage.model(chunk, pieces).run_blocks(x, exe=exe)
         return y, aux
     with using_constraint(None):
-        shapes = Residuals.trace(blocks, chunk, pieces, x, ()).shapes
-    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize for s in shapes)
+        res = Residuals.trace(blocks, chunk, pieces, x, ())
+        cts = jax.eval_shape(blocks, chunk, pieces, x, ())
+        read = reads(lambda stored, c, p, ct: res.pullback(stored, c, p)(ct),
+                     list(res.shapes), chunk, pieces, cts)
+    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
+               for s, r in zip(res.shapes, read) if r)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax._src.interpreters import partial_eval as pe  # dead-code rules per primitive
 
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
@@ -34,6 +33,7 @@ from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
+from triax.pipeline.jaxpr_split import reads
 from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.sharding.experts import varying_weight_axes
@@ -205,9 +205,7 @@ def moe_residual_elements(cfg: ModelConfig, seq: int, tensor: int, remat: str) -
         info["cts"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
         return leaves
     leaves = jax.eval_shape(residuals, state, x)
-    closed = jax.make_jaxpr(lambda ls, ct: jax.tree.unflatten(info["tree"], ls)(ct))(
-        leaves, info["cts"])
-    _, read = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    read = reads(lambda ls, ct: jax.tree.unflatten(info["tree"], ls)(ct), leaves, info["cts"])
     return sum(math.prod(a.shape) for a, kept, r in zip(leaves, info["stored"], read)
                if kept and r) / seq
 
