@@ -152,10 +152,12 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
     if not res.fitting:
         raise ValueError(_nothing_fits(w, cluster, res))
     ranked = _apply_rules(w, cluster, res.fitting, why)
-    for reason in sorted({r for _, r in res.not_runnable}):
-        meshes = [lay.mesh_str for lay, r in res.not_runnable if r == reason]
-        why.append(f"Not runnable, so not ranked ({len(meshes)} mesh"
-                   f"{'es' if len(meshes) > 1 else ''}, e.g. {meshes[0]}): {reason}.")
+    for what, plans in (("Not runnable, so not ranked", res.not_runnable),
+                        ("Not searched", res.not_searched)):
+        for reason in sorted({r for _, r in plans}):
+            these = [lay.describe() for lay, r in plans if r == reason]
+            why.append(f"{what} ({len(these)} plan{'s' if len(these) > 1 else ''}, e.g. "
+                       f"{these[0]}): {reason}.")
     best = ranked[0]
     why.append(f"Searched {res.considered} plans; {len(res.fitting)} fit. Best: "
                f"{best.layout.describe()}"

@@ -1,13 +1,15 @@
 """The planner's decision rules, its CLI contract and its errors (no step compiles but the
 planner's own op-cost probe, once per process: planner.op_costs)."""
 import json
+import re
 
 import pytest
 
 from triax.cli.main import main
+from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline import ScheduleKind, build
-from triax.pipeline.runner import unpipelinable_reason
+from triax.pipeline import ScheduleError, ScheduleKind, build
+from triax.pipeline.runner import Pipeline, PipelineConfig, unpipelinable_reason
 from triax.planner import hardware
 from triax.planner.decide import plan
 from triax.planner.memory import estimate, min_devices_for_weights
@@ -171,3 +173,28 @@ def test_zb_v_is_searched_where_the_executor_runs_it():
     for S, M in ((2, 4), (4, 8), (4, 32)):
         assert peak_in_flight(ScheduleKind.ZB_V, S, M, 2) == \
             peak_in_flight(ScheduleKind.ONE_F_ONE_B, S, M) == S
+
+
+def test_searched_plans_are_what_the_executor_builds(devices):
+    """Every pipelined plan the search yields passes the executor's own checks (its schedule
+    table, the micro-batch split over data and expert; nothing is compiled); what the
+    generators refuse is listed as not runnable with their reason, never ranked."""
+    w = Workload.of(config.get("tiny-moe", num_layers=4), train=True, batch=12, seq=32)
+    cluster = hardware.cluster("h100-80gb", 8, 1)
+    refused, skipped = [], []
+    plans = {(lay.sizes["data"], lay.pipe, lay.expert, lay.tensor, lay.schedule,
+              lay.microbatches, lay.virtual) for lay in layouts(w, cluster, refused, skipped)
+             if lay.pipe > 1}
+    assert plans and refused and skipped
+    for data, pipe, expert, tensor, kind, m, v in sorted(plans, key=str):
+        pp = Pipeline(w.cfg, make_mesh(data=data, pipe=pipe, expert=expert, tensor=tensor),
+                      "dp", PipelineConfig(kind.value, m, v))
+        assert pp.schedule.microbatches == m
+        pp._check_batch(w.batch, m)           # raises what the executor would raise
+    for lay, why in refused:
+        with pytest.raises(ScheduleError, match=re.escape(why)):
+            PipelineConfig(lay.schedule.value, lay.microbatches, lay.virtual).build(lay.pipe)
+    rec = plan(w, cluster, top=50)
+    assert any(r.startswith("Not runnable, so not ranked") for r in rec.reasoning)
+    ranked = {(p.layout.pipe, p.layout.schedule, p.layout.microbatches) for p in rec.plans}
+    assert not ranked & {(lay.pipe, lay.schedule, lay.microbatches) for lay, _ in refused}
