@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from triax.pipeline import ScheduleKind, chunks_per_stage
-from triax.pipeline.runner import unpipelinable_reason
+from triax.pipeline.runner import unpipelinable_mesh_reason, unpipelinable_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.workload import Layout, Workload, divisors
-from triax.sharding.rules import ShardingError
+from triax.sharding.rules import ShardingError, get_strategy
 from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
 
 # Every schedule a training step can run (``training.config.TRAIN_SCHEDULES``).
@@ -106,6 +106,13 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
                     shards = Layout(d, t, p, e, st).batch_shards
                     if w.batch % shards:      # the batch must split evenly
                         continue
+                    if p > 1:
+                        why = unpipelinable_mesh_reason(w.cfg, Layout(d, t, p, e).sizes,
+                                                        get_strategy(st).rules)
+                        if why:
+                            if refused is not None:
+                                refused.append((Layout(d, t, p, e, st), why))
+                            continue
                     for kind, m, v, why in _schedules(w, p, w.batch // shards):
                         lay = Layout(d, t, p, e, st, kind, m, v)
                         if why is None:
