@@ -7,8 +7,11 @@ section (sizes in MiB, ``triax.units.mib``). Plans with 8 devices compile in thi
 others go through ``verify``'s subprocess with their own device count. The "fitted" column
 says which rows a planner constant was fitted on: none since the pipeline stash is derived
 from the executor (``pipeline.buffer_sizes.activation_buffer_bytes``) rather than fitted (the
-removed ``PIPELINE_STASH_FACTOR`` was fitted on the tiny 1F1B/GPipe rows). ``--new`` runs only the rows added for
-issue 12 (zb-h1, interleaved, remat=full, pipe × tensor).
+removed ``PIPELINE_STASH_FACTOR`` was fitted on the tiny 1F1B/GPipe rows); "derived on"
+marks the rows a term was derived on (``DERIVED_ON``: what the compiled program holds that
+the model missed), "check" the rows added to check those terms on (``CHECKS``). ``--new``
+runs only the rows added for issue 12 (zb-h1, interleaved, remat=full, pipe × tensor),
+``--checks`` only the check rows.
 """
 import os
 import sys
@@ -57,6 +60,35 @@ CASES = [
     ("tiny-moe", 2, 16, 32, dict(data=2, expert=2, tensor=2), "tp"),
     ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
 ] + NEW
+# Rows a planner term was derived on: what the compiled program holds there (its buffer
+# assignment's live set at the peak) that the model missed — the MoE layer's residuals and
+# its expert-weight copies, a pipelined op's layer loop; nothing fitted.
+DERIVED_ON = [
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=4), "dp"),
+    ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
+]
+# Rows added to check those terms on, nothing derived from them: other layers per stage,
+# micro-batch counts and schedules; MoE at another sequence, batch and expert degree.
+CHECKS = [
+    ("tiny", 12, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=4), "dp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=8), "dp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ZB_H1, microbatches=8), "dp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=8), "dp",
+     "full"),
+    ("tiny", 16, 16, 32, dict(data=2, pipe=4, schedule=INTERLEAVED, microbatches=8,
+                              virtual=2), "dp"),
+    ("tiny", 4, 16, 32, dict(data=2, pipe=2, tensor=2, schedule=ONE_F_ONE_B, microbatches=4),
+     "tp"),
+    ("small-moe", 2, 16, 128, dict(data=2, expert=4), "dp"),
+    ("small-moe", 2, 16, 64, dict(expert=8), "dp"),
+    ("small-moe", 2, 16, 64, dict(data=4, expert=2), "dp"),
+    ("tiny-moe", 2, 32, 64, dict(data=2, expert=4), "dp"),
+    ("tiny-moe", 4, 16, 32, dict(data=4, expert=2), "dp"),
+    ("tiny-moe", 2, 16, 32, dict(data=2, expert=4), "dp", "full"),
+    ("tiny-moe", 4, 16, 32, dict(data=2, pipe=2, expert=2, schedule=ONE_F_ONE_B,
+                                 microbatches=4), "dp"),
+]
+CASES += CHECKS
 
 
 def cell(pred: float, got: float) -> str:
@@ -67,12 +99,15 @@ def main():
     print("| model (layers) | B×T | plan | fitted | state pred/compiled MiB | peak "
           "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
     print("|---|---|---|---|---|---|---|")
-    for name, layers, B, T, sizes, strategy, *remat in (NEW if "--new" in sys.argv else CASES):
+    rows = NEW if "--new" in sys.argv else CHECKS if "--checks" in sys.argv else CASES
+    for row in rows:
+        name, layers, B, T, sizes, strategy, *remat = row
         w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
                         batch=B, seq=T, remat=remat[0] if remat else "none")
         sched = sizes.get("schedule")
         fitted = "yes" if not remat and (name, layers, sched and sched.value,
                                          sizes.get("microbatches")) in FITTED else "no"
+        fitted += ", derived on" if row in DERIVED_ON else ", check" if row in CHECKS else ""
         v = verify(w, Layout(**sizes, strategy=strategy))
         m = v["memory"]
         comm = "; ".join(f"{a} {cell(c['predicted'], c['compiled'])} "

@@ -87,6 +87,18 @@ def inline(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(fn)(*[_sds(a) for a in closed.in_avals])
 
 
+def reads(fn, *args) -> list[bool]:
+    """Per leaf of ``args`` (flattened, in order): whether ``fn``'s results depend on it, by
+    dead-code elimination of its jaxpr (what XLA does with a value nothing reads).
+
+    >>> reads(lambda a, b: a * 2, jnp.ones(3), jnp.ones(3))
+    [True, False]
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
+    return list(used)
+
+
 class Slot:
     """A cut value that is no variable of the jaxpr: a split scan's stacked per-iteration
     cut, or a split cond's cut slot."""

@@ -65,6 +65,26 @@ def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
     return None
 
 
+def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
+                              rules) -> Optional[str]:
+    """Why the executor cannot pipeline ``cfg`` on a mesh of ``sizes`` under ``rules`` (None
+    when it can): the one home of that fact, which ``Pipeline`` raises and the planner asks.
+
+    An MoE stack with its experts split over ``expert`` and the expert FFN over ``tensor``
+    makes XLA's SPMD partitioner abort the compile (``spmd_partitioner_util.cc`` "Check
+    failed: partition_group_list...", jax 0.10.2) on most such meshes, e.g. tiny-moe on
+    pipe=2 × expert=2 × tensor=2 with ``tp``: refused, with the way round, rather than
+    killing the process (``tests/test_planner_decide.py`` keeps a reproducer).
+    """
+    if cfg is None or cfg.moe is None or sizes.get(PIPE, 1) < 2:
+        return None
+    if rules.split_size("experts", sizes) > 1 and rules.split_size("expert_mlp", sizes) > 1:
+        return ("a pipelined MoE stack with experts split over 'expert' and the expert FFN "
+                "over 'tensor' aborts XLA's SPMD partitioner; split the experts over "
+                "'expert' without tensor parallelism (e.g. strategy dp), or drop pipe")
+    return None
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """Which schedule to run. ``microbatches=0`` means two per stage (``default_microbatches``)."""
@@ -102,6 +122,9 @@ class Pipeline:
         self.cfg, self.mesh, self.exe, self.config = am.cfg, mesh, exe, config
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
         self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
+        reason = unpipelinable_mesh_reason(am.cfg, sizes, self.strategy.rules)
+        if reason is not None:
+            raise ScheduleError(f"mesh {sizes}, strategy {self.strategy.name}: {reason}")
         self.schedule = config.build(self.stages)
         self.layout = StageLayers.of(num_layers, self.schedule)
         self.abstract = am

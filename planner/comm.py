@@ -72,8 +72,11 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
     if "pipe" in out:
         _pipe_axis(w, lay, out["pipe"], act, passes)
     if "expert" in out and w.cfg.moe is not None:
-        # Dispatch and combine move each sequence's whole capacity buffer: 2 per layer/pass.
-        out["expert"].add("all-to-all", _moe_buffer(w, lay), 2 * layers * passes)
+        # Dispatch and combine move each sequence's whole capacity buffer: 2 per layer/pass,
+        # and 2 more in a rematerialised layer's recomputed forward (no remat policy saves
+        # an all-to-all's output).
+        recomputed = 1 if w.train and w.remat != "none" else 0
+        out["expert"].add("all-to-all", _moe_buffer(w, lay), 2 * layers * (passes + recomputed))
     return out
 
 

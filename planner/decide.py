@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from triax.pipeline import ScheduleKind
-from triax.pipeline.runner import default_microbatches, unpipelinable_reason
+from triax.pipeline.runner import (default_microbatches, unpipelinable_mesh_reason,
+                                   unpipelinable_reason)
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
@@ -152,10 +153,12 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
     if not res.fitting:
         raise ValueError(_nothing_fits(w, cluster, res))
     ranked = _apply_rules(w, cluster, res.fitting, why)
-    for reason in sorted({r for _, r in res.not_runnable}):
-        meshes = [lay.mesh_str for lay, r in res.not_runnable if r == reason]
-        why.append(f"Not runnable, so not ranked ({len(meshes)} mesh"
-                   f"{'es' if len(meshes) > 1 else ''}, e.g. {meshes[0]}): {reason}.")
+    for what, plans in (("Not runnable, so not ranked", res.not_runnable),
+                        ("Not searched", res.not_searched)):
+        for reason in sorted({r for _, r in plans}):
+            these = [lay.describe() for lay, r in plans if r == reason]
+            why.append(f"{what} ({len(these)} plan{'s' if len(these) > 1 else ''}, e.g. "
+                       f"{these[0]}): {reason}.")
     best = ranked[0]
     why.append(f"Searched {res.considered} plans; {len(res.fitting)} fit. Best: "
                f"{best.layout.describe()}"
@@ -218,9 +221,11 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
 def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
     """pipe > 1: 1F1B (forward-only for inference) and the pipeline's default micro-batch
     count (capped at the local batch) unless given; check M."""
-    reason = w.cfg is not None and unpipelinable_reason(w.cfg)
+    reason = w.cfg is not None and (
+        unpipelinable_reason(w.cfg) or unpipelinable_mesh_reason(
+            w.cfg, layout.sizes, get_strategy(layout.strategy).rules))
     if reason:
-        raise ValueError(f"--mesh pipe={layout.pipe}: {reason}")
+        raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy}: {reason}")
     local = max(w.batch // layout.batch_shards, 1)
     if layout.schedule is None:
         kind = ScheduleKind.ONE_F_ONE_B if w.train else ScheduleKind.FORWARD_ONLY

@@ -15,22 +15,29 @@ whole count over the axes that would hold it.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.models.moe import capacity
+from triax.models.moe import MoE
+from triax.models.transformer import REMAT_POLICIES
 from triax.planner.pipeline_math import peak_in_flight
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
+from triax.pipeline.jaxpr_split import reads
 from triax.pipeline.runner import PipelineConfig
-from triax.pipeline.stage_layers import pipeline_strategy
+from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
+from triax.sharding.experts import varying_weight_axes
 from triax.sharding.rules import Rules, get_strategy
 from triax.training.config import PRECISIONS
 
@@ -140,9 +147,9 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
     GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
     gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
-    MoE: the per-sequence capacity buffers, E·C/T slots per token of D in and out and 4·F_e
-    inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
+    MoE: SwiGLU's term is replaced by what ``models.moe`` keeps, traced, not a coefficient
+    (:func:`moe_residual_elements`).
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
     ``residual_split`` (``residual_split(rules, sizes)``: the tensor degree under sequence
     parallelism, else 1) divides the residual stream's terms: the two residuals, the
@@ -158,17 +165,65 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     if cfg.moe is None:
         f = cfg.mlp_dim / tensor
         ffn, ffn_dots = 5 * f, 3 * f
-    else:   # per-sequence capacity buffers: E·C slots of D in, F wide inside, D out
-        moe = cfg.moe
-        slots = moe.num_experts * capacity(moe, seq) / seq
-        fe = (moe.mlp_dim or cfg.mlp_dim) / tensor
-        ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
-        ffn_dots = slots * (D + 3 * fe) + moe.num_experts
+    else:   # what models.moe keeps, traced: its capacity buffers, routing and combine
+        ffn = moe_residual_elements(cfg, seq, tensor, "none")
+        ffn_dots = moe_residual_elements(cfg, seq, tensor, remat) if remat != "none" else ffn
     if remat in ("dots", "dots_no_batch"):
         per_token = 2 * D / r + 2 * nh + 2 * kh + scores / 2 + ffn_dots
     else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
         per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + scores + ffn
     return per_token * tokens
+
+
+@functools.lru_cache(maxsize=64)
+def moe_residual_elements(cfg: ModelConfig, seq: int, tensor: int, remat: str) -> float:
+    """Elements per token one MoE layer keeps for its backward on a device: the residuals of
+    ``models.moe.MoE``'s ``jax.vjp`` that its pullback reads (XLA drops the rest), less the
+    layer's input and weights; traced on abstract shapes (``jax.eval_shape``, nothing is
+    allocated), one sequence of ``seq`` tokens, under ``remat``'s checkpoint policy.
+
+    Per capacity slot (E·C/T per token) that is the expert input (D) and SwiGLU's six
+    F_e-wide intermediates; per token the top_k routed outputs for the combine (top_k·D), the
+    router logits and probabilities (2·E) and the routing indices. The expert FFN's width is
+    split over ``tensor`` (the rules' ``expert_mlp``); the token buffers are whole on each
+    tensor rank. Under expert parallelism a device's buffers hold its own sequences' slots,
+    so the local trace is the device's (the all-to-all moves them, not their size)."""
+    moe = cfg.moe
+    fe = moe.mlp_dim or cfg.mlp_dim
+    local = cfg.replace(moe=dataclasses.replace(moe, mlp_dim=int(_tp_div(fe, tensor))))
+    gd, state = nnx.split(nnx.eval_shape(lambda: MoE(local, nnx.Rngs(0))))
+    x = jax.ShapeDtypeStruct((1, seq, cfg.embed_dim), jnp.float32)
+    layer = lambda st, x: nnx.merge(gd, st)(x, jnp.float32)  # noqa: E731
+    if REMAT_POLICIES[remat] is not None:
+        layer = jax.checkpoint(layer, policy=REMAT_POLICIES[remat])
+    info = {}
+
+    def residuals(st, x):
+        out, pullback = jax.vjp(layer, st, x)
+        leaves, info["tree"] = jax.tree.flatten(pullback)
+        inputs = {id(a) for a in jax.tree.leaves((st, x))}
+        info["stored"] = [id(a) not in inputs for a in leaves]
+        info["cts"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
+        return leaves
+    leaves = jax.eval_shape(residuals, state, x)
+    read = reads(lambda ls, ct: jax.tree.unflatten(info["tree"], ls)(ct), leaves, info["cts"])
+    return sum(math.prod(a.shape) for a, kept, r in zip(leaves, info["stored"], read)
+               if kept and r) / seq
+
+
+def _expert_weight_copies(w: Workload, lay: Layout) -> float:
+    """Elements per layer of the expert weights the MoE runner marks per-shard over the
+    batch axes besides ``expert`` (``sharding.experts.varying_weight_axes``): a new value per
+    layer, which the layer scan keeps for the backward, so each layer's device-local expert
+    weights are stored once more. Not under a pipeline (its ``shard_map`` owns those axes)
+    nor under remat (the checkpointed layer recomputes them)."""
+    rules = get_strategy(lay.strategy).rules
+    if w.cfg.moe is None or lay.pipe > 1 or w.remat != "none" \
+            or not varying_weight_axes(rules, lay.sizes):
+        return 0.0
+    whole = layout_rules(w, lay.unsharded_over_data())   # as gathered, under FSDP
+    return sum(local_elements(s[1:], l[1:], whole, lay.sizes)
+               for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/") and "experts" in l)
 
 
 def residual_split(rules: Rules, sizes: dict[str, int]) -> int:
@@ -194,22 +249,24 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
         return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
     per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split)
-    saved = cfg.num_layers * per_layer * in_flight + working
+    saved = cfg.num_layers * (per_layer * in_flight + _expert_weight_copies(w, lay)) + working
     return (saved + logits) * w.dtype_bytes
 
 
 def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     """The pipeline executor's activation buffers on one stage, asked of the executor
     (``pipeline.buffer_sizes.activation_buffer_bytes``: the schedule's slot counts × the traced
-    residual shapes, nothing allocated). The residuals are traced whole over ``tensor``; XLA
-    splits them over it as it splits the layer's weights, so they are divided by ``tensor``
-    (the activations passed between stages are not split)."""
+    residual shapes, nothing allocated), and the residual set an op's layer loop
+    materialises beside them when a chunk holds several layers (``loop``). The residuals are
+    traced whole over ``tensor``; XLA splits them over it as it splits the layer's weights,
+    so they are divided by ``tensor`` (the activations passed between stages are not
+    split)."""
     sched = lay.schedule or ScheduleKind.ONE_F_ONE_B
     config = PipelineConfig(sched.value, lay.microbatches, lay.virtual)
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
     buf = activation_buffer_bytes(w.cfg, lay.pipe, config, exe, rows, w.seq)   # cached there
-    return buf["stash"] / lay.tensor + buf["inbox"]
+    return (buf["stash"] + buf["loop"]) / lay.tensor + buf["inbox"]
 
 
 def _inference_activations(w: Workload, lay: Layout) -> float:
@@ -241,9 +298,10 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         # triax trains fp32 parameters; under mixed precision they *are* the fp32 master
         # weights and each block is cast to bf16/fp16 as it runs (block_weights below).
         # Gradients are fp32 and follow the optimizer's sharding (ZeRO-1 shards them), plus
-        # one block's gradient before its reduction. AdamW: mu and nu in fp32.
+        # one block's gradient before its reduction (a pipeline's B: its chunk's). AdamW: mu
+        # and nu in fp32.
         params = p_local * FP32
-        grads = o_local * FP32 + _block_grad_elements(w, lay) * FP32
+        grads = o_local * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
     else:
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
@@ -275,6 +333,16 @@ def _block_grad_elements(w: Workload, lay: Layout) -> int:
     rules = layout_rules(w, lay.unsharded_over_data())
     return sum(local_elements(s[1:], l[1:], rules, lay.sizes)   # one layer of the stack
                for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
+
+
+def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
+    """The gradient a backward produces before adding it up: one block's (the layer scan's
+    iteration), or with a pipeline B's whole chunk's (its layer loop emits the chunk's
+    stacked gradients, which the executor then adds into the stage's accumulator)."""
+    blocks = 1
+    if lay.pipe > 1 and w.cfg is not None:
+        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual).per_chunk
+    return blocks * _block_grad_elements(w, lay)
 
 
 def min_devices_for_weights(w: Workload, device_memory: float) -> int:

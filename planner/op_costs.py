@@ -41,12 +41,14 @@ from triax.training.step import Trainer
 
 # The measured step: the smallest pipelined program that runs every op kind.
 PROBE_MODEL, PROBE_STAGES, PROBE_MICROBATCHES, PROBE_BATCH, PROBE_SEQ = "tiny", 2, 2, 2, 16
-# Schedules whose tick switch has the same branches as the one measured for them.
-_MEASURED_AS = {ScheduleKind.GPIPE: ScheduleKind.ONE_F_ONE_B,
-                ScheduleKind.ONE_F_ONE_B: ScheduleKind.ONE_F_ONE_B,
-                ScheduleKind.INTERLEAVED: ScheduleKind.ONE_F_ONE_B,
-                ScheduleKind.ZB_H1: ScheduleKind.ZB_H1,
-                ScheduleKind.ZB_V: ScheduleKind.ZB_H1}
+
+
+def _measured_as(schedule: ScheduleKind) -> ScheduleKind:
+    """The probe schedule whose tick switch has ``schedule``'s op kinds: a split backward
+    runs F, B_in and W (measured on ZB-H1), any other F and B (measured on 1F1B)."""
+    return ScheduleKind.ZB_H1 if schedule.split_backward else ScheduleKind.ONE_F_ONE_B
+
+
 _KIND_OF_LABEL = {label: kind for kind, label in LABELS.items()}
 
 
@@ -86,7 +88,7 @@ def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCos
     rematerialised backward reruns the forward: B ≈ 3F under ``full``)."""
     if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
         return OpCosts(((OpKind.F, 1.0),), "forward only: one op kind", measured=True)
-    return _measure(_MEASURED_AS[schedule], remat)
+    return _measure(_measured_as(schedule), remat)
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,8 +105,12 @@ def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
     trainer = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig(schedule.value, PROBE_MICROBATCHES),
                       exe=ExecConfig(remat=remat))
     compiled = trainer.lower(PROBE_BATCH, PROBE_SEQ).compile()
-    flops = {label: c["flops"] for label, c in
-             op_costs(compiled, trainer.pipeline.branch_kinds).items() if label != "idle"}
+    measured = op_costs(compiled, trainer.pipeline.branch_kinds)
+    unknown = {label: c["unknown_loops"] for label, c in measured.items() if "unknown_loops" in c}
+    if unknown:
+        return assumed(f"the probe step's ops run loops of unknown trip count ({unknown}), so "
+                       f"their FLOPs are not known")
+    flops = {label: c["flops"] for label, c in measured.items() if label != "idle"}
     if not flops.get("F"):
         raise ValueError(f"the compiled {schedule.value} probe step has no forward matmul "
                          f"FLOPs ({flops}); the tick switch's branches are not what "

@@ -17,16 +17,17 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from triax.pipeline import ScheduleKind, chunks_per_stage
-from triax.pipeline.runner import unpipelinable_reason
+from triax.pipeline.runner import unpipelinable_mesh_reason, unpipelinable_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.workload import Layout, Workload, divisors
-from triax.sharding.rules import ShardingError
+from triax.sharding.rules import ShardingError, get_strategy
+from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
 
-TRAIN_SCHEDULES = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.INTERLEAVED,
-                   ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
+# Every schedule a training step can run (``training.config.TRAIN_SCHEDULES``).
+TRAIN_SCHEDULES = tuple(ScheduleKind(name) for name in TRAINABLE)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class SearchResult:
     overflowing: list[PlanResult] = field(default_factory=list)  # smallest total first
     unsplittable: list[tuple[Layout, str]] = field(default_factory=list)
     not_runnable: list[tuple[Layout, str]] = field(default_factory=list)  # executor refuses
+    not_searched: list[tuple[Layout, str]] = field(default_factory=list)  # planner's choice
     batch_rejected: int = 0
 
     @property
@@ -50,13 +52,20 @@ def _strategies(w: Workload, data: int, tensor: int) -> tuple[str, ...]:
     return ("dp", "fsdp", "zero1") if data > 1 else ("dp",)
 
 
-def _schedules(w: Workload, pipe: int,
-               local_batch: int) -> Iterator[tuple[Optional[ScheduleKind], int, int]]:
-    """(schedule, M, v) for a pipe size: M in S, 2S, 4S, 8S and the local batch when they
-    divide it; interleaved with v = 2, and ZB-V (its own 2), when every chunk keeps at least
-    one layer; each only where the executor builds its table (``microbatch_constraint``)."""
+# More stages (or chunks) than layers: the executor runs it, padding the stack with identity
+# layers (``pipeline.stage_layers``), but those stages compute nothing useful.
+PADDED = ("more pipeline stages or chunks than layers (the executor would pad the stack "
+          "with identity layers: stages that compute nothing useful)")
+
+
+def _schedules(w: Workload, pipe: int, local_batch: int
+               ) -> Iterator[tuple[Optional[ScheduleKind], int, int, Optional[str]]]:
+    """(schedule, M, v, why not) for a pipe size: M in S, 2S, 4S, 8S and the local batch when
+    they divide it; interleaved with v = 2, and ZB-V (its own 2). ``why not`` is None for
+    what the planner evaluates, else why not: the executor refuses it (the generators' own
+    check, ``microbatch_constraint``), or a chunk would keep no layer (``PADDED``)."""
     if pipe == 1:
-        yield None, 1, 1
+        yield None, 1, 1, None
         return
     counts = sorted({m for m in (pipe, 2 * pipe, 4 * pipe, 8 * pipe, local_batch)
                      if m <= local_batch and local_batch % m == 0} or {local_batch})
@@ -64,17 +73,18 @@ def _schedules(w: Workload, pipe: int,
     for kind in kinds:
         v = 2 if kind is ScheduleKind.INTERLEAVED else chunks_per_stage(kind)   # ZB-V: 2
         if w.cfg is not None and pipe * v > w.cfg.num_layers:
+            yield kind, counts[0], v, PADDED
             continue
         for m in counts:
-            if microbatch_constraint(kind, pipe, m, v) is None:
-                yield kind, m, v
+            yield kind, m, v, microbatch_constraint(kind, pipe, m, v)
 
 
-def layouts(w: Workload, cluster: Cluster,
-            refused: Optional[list] = None) -> Iterator[Layout]:
+def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
+            skipped: Optional[list] = None) -> Iterator[Layout]:
     """Every layout of the cluster's devices that the step can run (tensor stays within a
-    node). A mesh the executor would refuse is not yielded; with ``refused`` given, one
-    ``(layout, why)`` per such mesh is appended to it (the executor's own reason)."""
+    node). What the executor would refuse is not yielded; with ``refused`` given, one
+    ``(layout, why)`` per such plan is appended to it (the executor's own reason). Plans with
+    a stage or chunk holding no layer (``PADDED``) are not yielded either: ``skipped``."""
     n = cluster.devices
     why_not_pipe = w.cfg is not None and unpipelinable_reason(w.cfg)
     experts = w.cfg.moe.num_experts if (w.cfg is not None and w.cfg.moe) else 1
@@ -84,17 +94,34 @@ def layouts(w: Workload, cluster: Cluster,
                 continue
             for p in divisors(n // (e * t)):
                 d = n // (e * t * p)
-                if p > 1 and (why_not_pipe or (w.cfg is not None and p > w.cfg.num_layers)):
+                if p > 1 and why_not_pipe:
                     if refused is not None:
-                        refused.append((Layout(d, t, p, e), why_not_pipe or
-                                        f"pipe={p} stages but {w.cfg.num_layers} layers"))
+                        refused.append((Layout(d, t, p, e), why_not_pipe))
+                    continue
+                if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
+                    if skipped is not None:
+                        skipped.append((Layout(d, t, p, e), PADDED))
                     continue
                 for st in _strategies(w, d, t):
                     shards = Layout(d, t, p, e, st).batch_shards
                     if w.batch % shards:      # the batch must split evenly
                         continue
-                    for kind, m, v in _schedules(w, p, w.batch // shards):
-                        yield Layout(d, t, p, e, st, kind, m, v)
+                    if p > 1:
+                        why = unpipelinable_mesh_reason(w.cfg, Layout(d, t, p, e).sizes,
+                                                        get_strategy(st).rules)
+                        if why:
+                            if refused is not None:
+                                refused.append((Layout(d, t, p, e, st), why))
+                            continue
+                    for kind, m, v, why in _schedules(w, p, w.batch // shards):
+                        lay = Layout(d, t, p, e, st, kind, m, v)
+                        if why is None:
+                            yield lay
+                        elif why is PADDED:
+                            if skipped is not None:
+                                skipped.append((lay, why))
+                        elif refused is not None:
+                            refused.append((lay, why))
 
 
 def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
@@ -104,7 +131,7 @@ def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
         and w.cfg is not None else [w]
-    for lay in layouts(w, cluster, res.not_runnable):
+    for lay in layouts(w, cluster, res.not_runnable, res.not_searched):
         for wr in workloads:
             try:
                 r = evaluate(wr, lay, cluster, assume)

@@ -66,10 +66,9 @@ def check_expert_mesh(cfg: ModelConfig, mesh: Mesh, rules: Rules) -> None:
             f"a multiple of {ep}")
 
 
-def _token_axes(mesh: Mesh, rules: Rules, axes: tuple[str, ...]) -> tuple[str, ...]:
+def _token_axes(sizes: dict[str, int], rules: Rules, axes: tuple[str, ...]) -> tuple[str, ...]:
     """Mesh axes the token buffer's batch dimension is split over: the expert axes, then the
     rest of the batch axes (manual too, so XLA cannot regather the batch over ``data``)."""
-    sizes = mesh_sizes(mesh)
     batch = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1 and a not in axes)
     order = rules.mesh_axes("batch")
     if all(a in order for a in axes):  # follow the rules' order: no reshuffle at the boundary
@@ -77,8 +76,28 @@ def _token_axes(mesh: Mesh, rules: Rules, axes: tuple[str, ...]) -> tuple[str, .
     return axes + batch
 
 
+def varying_weight_axes(rules: Rules, sizes: dict[str, int]) -> tuple[str, ...]:
+    """The batch axes besides the expert axes over which the runner marks the expert weights
+    per-shard (``pcast``, so that their gradient's sum over those axes is fp32), where it is
+    not nested in a pipeline's ``shard_map`` (which owns those axes already). The marked
+    weights are a new value per layer, so the layer scan keeps each layer's copy of the
+    device's expert weights for the backward (the planner counts it: ``planner.memory``).
+
+    >>> from triax.sharding.rules import get_strategy
+    >>> rules = get_strategy("dp").rules
+    >>> varying_weight_axes(rules, {"data": 2, "expert": 4})
+    ('data',)
+    >>> varying_weight_axes(rules, {"expert": 8})
+    ()
+    """
+    axes = rules.split_axes("experts", sizes)
+    if not axes:
+        return ()
+    return tuple(a for a in _token_axes(sizes, rules, axes) if a not in axes)
+
+
 def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Callable:
-    token_axes = _token_axes(mesh, rules, axes)
+    token_axes = _token_axes(mesh_sizes(mesh), rules, axes)
     w_spec = P(axes)
 
     def experts(buf_BECD, weights):
@@ -141,7 +160,7 @@ def all_to_all_bytes(cfg: ModelConfig, batch: int, seq_len: int, mesh: Mesh, rul
     if cfg.moe is None or not expert_axes(mesh, rules):
         return {"buffer_bytes": 0, "count": 0, "bytes_per_step": 0}
     sizes, shards = mesh_sizes(mesh), 1
-    for a in _token_axes(mesh, rules, expert_axes(mesh, rules)):
+    for a in _token_axes(sizes, rules, expert_axes(mesh, rules)):
         shards *= sizes[a]
     C = capacity(cfg.moe, seq_len)
     buffer = (batch // shards) * cfg.moe.num_experts * C * cfg.embed_dim * itemsize

@@ -179,3 +179,55 @@ def test_unknown_trip_count_is_reported_unknown():
     assert "while w2 (trip count unknown)" in ag.branch
     with pytest.raises(ValueError, match="no bound"):
         bytes_over([ag], unknown="at_most")
+
+
+# A pipeline-like op conditional whose "run" branch has a counted and an uncounted loop.
+COSTLY = """
+HloModule m
+
+%lbody (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]) parameter(0)
+  %x = f32[8,16]{1,0} get-tuple-element(%p), index=1
+  %w = f32[16,16]{1,0} constant({...})
+  %d = f32[8,16]{1,0} dot(%x, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %t = (s32[], f32[8,16]) tuple(%i, %d)
+}
+
+%lcond (p: (s32[], f32[8,16])) -> pred[] {
+  %p = (s32[], f32[8,16]) parameter(0)
+  ROOT %r = pred[] constant(true)
+}
+
+%skip (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  ROOT %p = (s32[], f32[8,16]) parameter(0)
+}
+
+%run (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]) parameter(0)
+  %a = (s32[], f32[8,16]) while(%p), condition=%lcond, body=%lbody, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %b = (s32[], f32[8,16]) while(%a), condition=%lcond, body=%lbody
+}
+
+%tick (p: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %p = (s32[], f32[8,16]) parameter(0)
+  %k = s32[] get-tuple-element(%p), index=0
+  ROOT %c = (s32[], f32[8,16]) conditional(%k, %p, %p), branch_computations={%skip, %run}, metadata={op_name="while/body/pipeline_op_F/cond"}
+}
+
+ENTRY %main (a: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %a = (s32[], f32[8,16]) parameter(0)
+  ROOT %w = (s32[], f32[8,16]) while(%a), condition=%lcond, body=%tick, backend_config={"known_trip_count":{"n":"4"}}
+}
+"""
+
+
+def test_op_cost_loop_of_unknown_trip_count_is_said():
+    """One execution of the op: the counted loop's dot 3 times, the uncounted one once —
+    and the JSON says which loop was counted once (a lower bound), never silently."""
+    from triax.sharding.introspect import op_costs
+    costs = op_costs(COSTLY, ("idle", "F"))
+    dot = 2 * 8 * 16 * 16
+    assert costs["F"]["flops"] == (3 + 1) * dot
+    assert costs["F"]["unknown_loops"] == ["b"]
+    assert set(costs["idle"]) == {"flops", "bytes"}      # nothing unknown: the plain contract

@@ -51,6 +51,11 @@ PIPELINE_CASES = {
     "tiny-pp-tp": ("tiny", 2, 16, 32, Layout(data=2, pipe=2, tensor=2, strategy="tp",
                                              schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4),
                    "none"),
+    # Two layers per stage: each op's layer loop materialises a residual set and B's whole
+    # chunk gradient (0.898 before they were counted).
+    "tiny-pp-2-layers-per-stage": ("tiny", 8, 16, 32, Layout(
+        data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4),
+        "none"),
 }
 
 

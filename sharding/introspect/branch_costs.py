@@ -6,7 +6,8 @@ executor's tick loop, "skip" or "run", found by its named scope (``OP_SCOPE`` + 
 rather than assumed (F=1, B=2, ...).
 
 * FLOPs: matmul FLOPs, ``2 · output elements · contracted size`` of every ``dot`` (and
-  ``convolution``), fused or not; loops inside a branch multiply by their trip count.
+  ``convolution``), fused or not; loops inside a branch multiply by their trip count (one
+  XLA does not know is counted once and named in ``unknown_loops``: a lower bound, said so).
   Elementwise work is not counted.
 * Bytes: bytes accessed, the operands plus the result of every unfused instruction (a fusion
   counts as one instruction), leaving out what moves nothing (parameters, tuples,
@@ -68,12 +69,18 @@ class Cost:
         self.unknown_loops += other.unknown_loops
 
     def to_json(self) -> dict:
-        return {"flops": int(self.flops), "bytes": int(self.bytes)}
+        """``{"flops", "bytes"}``, and ``"unknown_loops"`` (the loops counted once, their
+        trip count unknown, so the figures are a lower bound) when there are any."""
+        out = {"flops": int(self.flops), "bytes": int(self.bytes)}
+        if self.unknown_loops:
+            out["unknown_loops"] = list(self.unknown_loops)
+        return out
 
     def costliest(self) -> "Cost":
         """This execution with each nested conditional at its costliest branch (by FLOPs):
         what the stage that runs the embedding or the head pays."""
-        total = Cost(self.flops, self.bytes, self.dots)
+        total = Cost(self.flops, self.bytes, self.dots,
+                     unknown_loops=list(self.unknown_loops))
         groups: dict[str, list[Cost]] = {}
         for name, c in self.nested.items():
             groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c.costliest())

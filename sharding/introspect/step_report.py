@@ -81,7 +81,10 @@ class StepReport:
             lines += ["", "cost of one pipeline op on stage 0 (matmul FLOPs, bytes accessed)",
                       f"  {'op':<8}{'GFLOP':>12}{'bytes':>14}"]
             for kind, c in self.op_costs.items():
-                lines.append(f"  {kind:<8}{c['flops'] / 1e9:>12.4f}{human_bytes(c['bytes']):>14}")
+                lines.append(f"  {kind:<8}{c['flops'] / 1e9:>12.4f}{human_bytes(c['bytes']):>14}"
+                             + (f"   at least: loops of unknown trip count counted once "
+                                f"({', '.join(c['unknown_loops'])})"
+                                if c.get("unknown_loops") else ""))
         m = self.memory
         terms = (("arguments", m.argument_bytes), ("outputs", m.output_bytes),
                  ("temporaries", m.temp_bytes), ("aliased", m.alias_bytes),
