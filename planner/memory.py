@@ -21,6 +21,7 @@ from typing import Optional
 
 import jax
 
+from triax.models.attention_memory import AttentionMemory, attention_memory, kernel_for
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import capacity
@@ -30,6 +31,7 @@ from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
 from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
 from triax.pipeline.stage_layers import pipeline_strategy
+from triax.sharding.context_costs import scheme_memory
 from triax.sharding.rules import Rules, get_strategy
 from triax.training.config import PRECISIONS
 
@@ -133,16 +135,20 @@ def _tp_div(n: int, t: int) -> float:
 
 
 def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: int,
-                              remat: str, residual_split: int = 1) -> float:
+                              remat: str, residual_split: int = 1,
+                              attention: Optional[float] = None) -> float:
     """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
 
     No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
-    GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
+    attention output (3·N·H + 3·K·H), what the attention kernel keeps (``attention``, per
+    token: ``attention_per_token``; None: the reference kernel on the whole sequence, its
+    GQA-repeated k/v and scores and probabilities, 2·N·H + 2·N·T), SwiGLU's fused
     gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
     MoE: the per-sequence capacity buffers, E·C/T slots per token of D in and out and 4·F_e
     inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
+    ``tokens`` are the device's own (under context parallelism T/C of each sequence).
     ``residual_split`` (``residual_split(rules, sizes)``: the tensor degree under sequence
     parallelism, else 1) divides the residual stream's terms: the two residuals, the
     attention and MLP outputs (reduce-scattered), the remat block input; the norm outputs
@@ -150,7 +156,10 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
-    scores = 2 * _tp_div(N, tensor) * seq
+    if attention is None:
+        attention = attention_memory("reference", queries=seq, keys=seq,
+                                     heads=_tp_div(N, tensor), kv_heads=_tp_div(K, tensor),
+                                     head_dim=H, remat=remat).saved / seq
     r = residual_split
     if remat == "full":
         return D / r * tokens
@@ -164,35 +173,65 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
         ffn = slots * (2 * D + 4 * fe) + moe.top_k * D + moe.num_experts
         ffn_dots = slots * (D + 3 * fe) + moe.num_experts
     if remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D / r + 2 * nh + 2 * kh + scores / 2 + ffn_dots
+        per_token = 2 * D / r + 2 * nh + 2 * kh + attention + ffn_dots
     else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
-        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + scores + ffn
+        per_token = 2 * D + 4 * D / r + 3 * nh + 3 * kh + attention + ffn
     return per_token * tokens
 
 
 def residual_split(rules: Rules, sizes: dict[str, int]) -> int:
-    """Devices one residual-stream activation (``res_seq``) is split over along the
-    sequence: the tensor degree under sequence parallelism, else 1."""
-    return rules.split_size("res_seq", sizes)
+    """Pieces one residual-stream activation (``res_seq``) is cut into along the sequence
+    beyond the sequence's own split (``seq``, over ``context``): the tensor degree under
+    sequence parallelism, else 1."""
+    return rules.split_size("res_seq", sizes) // rules.split_size("seq", sizes)
+
+
+def attention_kernel(w: Workload, lay: Layout) -> str:
+    """The attention kernel the step runs (``models.attention_memory.kernel_for``): the
+    workload's implementation on its backend; a context-parallel step's local blocks are not
+    plain causal, so ``dot_product`` takes XLA's path there, never cuDNN's."""
+    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
+    return kernel_for(w.attention, w.backend, PRECISIONS[w.dtype], w.cfg.head_dim,
+                      plain_causal=context == 1)
+
+
+def attention_per_token(w: Workload, lay: Layout, remat: str) -> AttentionMemory:
+    """What one layer's attention keeps per local token: the kernel on the whole sequence,
+    or under context parallelism the scheme's figures (``sharding.context_costs``)."""
+    cfg = w.cfg
+    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
+    m = scheme_memory(lay.context_attention, attention_kernel(w, lay), seq=w.seq,
+                      context=context, heads=_tp_div(cfg.num_heads, lay.tensor),
+                      kv_heads=_tp_div(cfg.num_kv_heads, lay.tensor), head_dim=cfg.head_dim,
+                      remat=remat)
+    queries = w.seq / context
+    return AttentionMemory(m.saved / queries, m.transient / queries)
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
     """Saved activations on the busiest device: its layers × micro-batches in flight, plus
     one block's backward working set (its recomputed or saved internals and their
-    gradients), plus the fp32 logits, log-probabilities and their gradient.
+    gradients, and what its attention holds only while it runs), plus the fp32 logits,
+    log-probabilities and their gradient. Under context parallelism every token-wise term
+    is the device's T/C tokens of each sequence (the rules split ``seq`` over ``context``).
     """
     cfg = w.cfg
     if cfg is None or not w.train:
         return 0.0 if cfg is None else _inference_activations(w, lay)
+    rules = get_strategy(lay.strategy).rules
     local_batch = w.batch / lay.batch_shards
-    mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
-    split = residual_split(get_strategy(lay.strategy).rules, lay.sizes)
-    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split)
+    mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq / rules.split_size("seq",
+                                                                                  lay.sizes)
+    split = residual_split(rules, lay.sizes)
+    attn = attention_per_token(w, lay, "none")
+    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split,
+                                        attn.saved) + attn.transient * mb_tokens
     logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
     if lay.pipe > 1:
         return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
-    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split)
+    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split,
+                                          attention_per_token(w, lay, w.remat).saved)
     saved = cfg.num_layers * per_layer * in_flight + working
     return (saved + logits) * w.dtype_bytes
 
