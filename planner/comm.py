@@ -95,7 +95,8 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     ring's permutes; a recomputed forward moves them again), the keys' order once per step,
     and ``context`` is a batch axis for the weights: every gradient is all-reduced over it
     at the optimizer's sharding (the embedding table's whole where that splits it over
-    ``data``), and under FSDP the lookup's output is gathered over ``context`` once."""
+    ``data``), and under FSDP an exchanged lookup's output is gathered over ``context``
+    once (``fsdp_gathers_table``: not where the table itself is gathered)."""
     cfg = w.cfg
     rules = get_strategy(lay.strategy).rules
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
@@ -119,7 +120,7 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
                                                                    lay.sizes)
         grads += local_elements(shape, logical, whole, lay.sizes) if table else opt
     t.add("all-reduce", grads * FP32)
-    if fsdp:
+    if fsdp and not fsdp_gathers_table(w, lay):    # the exchanged lookup's output
         t.add("all-gather", rows * w.seq * cfg.embed_dim * w.dtype_bytes)
 
 
@@ -198,17 +199,32 @@ def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
         _fsdp(w, lay, t)
 
 
+def fsdp_gathers_table(w: Workload, lay: Layout) -> bool:
+    """XLA's choice for the FSDP-split embedding lookup, as the compiled HLO shows it: the
+    table is gathered over ``data`` when it is smaller than the lookup's output for the
+    replica's sequences (B/data · T · D); otherwise the activations are exchanged (tiny:
+    exchanged at 2 × 32 and 2 × 128 tokens, gathered at 2 × 256 and 2 × 512)."""
+    tokens = w.batch / lay.batch_shards * w.seq
+    return w.cfg.vocab_size < tokens
+
+
 def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """FSDP by parameter: block weights are gathered in the forward and again in the
     backward (the layer scan frees them), the head once; every gradient but the embedding
     table's is reduce-scattered. The embedding table stays split over ``embed``: the
-    lookup's activations are exchanged instead (an all-to-all each way)."""
+    lookup's activations are exchanged instead (an all-to-all each way), or, where the table
+    is the smaller (``fsdp_gathers_table``), the table is gathered for the forward and the
+    backward and its gradient all-reduced."""
     sharded = get_strategy(lay.strategy).rules
     whole = get_strategy(lay.unsharded_over_data().strategy).rules
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
         if path.startswith("embed/"):
+            if fsdp_gathers_table(w, lay):
+                t.add("all-gather", full * w.dtype_bytes, 2)
+                t.add("all-reduce", full * FP32)
+                continue
             tokens = w.batch / lay.batch_shards * w.seq
             t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 2)
             continue

@@ -4,16 +4,21 @@ plans' own figures.
 
     >>> from triax.models import config
     >>> from triax.planner import hardware
-    >>> from triax.planner.search import search
-    >>> from triax.planner.workload import Workload
-    >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=1, seq=65536,
-    ...                 attention="reference")
-    >>> res = search(w, hardware.cluster("h100-80gb", 8, 1))
-    >>> best = res.fitting[0]
-    >>> best.layout.context > 1, best.layout.context_attention
-    (True, 'ring')
-    >>> print(context_reasoning(w, res, best)[0][:60])
-    Context parallelism: each 65,536-token sequence is split ove
+    >>> from triax.planner.evaluate import evaluate
+    >>> from triax.planner.search import SearchResult
+    >>> from triax.planner.workload import Layout, Workload
+    >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=1, seq=262144, remat="full")
+    >>> nodes = hardware.cluster("h100-80gb", 8, 4)
+    >>> ring, gather = (evaluate(w, Layout(context=8, tensor=4, strategy="tp_sp",
+    ...                                    context_attention=s), nodes)
+    ...                 for s in ("ring", "all-gather"))
+    >>> ring.fits, gather.fits
+    (True, False)
+    >>> why = context_reasoning(w, SearchResult(fitting=[ring], overflowing=[gather]), ring)
+    >>> print(why[0])
+    Context parallelism: each 262,144-token sequence is split over context=8, so a device keeps the activations of 32,768 tokens of it (18.2 GB); without it no plan fits.
+    >>> why[1].startswith("Scheme ring: the ring passes each layer's K/V blocks on")
+    True
 """
 from __future__ import annotations
 
