@@ -8,7 +8,9 @@ others go through ``verify``'s subprocess with their own device count. The "fitt
 says which rows a planner constant was fitted on: none since the pipeline stash is derived
 from the executor (``pipeline.runner.activation_buffer_bytes``) rather than fitted (the
 removed ``PIPELINE_STASH_FACTOR`` was fitted on the tiny 1F1B/GPipe rows). ``--new`` runs only the rows added for
-issue 12 (zb-h1, interleaved, remat=full, pipe × tensor).
+issue 12 (zb-h1, interleaved, remat=full, pipe × tensor), ``--context`` only the context
+rows (issue 14; ``models.attention_memory``'s one fitted figure came from whole-sequence
+rows, not these).
 """
 import os
 import sys
@@ -36,6 +38,16 @@ NEW = [
     ("tiny", 2, 16, 32, dict(data=2, pipe=2, tensor=2, schedule=ONE_F_ONE_B, microbatches=4),
      "tp"),
 ]
+# Context parallelism (issue 14): both schemes at a few sequence lengths. The ring rows are
+# written for the custom-VJP ring (branch `ring`); before it merges they show the autodiff
+# ring's compiled figures against that model.
+CONTEXT = [
+    ("tiny", 2, 4, T, dict(data=2, context=4, context_attention=scheme), "dp")
+    for scheme in ("all-gather", "ring") for T in (256, 512, 1024)
+] + [
+    ("tiny", 2, 4, 512, dict(data=2, context=4), "fsdp"),
+    ("tiny", 2, 8, 512, dict(data=4, context=2), "zero1"),
+]
 CASES = [
     ("tiny", 2, 16, 32, dict(data=8), "dp"),
     ("tiny", 2, 16, 32, dict(data=8), "zero1"),
@@ -56,7 +68,7 @@ CASES = [
     ("tiny-moe", 2, 16, 32, dict(expert=8), "dp"),
     ("tiny-moe", 2, 16, 32, dict(data=2, expert=2, tensor=2), "tp"),
     ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
-] + NEW
+] + NEW + CONTEXT
 
 
 def cell(pred: float, got: float) -> str:
@@ -67,9 +79,11 @@ def main():
     print("| model (layers) | B×T | plan | fitted | state pred/compiled MiB | peak "
           "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
     print("|---|---|---|---|---|---|---|")
-    for name, layers, B, T, sizes, strategy, *remat in (NEW if "--new" in sys.argv else CASES):
-        w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
-                        batch=B, seq=T, remat=remat[0] if remat else "none")
+    rows = NEW if "--new" in sys.argv else CONTEXT if "--context" in sys.argv else CASES
+    for name, layers, B, T, sizes, strategy, *remat in rows:
+        cfg = config.get(name, num_layers=layers)
+        w = Workload.of(cfg.replace(max_seq_len=max(cfg.max_seq_len, T)), train=True,
+                        dtype="fp32", batch=B, seq=T, remat=remat[0] if remat else "none")
         sched = sizes.get("schedule")
         fitted = "yes" if not remat and (name, layers, sched and sched.value,
                                          sizes.get("microbatches")) in FITTED else "no"
