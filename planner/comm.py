@@ -102,14 +102,17 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
     kv = _tp_div(cfg.num_kv_heads, lay.tensor)
     forward_again = 2 if w.remat != "none" else 1
-    for kind, elements, fwd, bwd in scheme_collectives(
+    size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
+    for kind, elements, fwd, bwd, dtype in scheme_collectives(
             lay.context_attention, seq=w.seq, context=lay.context, kv_heads=kv,
             head_dim=cfg.head_dim):
         count = (fwd * forward_again + bwd) * layers
-        t.add(kind, rows * elements * w.dtype_bytes, count)
+        if count:
+            t.add(kind, rows * elements * size[dtype], count)
     kind, elements, ops = order_collective(lay.context_attention, seq=w.seq,
                                            context=lay.context)
-    t.add(kind, rows * elements * 4, ops)                       # int32
+    if ops:
+        t.add(kind, rows * elements * 4, ops)                   # int32
     st = get_strategy(lay.strategy)
     fsdp = st.fsdp and lay.data > 1
     whole = get_strategy(lay.unsharded_over_data().strategy).rules

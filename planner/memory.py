@@ -139,11 +139,12 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
                               attention: Optional[float] = None) -> float:
     """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
 
-    No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
-    attention output (3·N·H + 3·K·H), what the attention kernel keeps (``attention``, per
-    token: ``attention_per_token``; None: the reference kernel on the whole sequence, its
-    GQA-repeated k/v and scores and probabilities, 2·N·H + 2·N·T), SwiGLU's fused
-    gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
+    No remat: norm inputs/outputs and residuals (~6·D), q/k/v around rope, the kernel's
+    operands and the attention output (5·N·H + 3·K·H, whatever the kernel), what the
+    attention kernel keeps beyond (``attention``, per token: ``attention_per_token``; None:
+    the reference kernel on the whole sequence, its scores and probabilities, 2·N·T;
+    ``models.attention_memory``), SwiGLU's fused gate/up, silu, product and its input
+    (5·F); TP divides everything but the D-sized terms.
     MoE: the per-sequence capacity buffers, E·C/T slots per token of D in and out and 4·F_e
     inside, plus top_k·D for the combine and E router logits.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
@@ -175,7 +176,7 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     if remat in ("dots", "dots_no_batch"):
         per_token = 2 * D / r + 2 * nh + 2 * kh + attention + ffn_dots
     else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
-        per_token = 2 * D + 4 * D / r + 3 * nh + 3 * kh + attention + ffn
+        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + attention + ffn
     return per_token * tokens
 
 

@@ -12,41 +12,40 @@ With ``C`` devices on the context axis each holds ``T/C`` queries (and, for the 
   local queries against all ``T`` keys (``gathered``); the whole K/V of the layer (2·T·K·H)
   exists for the moment of the kernel, kept by every kernel but ``reference`` (which keeps
   its repeated copies instead, so for it the gathered pair is transient).
-- ``ring`` (the flash-style custom VJP): the forward saves q, the local K/V block and o
-  (the layer's own) plus the log-sum-exp (N per query); at most two K/V blocks are held at
-  a time, in the backward each with its gradient (``RING_BACKWARD_ARRAYS`` arrays of
-  (T/C)·K·H per block), and each step folds its block in ``BLOCK_SIZE`` keys at a time, so
-  one key block's four score-sized arrays (N·(T/C)·min(BLOCK_SIZE, T/C)) are transient. No
-  T × S scores are ever kept, whatever ``--attention`` says.
+- ``ring`` (``sharding.ring``, a flash-style custom VJP): the forward saves q, the local K/V
+  block and o (the layer's own) plus the log-sum-exp (N per query); at most
+  ``RING_BLOCKS_HELD`` K/V blocks are held at a time, in the backward each with its float32
+  dK/dV (4 arrays of (T/C)·K·H per block), and each step folds its block in ``BLOCK_SIZE``
+  keys at a time, so one key tile's score arrays (``attention_memory.tile_scores`` of the
+  local block, the largest a step computes) are transient. No T × S scores are ever kept,
+  whatever ``--attention`` says.
 
-**Collectives** (per layer; ``(kind, elements per op, forward ops, backward ops)``):
+**Collectives** (per layer; ``(kind, elements per op, forward ops, backward ops, dtype)``,
+dtype ``"compute"``, ``"float32"`` or ``"int32"``):
 
 - ``all-gather``: K and V all-gathered forward (T·K·H each, the gathered output) and their
-  gradients reduce-scattered backward (T·K·H each, the full input);
-- ``ring``: K and V passed on C−1 times forward (collective-permutes of (T/C)·K·H each);
-  backward, K and V travel on with their gradients, ``RING_BACKWARD_ARRAYS`` arrays C−1
-  times.
+  gradients reduce-scattered backward (T·K·H each, the full input); the keys' order
+  (int32) is gathered once per step (the layer scan hoists it: ``order_collective``);
+- ``ring``: the stacked K/V block (2·(T/C)·K·H) and the keys' order ((T/C), int32) passed
+  on C−1 times forward and again backward, where the block's float32 dK/dV accumulator
+  travels with it and one last hop takes it home (C permutes).
 
-Each scheme also moves the keys' order (int32, once per step: the layer scan hoists it;
-``order_collective``). ``full`` remat reruns the forward's collectives in the backward.
+``full`` remat reruns the forward's collectives in the backward.
 
-    >>> scheme_collectives("ring", seq=1024, context=4, kv_heads=2, head_dim=8)
-    [('collective-permute', 4096.0, 6, 12)]
+    >>> [c[:4] for c in scheme_collectives("ring", seq=1024, context=4, kv_heads=2,
+    ...                                    head_dim=8)]
+    [('collective-permute', 8192.0, 3, 3), ('collective-permute', 256.0, 3, 3), ('collective-permute', 8192.0, 0, 4)]
     >>> scheme_collectives("all-gather", seq=1024, context=4, kv_heads=2, head_dim=8)
-    [('all-gather', 16384, 2, 0), ('reduce-scatter', 16384, 0, 2)]
+    [('all-gather', 16384, 2, 0, 'compute'), ('reduce-scatter', 16384, 0, 2, 'compute')]
 """
 from __future__ import annotations
 
 from triax.models.attention import BLOCK_SIZE
-from triax.models.attention_memory import BLOCKWISE_BACKWARD_SCORES, AttentionMemory, \
-    attention_memory
+from triax.models.attention_memory import AttentionMemory, attention_memory, tile_scores
 from triax.sharding.context import SCHEMES, check_scheme
 
-# Arrays that cross each ring hop in the backward: the K/V block with its gradients (the
-# custom VJP's backward, the `ring` branch). The autodiff ring before it passed dK and dV
-# only (2): re-check against the compiled HLO (tests/test_planner_model.py) when it changes.
-RING_BACKWARD_ARRAYS = 4
-RING_BLOCKS_HELD = 2       # "no device ever holds more than two K/V blocks"
+RING_BLOCKS_HELD = 2       # "no device ever holds more than two K/V blocks" (sharding.ring)
+RING_BACKWARD_BLOCK_ARRAYS = 4   # K, V and their float32 gradients, per held block
 
 
 def scheme_memory(scheme: str, kernel: str, *, seq: int, context: int, heads: float,
@@ -69,36 +68,36 @@ def scheme_memory(scheme: str, kernel: str, *, seq: int, context: int, heads: fl
     if remat == "full":
         return AttentionMemory()
     saved = 0.0 if remat in ("dots", "dots_no_batch") else N * Tq    # log-sum-exp
-    blocks = RING_BLOCKS_HELD * RING_BACKWARD_ARRAYS * Tq * K * H
-    scores = BLOCKWISE_BACKWARD_SCORES * N * Tq * min(BLOCK_SIZE, Tq)
-    return AttentionMemory(saved, blocks + scores)
+    blocks = RING_BLOCKS_HELD * RING_BACKWARD_BLOCK_ARRAYS * Tq * K * H
+    return AttentionMemory(saved, blocks + tile_scores(N, Tq, Tq, BLOCK_SIZE))
 
 
 def scheme_collectives(scheme: str, *, seq: int, context: int, kv_heads: float,
-                       head_dim: int) -> list[tuple[str, float, int, int]]:
-    """``[(kind, elements per op, forward ops, backward ops)]`` of one layer's attention over
-    the context axis for one local sequence (K/V in the compute dtype)."""
+                       head_dim: int) -> list[tuple[str, float, int, int, str]]:
+    """``[(kind, elements per op, forward ops, backward ops, dtype)]`` of one layer's
+    attention over the context axis for one local sequence."""
     check_scheme(scheme)
     C = context
     if C == 1:
         return []
     if scheme == "all-gather":
         whole = seq * kv_heads * head_dim
-        return [("all-gather", whole, 2, 0), ("reduce-scatter", whole, 0, 2)]
-    block = seq / C * kv_heads * head_dim
-    return [("collective-permute", block, 2 * (C - 1), RING_BACKWARD_ARRAYS * (C - 1))]
+        return [("all-gather", whole, 2, 0, "compute"), ("reduce-scatter", whole, 0, 2, "compute")]
+    kv = 2 * seq / C * kv_heads * head_dim            # K and V stacked
+    return [("collective-permute", kv, C - 1, C - 1, "compute"),
+            ("collective-permute", seq / C, C - 1, C - 1, "int32"),   # the keys' order
+            ("collective-permute", kv, 0, C, "float32")]               # dK/dV, then home
 
 
 def order_collective(scheme: str, *, seq: int, context: int) -> tuple[str, float, int]:
-    """``(kind, int32 elements per op, ops per step)``: the keys' order array moved once per
-    step (the scan hoists it out of the layers), gathered or passed around the ring."""
+    """``(kind, int32 elements per op, ops per step)``: the all-gather scheme gathers the
+    keys' order once per step (the scan hoists it out of the layers); the ring passes it
+    with each block (``scheme_collectives``)."""
     check_scheme(scheme)
-    if context == 1:
+    if context == 1 or scheme == "ring":
         return ("all-gather", 0.0, 0)
-    if scheme == "all-gather":
-        return ("all-gather", float(seq), 1)
-    return ("collective-permute", seq / context, context - 1)
+    return ("all-gather", float(seq), 1)
 
 
-__all__ = ["RING_BACKWARD_ARRAYS", "SCHEMES", "order_collective", "scheme_collectives",
+__all__ = ["RING_BACKWARD_BLOCK_ARRAYS", "RING_BLOCKS_HELD", "SCHEMES", "order_collective", "scheme_collectives",
            "scheme_memory"]

@@ -12,7 +12,6 @@ from triax.pipeline import build
 from triax.pipeline.tick_program import compile_program
 from triax.planner.verify import compile_figures
 from triax.planner.workload import Layout, Workload
-from triax.sharding.context_costs import RING_BACKWARD_ARRAYS
 
 # model, layers, batch, seq, layout: few layers keep compiles short.
 CASES = {
@@ -144,10 +143,11 @@ CONTEXT_CASES = {
     # ZeRO-1: the gradients all-reduced over context at the optimizer's sharding.
     "tiny-cp2-zero1": ("tiny", 2, 8, 512, Layout(data=4, context=2, strategy="zero1")),
 }
-# Written for the flash-style custom-VJP ring (branch `ring`: saves q, its K/V block, o and
-# the log-sum-exp; K/V travel on with their gradients in the backward). The autodiff ring
-# it replaces keeps every hop's scores, so this fails until that ring merges; then it must
-# pass (strict) and the mark goes.
+# Written for the flash-style custom-VJP ring (branch `ring`, sharding/ring.py: saves q, its
+# K/V block, o and the log-sum-exp; dK/dV travel with their blocks in the backward) and
+# checked against it merged in a scratch checkout. The autodiff ring it replaces keeps every
+# hop's scores, so this fails until that ring merges; then it passes (strict) and the mark
+# goes.
 RING_CASES = {
     "tiny-cp4-ring": ("tiny", 2, 4, 256, Layout(data=2, context=4, strategy="dp",
                                                 context_attention="ring")),
@@ -186,20 +186,23 @@ def test_ring_memory_and_bytes_match_compiled(devices, key):
 
 def test_context_traffic_follows_the_scheme():
     # The formula against the schemes, not a compile: per layer, the all-gather scheme
-    # gathers K and V forward and reduce-scatters their gradients backward (T·K·H each);
-    # the ring passes (T/C)·K·H blocks C−1 times forward and, with their gradients, back;
-    # full remat reruns the forward's; the keys' order moves once; every gradient is
-    # all-reduced over context (dp: the whole fp32 parameters).
+    # gathers K and V forward and reduce-scatters their gradients backward (T·K·H each),
+    # the keys' order gathered once per step; the ring passes the stacked K/V block
+    # ((T/C)·K·H each) and its keys' order C−1 times forward and again backward, with the
+    # block's dK/dV, which takes one more hop home; full remat reruns the forward's; every
+    # gradient is all-reduced over context (dp: the whole fp32 parameters).
     cfg = config.get("tiny", num_layers=3)
-    B, T, C = 4, 256, 4
-    kv = B // 2 * cfg.num_kv_heads * cfg.head_dim * 4          # one [B/data, ·, K, H] row
+    B, T, C, L = 4, 256, 4, 3
+    rows = B // 2
+    kv = rows * cfg.num_kv_heads * cfg.head_dim * 4          # one K (or V) row of T, fp32
     for remat, again in (("none", 1), ("full", 2)):
         w = Workload.of(cfg, train=True, dtype="fp32", batch=B, seq=T, remat=remat)
         ag = traffic(w, Layout(data=2, context=C))["context"].payload_by_kind
-        assert ag["all-gather"] == 3 * 2 * again * T * kv + B // 2 * T * 4
-        assert ag["reduce-scatter"] == 3 * 2 * T * kv
+        assert ag["all-gather"] == L * 2 * again * T * kv + rows * T * 4
+        assert ag["reduce-scatter"] == L * 2 * T * kv
         assert ag["all-reduce"] == estimate(w, Layout(data=2, context=C)).params
         ring = traffic(w, Layout(data=2, context=C, context_attention="ring"))["context"]
-        block = T // C * kv
+        block, order = 2 * T // C * kv, rows * T // C * 4
+        hops = (C - 1) * (again + 1)
         assert ring.payload_by_kind["collective-permute"] == \
-            3 * (C - 1) * (2 * again + RING_BACKWARD_ARRAYS) * block + (C - 1) * B // 2 * T // C * 4
+            L * (hops * (block + order) + C * block)
