@@ -98,6 +98,12 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
     """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
     it on a mesh of ``sizes`` (the placement the step compiles with)."""
+    return _local_elements(tuple(shape), tuple(logical), rules, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=1 << 16)   # the search asks the same leaf on the same mesh often
+def _local_elements(shape, logical, rules: Rules, items) -> int:
+    sizes = dict(items)
     spec = rules.spec(logical, shape, sizes)
     n = 1
     for i, dim in enumerate(shape):
