@@ -54,6 +54,7 @@ class PlanResult:
                 "schedule": lay.schedule.value if lay.pipe > 1 and lay.schedule else None,
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,
+                "context_attention": lay.context_attention if lay.context > 1 else None,
                 "devices": lay.devices,
                 "memory_per_device": self.memory.as_dict(),
                 "comm_bytes_per_device": {a: int(t.wire) for a, t in self.traffic.items()},

@@ -149,7 +149,7 @@ CONTEXT_CASES = {
 # hop's scores, so this fails until that ring merges; then it passes (strict) and the mark
 # goes.
 RING_CASES = {
-    "tiny-cp4-ring": ("tiny", 2, 2, 4096, Layout(data=2, context=4, strategy="dp",
+    "tiny-cp4-ring": ("tiny", 2, 4, 4096, Layout(data=2, context=4, strategy="dp",
                                                 context_attention="ring")),
 }
 
