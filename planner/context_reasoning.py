@@ -16,7 +16,7 @@ plans' own figures.
     (True, False)
     >>> why = context_reasoning(w, SearchResult(fitting=[ring], overflowing=[gather]), ring)
     >>> print(why[0])
-    Context parallelism: each 262,144-token sequence is split over context=8, so a device keeps the activations of 32,768 tokens of it (18.2 GB); without it no plan fits.
+    Context parallelism: each 262,144-token sequence is split over context=8, so a device keeps the activations of 32,768 tokens of it (18.3 GB); without it no plan fits.
     >>> why[1].startswith("Scheme ring: the ring passes each layer's K/V blocks on")
     True
 """
