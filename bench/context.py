@@ -1,114 +1,137 @@
-"""Context parallelism's structural figures, from compiled programs (deterministic: no timing):
-attention FLOPs per context rank of the ring (its forward and backward alone, tiny's heads,
-T = 8·C) for the zigzag and contiguous layouts, and the compiled temporaries per device of
-tiny's training step (1 layer, batch 1, seq 8192) by scheme and context size.
+"""Context parallelism on 8 simulated CPU devices: per sequence length, one device against
+the sequence split over ``context=8`` by each scheme (all-gather, ring). Per row: step time
+(best of ``--reps``) and its ratio to one device, or "does not fit" where the compiled
+step's peak (``memory_analysis``) exceeds the stated per-device budget (such a row is not
+run); compiled temporaries; bytes over ``context`` from the HLO; and the planner's
+prediction beside each (``triax.planner``: peak and context bytes, predicted for the CPU's
+attention kernel).
 
-The table goes into docs/long_context.md (section "Measured"); tests/test_ring_attention.py
-holds the same facts as bounds.
+    JAX_NUM_CPU_DEVICES=8 python bench/context.py                      # 2k, 8k, 32k; prints
+    JAX_NUM_CPU_DEVICES=8 python bench/context.py --write              # into benchmarks.md
+    JAX_NUM_CPU_DEVICES=8 python bench/context.py --seqs 2048 --reps 1     # a quick check
 
-    JAX_NUM_CPU_DEVICES=8 python bench/context.py             # prints and writes the section
-    JAX_NUM_CPU_DEVICES=8 python bench/context.py --no-write
+Times are wall-clock on the host's CPU cores shared by the 8 simulated devices: run it on a
+quiet machine. Every device of a row lives in the same host memory, so a fitting row holds
+up to 8 × the budget.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
-from pathlib import Path
+import sys
+import time
 
 os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-from tables import write_section  # noqa: E402  (bench/ is the script's dir)
+from tables import BENCHMARKS_MD, write_section  # noqa: E402  (bench/ is the script's dir)
 
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
-from triax.models.attention import Visibility  # noqa: E402
-from triax.models.layers import ExecConfig  # noqa: E402
-from triax.sharding.context import context_attention, zigzag_order  # noqa: E402
-from triax.sharding.introspect.memory import memory_from_compiled  # noqa: E402
-from triax.sharding.introspect.ring_balance import flops_per_rank  # noqa: E402
+from triax.planner.comm import traffic  # noqa: E402
+from triax.planner.memory import estimate  # noqa: E402
+from triax.planner.workload import Layout, Workload  # noqa: E402
+from triax.sharding.context import SCHEMES  # noqa: E402
+from triax.sharding.introspect import bytes_over, collectives_from_compiled, \
+    memory_from_compiled  # noqa: E402
 from triax.sharding.rules import get_strategy  # noqa: E402
-from triax.training.step import Trainer  # noqa: E402
+from triax.training.step_cache import compiled_for  # noqa: E402
 from triax.units import human_bytes  # noqa: E402
 
-LONG_CONTEXT_MD = Path(__file__).resolve().parents[1] / "docs" / "long_context.md"
-HEADING = "## Measured: balance and memory"
-CFG = config.TINY.replace(num_layers=1)
+HEADING = "## Context parallelism"
+LAYERS, BATCH, CONTEXT = 2, 1, 8
 
 
-def strategy(scheme: str):
-    return dataclasses.replace(get_strategy("dp"), context_attention=scheme)
+def measure(cfg, T: int, context: int, scheme: str, budget: int, reps: int) -> dict:
+    """Compile one step (abstract inputs) and, when its peak fits ``budget``, time it."""
+    devices = jax.devices()[:context]
+    mesh = make_mesh(context=context, devices=devices)
+    strategy = dataclasses.replace(get_strategy("dp"), context_attention=scheme)
+    c = compiled_for(dict(model=cfg, mesh=mesh, strategy=strategy), BATCH, T)
+    step = c.step
+    mem = memory_from_compiled(step)
+    cols = collectives_from_compiled(step, mesh)
+    w = Workload.of(cfg, train=True, dtype="fp32", batch=BATCH, seq=T, backend="cpu")
+    lay = Layout(context=context, context_attention=scheme)
+    predicted = traffic(w, lay).get("context")
+    row = {"peak": mem.peak_bytes, "temp": mem.temp_bytes,
+           "predicted_peak": estimate(w, lay).modelled,
+           "context_bytes": bytes_over(cols, axis="context") if context > 1 else 0,
+           "predicted_context": predicted.payload if predicted else 0.0, "ms": None}
+    if mem.peak_bytes > budget:
+        return row
+    state = c.init(seed=0)
+    batch = c.trainer.shard_batch(c.trainer.example_batch(BATCH, T))
+    best = float("inf")
+    for _ in range(reps + 1):          # the first run is a warm-up
+        t = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        best = min(best, time.perf_counter() - t)
+    row["ms"] = best * 1e3
+    del state
+    return row
 
 
-def ring_flops(C: int, layout: str) -> np.ndarray:
-    T = 8 * C
-    mesh = make_mesh(context=C, devices=jax.devices()[:C])
-    hook = context_attention(mesh, strategy("ring").rules, "ring", layout)
-    order = zigzag_order(T, C) if layout == "zigzag" else np.arange(T)
-    vis = Visibility.self_attention(jnp.asarray(order, jnp.int32)[None])
-    sh = NamedSharding(mesh, P(None, "context"))
-    args = [jax.ShapeDtypeStruct((1, T, n, CFG.head_dim), jnp.float32, sharding=sh)
-            for n in (CFG.num_heads, CFG.num_kv_heads, CFG.num_kv_heads, CFG.num_heads)]
-    f = jax.jit(jax.grad(lambda q, k, v, w: jnp.sum(hook(q, k, v, vis, "auto") * w),
-                         argnums=(0, 1, 2)))
-    return np.array(flops_per_rank(f.lower(*args).compile(), layout, C))
+def table(seqs, budget: int, reps: int) -> list[str]:
+    rows = ["| seq | plan | step ms | ÷ one device | peak compiled / planner | temporaries | "
+            "context bytes HLO / planner |",
+            "|---:|---|---:|---:|---:|---:|---:|"]
+    for T in seqs:
+        cfg = config.get("tiny", num_layers=LAYERS)
+        cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, T))
+        single = None
+        for context, scheme in [(1, "all-gather")] + [(CONTEXT, s) for s in SCHEMES]:
+            r = measure(cfg, T, context, scheme, budget, reps)
+            plan = "one device" if context == 1 else f"context={context} {scheme}"
+            if context == 1:
+                single = r["ms"]
+            if r["ms"] is None:
+                ms = ratio = "does not fit"
+            else:
+                ms = f"{r['ms']:.1f}"
+                ratio = "1.00" if context == 1 else (
+                    f"{r['ms'] / single:.2f}" if single else "(one device does not fit)")
+            ctx = "—" if context == 1 else (
+                f"{human_bytes(r['context_bytes'])} / {human_bytes(r['predicted_context'])}")
+            rows.append(f"| {T:,} | {plan} | {ms} | {ratio} | {human_bytes(r['peak'])} / "
+                        f"{human_bytes(r['predicted_peak'])} | {human_bytes(r['temp'])} | "
+                        f"{ctx} |")
+            print(rows[-1], flush=True)
+    return rows
 
 
-def temps(C: int, scheme: str, attention: str, T: int) -> int:
-    tr = Trainer(CFG.replace(max_seq_len=T), make_mesh(context=C, devices=jax.devices()[:C]),
-                 strategy(scheme), exe=ExecConfig(attention=attention))
-    return memory_from_compiled(tr.lower(1, T).compile()).temp_bytes
-
-
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--contexts", default="2,4,8")
-    ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--no-write", action="store_true")
-    a = ap.parse_args()
-    Cs = [int(c) for c in a.contexts.split(",")]
-    rows = ["| context | layout | FLOPs per rank (forward + backward) | max ÷ mean |",
-            "|---|---|---|---|"]
-    for C in Cs:
-        for layout in ("zigzag", "contiguous"):
-            f = ring_flops(C, layout)
-            rows.append(f"| {C} | {layout} | {', '.join(str(int(x)) for x in f)} | "
-                        f"{f.max() / f.mean():.3f} |")
-    one = {att: temps(1, "ring", att, a.seq) for att in ("auto", "blockwise")}
-    mem = ["| context | scheme | attention | temporaries per device | ÷ context=1 (auto) | "
-           "÷ context=1 (blockwise) |", "|---|---|---|---|---|---|"]
-    mem += [f"| 1 | (none) | {att} | {human_bytes(b)} | {b / one['auto']:.3f} | "
-            f"{b / one['blockwise']:.3f} |" for att, b in one.items()]
-    for C in Cs:
-        for scheme in ("ring", "all-gather"):
-            b = temps(C, scheme, "auto", a.seq)
-            mem.append(f"| {C} | {scheme} | auto | {human_bytes(b)} | {b / one['auto']:.3f} | "
-                       f"{b / one['blockwise']:.3f} |")
-    body = "\n".join([
-        HEADING, "",
-        "Attention FLOPs per context rank, read from the compiled HLO of the ring's forward "
-        "and backward alone (tiny's heads, T = 8·C, fp32; `sharding.introspect.ring_balance`"
-        "):", "", *rows, "",
-        "Rank i's figure is the local block plus, per ring step, the branch it takes. "
-        "Contiguous: rank i computes i + 1 blocks, max ÷ mean about 2C/(C+1) (a little above: "
-        "at this size XLA merges the local block's recomputed scores in the backward with the "
-        "forward's, so the local block costs one matmul less than a ring step's whole block). "
-        "Zigzag: every rank computes its local block and C−1 half blocks.", "",
-        f"Compiled temporaries per device of tiny's training step (1 layer, batch 1, seq "
-        f"{a.seq}, fp32; `memory_analysis()`). `auto` is the reference kernel on CPU; the "
-        f"ring runs its own tiles whatever `--attention` says:", "", *mem, "",
-        "The ring's temporaries fall as 1/C (each step's scores are [B, N, T/C, 512]); the "
-        "all-gather scheme's too here, but with `auto` it materialises [B, N, T/C, T] "
-        "scores, and with a larger K·H it also holds the whole gathered K/V.", "",
-        "Regenerate: `JAX_NUM_CPU_DEVICES=8 python bench/context.py`."])
-    print(body)
-    if not a.no_write:
-        write_section(LONG_CONTEXT_MD, HEADING, body)
+    ap.add_argument("--seqs", default="2048,8192,32768", help="sequence lengths")
+    ap.add_argument("--budget-mib", type=int, default=1024,
+                    help="per-device memory budget: a step whose compiled peak exceeds it "
+                    "does not fit and is not run")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--write", action="store_true", help=f"write the table into "
+                    f"{BENCHMARKS_MD.name} ({HEADING[3:]!r})")
+    args = ap.parse_args(argv)
+    if len(jax.devices()) < CONTEXT:
+        sys.exit(f"bench/context.py needs {CONTEXT} devices, JAX has {len(jax.devices())}; "
+                 f"set JAX_NUM_CPU_DEVICES={CONTEXT}")
+    budget = args.budget_mib * 2**20
+    rows = table([int(s) for s in args.seqs.split(",")], budget, args.reps)
+    if args.write:
+        intro = (f"Regenerate with `JAX_NUM_CPU_DEVICES=8 python bench/context.py --write` "
+                 f"(quiet machine). tiny, {LAYERS} layers, batch {BATCH}, fp32, the CPU's "
+                 f"attention kernel (reference), train step (forward + backward + AdamW); "
+                 f"one device against the sequence split over context={CONTEXT}. A row "
+                 f"whose compiled peak (`memory_analysis`) exceeds {args.budget_mib} MiB "
+                 f"per device does not fit and is not run. \"planner\": `triax.planner`'s "
+                 f"predicted peak (`estimate(...).modelled`) and context payload "
+                 f"(`traffic(...)`), formulas in [planner.md](planner.md). The ring rows "
+                 f"compile the ring of the day; the planner's ring terms are written for "
+                 f"the flash-style custom-VJP ring.")
+        write_section(BENCHMARKS_MD, HEADING, intro + "\n\n" + "\n".join(rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

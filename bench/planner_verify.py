@@ -11,7 +11,8 @@ removed ``PIPELINE_STASH_FACTOR`` was fitted on the tiny 1F1B/GPipe rows); "deri
 marks the rows a term was derived on (``DERIVED_ON``: what the compiled program holds that
 the model missed), "check" the rows added to check those terms on (``CHECKS``). ``--new``
 runs only the rows added for issue 12 (zb-h1, interleaved, remat=full, pipe × tensor),
-``--checks`` only the check rows.
+``--checks`` only the check rows, ``--context`` only the context rows (issue 14;
+``models.attention_memory``'s one fitted figure came from whole-sequence rows, not these).
 """
 import os
 import sys
@@ -38,6 +39,14 @@ NEW = [
      "full"),
     ("tiny", 2, 16, 32, dict(data=2, pipe=2, tensor=2, schedule=ONE_F_ONE_B, microbatches=4),
      "tp"),
+]
+# Context parallelism (issue 14): both schemes at a few sequence lengths.
+CONTEXT = [
+    ("tiny", 2, 4, T, dict(data=2, context=4, context_attention=scheme), "dp")
+    for scheme in ("all-gather", "ring") for T in (256, 512, 1024)
+] + [
+    ("tiny", 2, 4, 512, dict(data=2, context=4), "fsdp"),
+    ("tiny", 2, 8, 512, dict(data=4, context=2), "zero1"),
 ]
 CASES = [
     ("tiny", 2, 16, 32, dict(data=8), "dp"),
@@ -88,7 +97,7 @@ CHECKS = [
     ("tiny-moe", 4, 16, 32, dict(data=2, pipe=2, expert=2, schedule=ONE_F_ONE_B,
                                  microbatches=4), "dp"),
 ]
-CASES += CHECKS
+CASES += CHECKS + CONTEXT
 
 
 def cell(pred: float, got: float) -> str:
@@ -99,11 +108,13 @@ def main():
     print("| model (layers) | B×T | plan | fitted | state pred/compiled MiB | peak "
           "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
     print("|---|---|---|---|---|---|---|")
-    rows = NEW if "--new" in sys.argv else CHECKS if "--checks" in sys.argv else CASES
+    rows = (NEW if "--new" in sys.argv else CHECKS if "--checks" in sys.argv
+            else CONTEXT if "--context" in sys.argv else CASES)
     for row in rows:
         name, layers, B, T, sizes, strategy, *remat = row
-        w = Workload.of(config.get(name, num_layers=layers), train=True, dtype="fp32",
-                        batch=B, seq=T, remat=remat[0] if remat else "none")
+        cfg = config.get(name, num_layers=layers)
+        w = Workload.of(cfg.replace(max_seq_len=max(cfg.max_seq_len, T)), train=True,
+                        dtype="fp32", batch=B, seq=T, remat=remat[0] if remat else "none")
         sched = sizes.get("schedule")
         fitted = "yes" if not remat and (name, layers, sched and sched.value,
                                          sizes.get("microbatches")) in FITTED else "no"

@@ -3,13 +3,15 @@ checks the top plans by compiling them on simulated CPU devices.
 
     triax plan --model llama3-70b --inference --gpu h100-80gb --gpus-per-node 8 --nodes 1
     triax plan --params 7e9 --train --gpu a100-40gb --gpus-per-node 8 --nodes 2 --json
+    triax plan --model llama3-8b --train --seq-len 131072 --gpu h100-80gb --gpus-per-node 8 \
+        --nodes 4 --mesh data=8,context=4 --strategy fsdp --context-attention ring
 """
 from __future__ import annotations
 
 import json
 
 from triax.cli.common import start_devices
-from triax.training.config import PRECISIONS
+from triax.training.config import PRECISIONS, RunConfig
 
 
 def add_parser(sub) -> None:
@@ -36,6 +38,13 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                    help="activation checkpointing for --mesh")
+    p.add_argument("--context-attention",   # RunConfig's choices: JAX-free, = context.SCHEMES
+                   choices=RunConfig.__dataclass_fields__["context_attention"].metadata["choices"],
+                   help="attention across the context axis: the scheme for --mesh with "
+                   "context > 1; without --mesh, the only scheme searched (default: both)")
+    p.add_argument("--attention", default="auto", help="attention implementation the step "
+                   "runs: auto (cuDNN's flash kernel on GPU where it applies) | reference | "
+                   "blockwise | dot_product")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--verify", action="store_true",
                    help="compile the top plans on simulated CPU devices and compare")
@@ -61,14 +70,11 @@ def _layout(args):
     sizes = parse_mesh(args.mesh)
     if any(v < 1 for v in sizes.values()):
         raise ValueError(f"--mesh sizes must be ≥ 1 (no -1 fill in a plan): {args.mesh}")
-    if sizes.get("context", 1) > 1:
-        raise ValueError(f"--mesh {args.mesh}: the planner does not model context parallelism "
-                         f"yet; plan without the context axis, or measure a context mesh with "
-                         f"`triax inspect --mesh {args.mesh}`")
     sched = ScheduleKind.parse(args.schedule) if args.schedule else None
     return Layout(**sizes, strategy=args.strategy, schedule=sched,
                   microbatches=args.microbatches or 1,
-                  virtual=2 if sched is ScheduleKind.INTERLEAVED else 1)
+                  virtual=2 if sched is ScheduleKind.INTERLEAVED else 1,
+                  context_attention=args.context_attention or "all-gather")
 
 
 def run(args) -> int:
@@ -80,6 +86,7 @@ def run(args) -> int:
     from triax.planner.decide import plan
     from triax.planner.plan_table import text_report
     from triax.planner.workload import Workload
+    from triax.sharding.context import SCHEMES
 
     cat = hardware.load_catalog(args.hardware)
     cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
@@ -90,8 +97,9 @@ def run(args) -> int:
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
-                    remat=args.remat)
-    rec = plan(w, cluster, top=args.top, layout=_layout(args))
+                    remat=args.remat, attention=args.attention)
+    schemes = (args.context_attention,) if args.context_attention else SCHEMES
+    rec = plan(w, cluster, top=args.top, layout=_layout(args), schemes=schemes)
     out = rec.to_json()
     if args.verify:
         from triax.planner.verify import verify

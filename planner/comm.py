@@ -20,10 +20,13 @@ from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
-from triax.planner.memory import FP32, local_elements, local_param_elements, param_leaves
+from triax.mesh.build import AXES
+from triax.planner.memory import FP32, _tp_div, local_elements, local_param_elements, \
+    param_leaves
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.workload import Layout, Workload, ceil_div
+from triax.sharding.context_costs import order_collective, scheme_collectives
 from triax.sharding.rules import get_strategy
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -38,11 +41,15 @@ class AxisTraffic:
 
     size: int
     payload_by_kind: dict[str, float] = field(default_factory=dict)
-    messages: int = 0
+    messages_by_kind: dict[str, int] = field(default_factory=dict)
 
     def add(self, kind: str, payload: float, count: int = 1) -> None:
         self.payload_by_kind[kind] = self.payload_by_kind.get(kind, 0.0) + payload * count
-        self.messages += count
+        self.messages_by_kind[kind] = self.messages_by_kind.get(kind, 0) + count
+
+    @property
+    def messages(self) -> int:
+        return sum(self.messages_by_kind.values())
 
     @property
     def payload(self) -> float:
@@ -62,8 +69,11 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         _other_batch_axes(w, lay, out)
     if w.cfg is None:
         return out
-    # Tokens one replica runs: a training step's B·T, or one decode step's B new tokens.
-    tokens = w.batch / lay.batch_shards * (w.seq if w.train else 1)
+    # Tokens one device runs: a training step's B·T (T/C of each sequence under context
+    # parallelism), or one decode step's B new tokens.
+    rules = get_strategy(lay.strategy).rules
+    tokens = w.batch / lay.batch_shards * (
+        w.seq / rules.split_size("seq", lay.sizes) if w.train else 1)
     act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
     layers = ceil_div(w.cfg.num_layers, lay.pipe)
     passes = 2 if w.train else 1                          # forward (+ backward)
@@ -77,7 +87,46 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         # an all-to-all's output).
         recomputed = 1 if w.train and w.remat != "none" else 0
         out["expert"].add("all-to-all", _moe_buffer(w, lay), 2 * layers * (passes + recomputed))
+    if "context" in out and w.train:
+        _context_axis(w, lay, out["context"], layers)
     return out
+
+
+def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None:
+    """Context parallelism: each layer's attention moves K/V over ``context`` by its scheme
+    (``sharding.context_costs``: all-gather forward and reduce-scatter backward, or the
+    ring's permutes; a recomputed forward moves them again), the keys' order once per step,
+    and ``context`` is a batch axis for the weights: every gradient is all-reduced over it
+    at the optimizer's sharding (the embedding table's whole where that splits it over
+    ``data``), and under FSDP an exchanged lookup's output is gathered over ``context``
+    once (``fsdp_gathers_table``: not where the table itself is gathered)."""
+    cfg = w.cfg
+    rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
+    kv = _tp_div(cfg.num_kv_heads, lay.tensor)
+    forward_again = 2 if w.remat != "none" else 1
+    size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
+    for kind, elements, fwd, bwd, dtype in scheme_collectives(
+            lay.context_attention, seq=w.seq, context=lay.context, kv_heads=kv,
+            head_dim=cfg.head_dim):
+        count = (fwd * forward_again + bwd) * layers
+        if count:
+            t.add(kind, rows * elements * size[dtype], count)
+    kind, elements, ops = order_collective(lay.context_attention, seq=w.seq,
+                                           context=lay.context)
+    if ops:
+        t.add(kind, rows * elements * 4, ops)                   # int32
+    st = get_strategy(lay.strategy)
+    fsdp = st.fsdp and lay.data > 1
+    whole = get_strategy(lay.unsharded_over_data().strategy).rules
+    grads = 0
+    for path, shape, logical in param_leaves(cfg):   # at the optimizer's (ZeRO-1) sharding
+        opt = local_elements(shape, logical, st.optimizer_rules, lay.sizes)
+        table = path.startswith("embed/") and opt < local_elements(shape, logical, whole,
+                                                                   lay.sizes)
+        grads += local_elements(shape, logical, whole, lay.sizes) if table else opt
+    t.add("all-reduce", grads * FP32)
+    if fsdp and not fsdp_gathers_table(w, lay):    # the exchanged lookup's output
+        t.add("all-gather", rows * w.seq * cfg.embed_dim * w.dtype_bytes)
 
 
 def _moe_buffer(w: Workload, lay: Layout) -> float:
@@ -155,17 +204,32 @@ def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
         _fsdp(w, lay, t)
 
 
+def fsdp_gathers_table(w: Workload, lay: Layout) -> bool:
+    """XLA's choice for the FSDP-split embedding lookup, as the compiled HLO shows it: the
+    table is gathered over ``data`` when it is smaller than the lookup's output for the
+    replica's sequences (B/data · T · D); otherwise the activations are exchanged (tiny:
+    exchanged at 2 × 32 and 2 × 128 tokens, gathered at 2 × 256 and 2 × 512)."""
+    tokens = w.batch / lay.batch_shards * w.seq
+    return w.cfg.vocab_size < tokens
+
+
 def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """FSDP by parameter: block weights are gathered in the forward and again in the
     backward (the layer scan frees them), the head once; every gradient but the embedding
     table's is reduce-scattered. The embedding table stays split over ``embed``: the
-    lookup's activations are exchanged instead (an all-to-all each way)."""
+    lookup's activations are exchanged instead (an all-to-all each way), or, where the table
+    is the smaller (``fsdp_gathers_table``), the table is gathered for the forward and the
+    backward and its gradient all-reduced."""
     sharded = get_strategy(lay.strategy).rules
     whole = get_strategy(lay.unsharded_over_data().strategy).rules
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
         if path.startswith("embed/"):
+            if fsdp_gathers_table(w, lay):
+                t.add("all-gather", full * w.dtype_bytes, 2)
+                t.add("all-reduce", full * FP32)
+                continue
             tokens = w.batch / lay.batch_shards * w.seq
             t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 2)
             continue
@@ -175,7 +239,7 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
 
 
 # ---- placement on links ------------------------------------------------------------------
-INNER_TO_OUTER = ("tensor", "expert", "pipe", "data")
+INNER_TO_OUTER = tuple(reversed(AXES))   # tensor innermost, then context, expert, pipe, data
 
 
 def axis_links(lay: Layout, cluster: Cluster) -> dict[str, Link]:
@@ -195,6 +259,14 @@ def comm_seconds(traffic_by_axis: dict[str, AxisTraffic], links: dict[str, Link]
     return {a: t.wire / (links[a].bandwidth * efficiency)
             + t.messages * (t.size - 1) * links[a].latency
             for a, t in traffic_by_axis.items()}
+
+
+def kind_seconds(t: AxisTraffic, link: Link, efficiency: float, kinds) -> float:
+    """The part of ``comm_seconds`` for one axis that collectives of ``kinds`` take (their
+    wire bytes and messages)."""
+    wire = sum(_WIRE[k](t.size) * b for k, b in t.payload_by_kind.items() if k in kinds)
+    messages = sum(t.messages_by_kind.get(k, 0) for k in kinds)
+    return wire / (link.bandwidth * efficiency) + messages * (t.size - 1) * link.latency
 
 
 def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:

@@ -31,8 +31,10 @@ from triax.planner.hardware import Cluster
 from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
 from triax.planner.op_costs import op_costs_for
 from triax.planner.pipeline_math import microbatch_constraint
-from triax.planner.search import search
+from triax.planner.context_reasoning import context_reasoning
+from triax.planner.search import context_reason, search
 from triax.planner.workload import Layout, Workload
+from triax.sharding.context import SCHEMES
 from triax.sharding.rules import get_strategy
 
 SLOW_LINK_MAX_TP = 2
@@ -138,8 +140,10 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
 
 
 def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] = None,
-         assume: Optional[Assumptions] = None) -> Recommendation:
-    """Search (or evaluate the given ``layout``) and explain the choice."""
+         assume: Optional[Assumptions] = None,
+         schemes: tuple[str, ...] = SCHEMES) -> Recommendation:
+    """Search (or evaluate the given ``layout``) and explain the choice; context layouts are
+    searched with each of ``schemes``."""
     min_dev = min_devices_for_weights(w, cluster.device.memory)
     why = _opening(w, cluster, min_dev)
     if layout is not None:
@@ -149,7 +153,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
                          f"just for its weights ({w.weight_bytes / 1e9:.1f} GB), but the "
                          f"cluster has {cluster.devices}; use --nodes/--gpus-per-node for "
                          f"≥ {min_dev} devices")
-    res = search(w, cluster, assume)
+    res = search(w, cluster, assume, schemes=schemes)
     if not res.fitting:
         raise ValueError(_nothing_fits(w, cluster, res))
     ranked = _apply_rules(w, cluster, res.fitting, why)
@@ -171,6 +175,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
+    why.extend(context_reasoning(w, res, best))
     used = _op_costs(w, res.fitting, why)
     return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions(), used)
 
@@ -209,6 +214,11 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
                         if layout.sizes.get(a, 1) > 1) or "data"
         raise ValueError(f"batch size {w.batch} does not divide over {axes}={shards}; "
                          f"choose a batch size divisible by {shards}")
+    why_not = context_reason(w, layout.context, layout.pipe)
+    if why_not:
+        raise ValueError(f"--mesh {layout.mesh_str}: {why_not}; plan without the context "
+                         f"axis, or measure the mesh with `triax inspect --mesh "
+                         f"{layout.mesh_str}`")
     if layout.pipe > 1:
         layout = _pipeline_defaults(w, layout)
     r = evaluate(w, layout, cluster, assume)

@@ -6,7 +6,7 @@
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=8, seq=4096, remat="full")
     >>> p = evaluate(w, Layout(data=8, strategy="fsdp"), hardware.cluster("h100-80gb", 8, 1))
     >>> p.fits, round(p.memory.total / 1e9)
-    (True, 31)
+    (True, 29)
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ class PlanResult:
                 "schedule": lay.schedule.value if lay.pipe > 1 and lay.schedule else None,
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,
+                "context_attention": lay.context_attention if lay.context > 1 else None,
                 "devices": lay.devices,
                 "memory_per_device": self.memory.as_dict(),
                 "comm_bytes_per_device": {a: int(t.wire) for a, t in self.traffic.items()},
@@ -97,6 +98,17 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
     return compute, 1.0 - M * per_mb / busy, busy
 
 
+def attention_seconds(w: Workload, lay: Layout, cluster: Cluster,
+                      assume: Assumptions) -> float:
+    """Seconds of the step's attention on one device (``ModelConfig.flops_per_token``'s
+    attention term at the same efficiency as the rest): what the ring's permutes hide under."""
+    if w.cfg is None or not w.train:
+        return 0.0
+    per_token = w.cfg.flops_per_token(w.seq) - 6.0 * w.cfg.active_params()
+    return (w.batch * w.seq * per_token / lay.devices
+            / (cluster.device.peak_flops(w.dtype) * assume.compute_efficiency))
+
+
 def evaluate(w: Workload, lay: Layout, cluster: Cluster,
              assume: Optional[Assumptions] = None) -> PlanResult:
     """Evaluate ``lay`` for ``w`` on ``cluster`` (raises ShardingError if it cannot split)."""
@@ -106,10 +118,22 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
     seconds = comm.comm_seconds(traffic, comm.axis_links(lay, cluster), assume.comm_efficiency)
     compute, bubble, busy = _busy_seconds(w, lay, mem, cluster, assume)
     # TP/PP/EP collectives sit on the critical path; DP/FSDP traffic overlaps part of the
-    # compute (bucketed gradient reduction, prefetched gathers).
-    data_t = seconds.get("data", 0.0)
-    exposed = sum(t for a, t in seconds.items() if a != "data") \
-        + max(0.0, data_t - assume.data_overlap * compute)
+    # compute (bucketed gradient reduction, prefetched gathers), and so does the gradient
+    # all-reduce over `context`. The ring's K/V permutes overlap the attention they feed
+    # (each hop's block is computed while the next arrives); the all-gather scheme's
+    # gathers and reduce-scatters are exposed.
+    links = comm.axis_links(lay, cluster)
+    ctx = traffic.get("context")
+    ctx_grads = ctx_ring = 0.0
+    if ctx is not None:
+        ctx_grads = comm.kind_seconds(ctx, links["context"], assume.comm_efficiency,
+                                      ("all-reduce",))
+        ctx_ring = comm.kind_seconds(ctx, links["context"], assume.comm_efficiency,
+                                     ("collective-permute",))
+    overlapped = seconds.get("data", 0.0) + ctx_grads
+    exposed = sum(t for a, t in seconds.items() if a != "data") - ctx_grads - ctx_ring \
+        + max(0.0, overlapped - assume.data_overlap * compute) \
+        + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume))
     step = busy + exposed
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)

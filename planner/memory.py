@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.models.attention_memory import AttentionMemory, attention_memory, kernel_for
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import MoE
@@ -37,6 +38,7 @@ from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.jaxpr_split import reads
 from triax.pipeline.runner import PipelineConfig
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
+from triax.sharding.context_costs import scheme_memory
 from triax.sharding.experts import varying_weight_axes
 from triax.sharding.rules import Rules, get_strategy
 from triax.training.config import PRECISIONS
@@ -104,6 +106,12 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
     """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
     it on a mesh of ``sizes`` (the placement the step compiles with)."""
+    return _local_elements(tuple(shape), tuple(logical), rules, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=1 << 16)   # the search asks the same leaf on the same mesh often
+def _local_elements(shape, logical, rules: Rules, items) -> int:
+    sizes = dict(items)
     spec = rules.spec(logical, shape, sizes)
     n = 1
     for i, dim in enumerate(shape):
@@ -141,16 +149,21 @@ def _tp_div(n: int, t: int) -> float:
 
 
 def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: int,
-                              remat: str, residual_split: int = 1) -> float:
+                              remat: str, residual_split: int = 1,
+                              attention: Optional[float] = None) -> float:
     """Elements one block saves for its backward pass, for ``tokens`` tokens on a device.
 
-    No remat: norm inputs/outputs and residuals (~6·D), q/k/v before and after rope and the
-    GQA-repeated k/v (5·N·H + 3·K·H), the scores and probabilities (2·N·T), SwiGLU's fused
-    gate/up, silu, product and its input (5·F); TP divides everything but the D-sized terms.
+    No remat: norm inputs/outputs and residuals (~6·D), q/k/v around rope, the kernel's
+    operands and the attention output (5·N·H + 3·K·H, whatever the kernel), what the
+    attention kernel keeps beyond (``attention``, per token: ``attention_per_token``; None:
+    the reference kernel on the whole sequence, its scores and probabilities, 2·N·T;
+    ``models.attention_memory``), SwiGLU's fused gate/up, silu, product and its input
+    (5·F); TP divides everything but the D-sized terms.
     (Coefficients checked against memory_analysis of tiny and small; see docs/planner.md.)
     MoE: SwiGLU's term is replaced by what ``models.moe`` keeps, traced, not a coefficient
     (:func:`moe_residual_elements`).
     ``full`` keeps only the block input (D); ``dots`` keeps the matmul outputs.
+    ``tokens`` are the device's own (under context parallelism T/C of each sequence).
     ``residual_split`` (``residual_split(rules, sizes)``: the tensor degree under sequence
     parallelism, else 1) divides the residual stream's terms: the two residuals, the
     attention and MLP outputs (reduce-scattered), the remat block input; the norm outputs
@@ -158,7 +171,10 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
-    scores = 2 * _tp_div(N, tensor) * seq
+    if attention is None:
+        attention = attention_memory("reference", queries=seq, keys=seq,
+                                     heads=_tp_div(N, tensor), kv_heads=_tp_div(K, tensor),
+                                     head_dim=H, remat=remat).saved / seq
     r = residual_split
     if remat == "full":
         return D / r * tokens
@@ -169,9 +185,9 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
         ffn = moe_residual_elements(cfg, seq, tensor, "none")
         ffn_dots = moe_residual_elements(cfg, seq, tensor, remat) if remat != "none" else ffn
     if remat in ("dots", "dots_no_batch"):
-        per_token = 2 * D / r + 2 * nh + 2 * kh + scores / 2 + ffn_dots
+        per_token = 2 * D / r + 2 * nh + 2 * kh + attention + ffn_dots
     else:   # the two norm outputs are gathered for the column-parallel matmuls: whole
-        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + scores + ffn
+        per_token = 2 * D + 4 * D / r + 5 * nh + 3 * kh + attention + ffn
     return per_token * tokens
 
 
@@ -227,28 +243,58 @@ def _expert_weight_copies(w: Workload, lay: Layout) -> float:
 
 
 def residual_split(rules: Rules, sizes: dict[str, int]) -> int:
-    """Devices one residual-stream activation (``res_seq``) is split over along the
-    sequence: the tensor degree under sequence parallelism, else 1."""
-    return rules.split_size("res_seq", sizes)
+    """Pieces one residual-stream activation (``res_seq``) is cut into along the sequence
+    beyond the sequence's own split (``seq``, over ``context``): the tensor degree under
+    sequence parallelism, else 1."""
+    return rules.split_size("res_seq", sizes) // rules.split_size("seq", sizes)
+
+
+def attention_kernel(w: Workload, lay: Layout) -> str:
+    """The attention kernel the step runs (``models.attention_memory.kernel_for``): the
+    workload's implementation on its backend; a context-parallel step's local blocks are not
+    plain causal, so ``dot_product`` takes XLA's path there, never cuDNN's."""
+    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
+    return kernel_for(w.attention, w.backend, PRECISIONS[w.dtype], w.cfg.head_dim,
+                      plain_causal=context == 1)
+
+
+def attention_per_token(w: Workload, lay: Layout, remat: str) -> AttentionMemory:
+    """What one layer's attention keeps per local token: the kernel on the whole sequence,
+    or under context parallelism the scheme's figures (``sharding.context_costs``)."""
+    cfg = w.cfg
+    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
+    m = scheme_memory(lay.context_attention, attention_kernel(w, lay), seq=w.seq,
+                      context=context, heads=_tp_div(cfg.num_heads, lay.tensor),
+                      kv_heads=_tp_div(cfg.num_kv_heads, lay.tensor), head_dim=cfg.head_dim,
+                      remat=remat)
+    queries = w.seq / context
+    return AttentionMemory(m.saved / queries, m.transient / queries)
 
 
 def activation_bytes(w: Workload, lay: Layout) -> float:
     """Saved activations on the busiest device: its layers × micro-batches in flight, plus
     one block's backward working set (its recomputed or saved internals and their
-    gradients), plus the fp32 logits, log-probabilities and their gradient.
+    gradients, and what its attention holds only while it runs), plus the fp32 logits,
+    log-probabilities and their gradient. Under context parallelism every token-wise term
+    is the device's T/C tokens of each sequence (the rules split ``seq`` over ``context``).
     """
     cfg = w.cfg
     if cfg is None or not w.train:
         return 0.0 if cfg is None else _inference_activations(w, lay)
+    rules = get_strategy(lay.strategy).rules
     local_batch = w.batch / lay.batch_shards
-    mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq
-    split = residual_split(get_strategy(lay.strategy).rules, lay.sizes)
-    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split)
+    mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq / rules.split_size("seq",
+                                                                                  lay.sizes)
+    split = residual_split(rules, lay.sizes)
+    attn = attention_per_token(w, lay, "none")
+    working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split,
+                                        attn.saved) + attn.transient * mb_tokens
     logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
     if lay.pipe > 1:
         return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
-    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split)
+    per_layer = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, w.remat, split,
+                                          attention_per_token(w, lay, w.remat).saved)
     saved = cfg.num_layers * (per_layer * in_flight + _expert_weight_copies(w, lay)) + working
     return (saved + logits) * w.dtype_bytes
 

@@ -1,6 +1,6 @@
-"""Exhaustive search: every (data, tensor, pipe[, expert]) factorization of the devices,
-every strategy, schedule and micro-batch count; drop what cannot split or does not fit;
-rank the rest by estimated step time.
+"""Exhaustive search: every (data, tensor, pipe[, expert][, context]) factorization of the
+devices, every strategy, schedule, micro-batch count and context scheme; drop what cannot
+split or does not fit; rank the rest by estimated step time.
 
     >>> from triax.models import config
     >>> from triax.planner import hardware
@@ -23,6 +23,7 @@ from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.workload import Layout, Workload, divisors
+from triax.sharding.context import SCHEMES, zigzag_order
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
 
@@ -79,10 +80,40 @@ def _schedules(w: Workload, pipe: int, local_batch: int
             yield kind, m, v, microbatch_constraint(kind, pipe, m, v)
 
 
+def context_reason(w: Workload, context: int, pipe: int = 1) -> Optional[str]:
+    """Why the planner does not model ``context`` over this workload (None: it does):
+    training a dense model, without pipeline stages, with a sequence the zigzag layout can
+    split (``sharding.context.zigzag_order``'s rule)."""
+    if context == 1:
+        return None
+    if w.cfg is None:
+        return "context parallelism needs a model (--model), not only --params"
+    if not w.train:
+        return ("the planner models context parallelism for training only (generate's "
+                "attention runs on the whole cache)")
+    if w.cfg.moe is not None:
+        return "context parallelism with MoE layers is not modelled"
+    if pipe > 1:
+        return "pipe × context is not modelled (the pipelined stages gather K/V)"
+    try:
+        zigzag_order(w.seq, context)
+    except ShardingError as e:
+        return str(e)
+    return None
+
+
+def _contexts(w: Workload, n: int) -> list[int]:
+    """Context sizes to try on ``n`` devices: 1, and for training every divisor that splits
+    the sequence (``context_reason``)."""
+    return [c for c in divisors(n) if context_reason(w, c) is None]
+
+
 def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
-            skipped: Optional[list] = None) -> Iterator[Layout]:
+            skipped: Optional[list] = None,
+            schemes: tuple[str, ...] = SCHEMES) -> Iterator[Layout]:
     """Every layout of the cluster's devices that the step can run (tensor stays within a
-    node). What the executor would refuse is not yielded; with ``refused`` given, one
+    node; context, where it splits the sequence, only without pipeline stages, with each of
+    ``schemes``). What the executor would refuse is not yielded; with ``refused`` given, one
     ``(layout, why)`` per such plan is appended to it (the executor's own reason). Plans with
     a stage or chunk holding no layer (``PADDED``) are not yielded either: ``skipped``."""
     n = cluster.devices
@@ -92,46 +123,52 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
         for t in divisors(n // e):
             if cluster.gpus_per_node % t:
                 continue
-            for p in divisors(n // (e * t)):
-                d = n // (e * t * p)
-                if p > 1 and why_not_pipe:
-                    if refused is not None:
-                        refused.append((Layout(d, t, p, e), why_not_pipe))
-                    continue
-                if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
-                    if skipped is not None:
-                        skipped.append((Layout(d, t, p, e), PADDED))
-                    continue
-                for st in _strategies(w, d, t):
-                    shards = Layout(d, t, p, e, st).batch_shards
-                    if w.batch % shards:      # the batch must split evenly
+            for c in _contexts(w, n // (e * t)):
+                for p in divisors(n // (e * t * c)) if c == 1 else (1,):
+                    d = n // (e * t * p * c)
+                    if p > 1 and why_not_pipe:
+                        if refused is not None:
+                            refused.append((Layout(d, t, p, e), why_not_pipe))
                         continue
-                    if p > 1:
-                        why = unpipelinable_mesh_reason(w.cfg, Layout(d, t, p, e).sizes,
-                                                        get_strategy(st).rules)
-                        if why:
-                            if refused is not None:
-                                refused.append((Layout(d, t, p, e, st), why))
+                    if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
+                        if skipped is not None:
+                            skipped.append((Layout(d, t, p, e), PADDED))
+                        continue
+                    for st in _strategies(w, d, t):
+                        shards = Layout(d, t, p, e, st).batch_shards
+                        if w.batch % shards:      # the batch must split evenly
                             continue
-                    for kind, m, v, why in _schedules(w, p, w.batch // shards):
-                        lay = Layout(d, t, p, e, st, kind, m, v)
-                        if why is None:
-                            yield lay
-                        elif why is PADDED:
-                            if skipped is not None:
-                                skipped.append((lay, why))
-                        elif refused is not None:
-                            refused.append((lay, why))
+                        if p > 1:
+                            why = unpipelinable_mesh_reason(w.cfg, Layout(d, t, p, e).sizes,
+                                                            get_strategy(st).rules)
+                            if why:
+                                if refused is not None:
+                                    refused.append((Layout(d, t, p, e, st), why))
+                                continue
+                        for kind, m, v, why in _schedules(w, p, w.batch // shards):
+                            lay = Layout(d, t, p, e, st, kind, m, v)
+                            if why is PADDED:
+                                if skipped is not None:
+                                    skipped.append((lay, why))
+                            elif why is not None:
+                                if refused is not None:
+                                    refused.append((lay, why))
+                            else:
+                                for scheme in schemes if c > 1 else ("all-gather",):
+                                    yield dataclasses.replace(lay, context=c,
+                                                              context_attention=scheme)
 
 
 def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
-           remats: tuple[str, ...] = ("none", "full")) -> SearchResult:
-    """Evaluate every layout (training also tries full remat) and sort the outcomes."""
+           remats: tuple[str, ...] = ("none", "full"),
+           schemes: tuple[str, ...] = SCHEMES) -> SearchResult:
+    """Evaluate every layout (training also tries full remat; context layouts each of
+    ``schemes``) and sort the outcomes."""
     res = SearchResult()
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
         and w.cfg is not None else [w]
-    for lay in layouts(w, cluster, res.not_runnable, res.not_searched):
+    for lay in layouts(w, cluster, res.not_runnable, res.not_searched, schemes):
         for wr in workloads:
             try:
                 r = evaluate(wr, lay, cluster, assume)

@@ -44,7 +44,8 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
     return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers,
                      mesh=",".join(f"{a}={n}" for a, n in lay.sizes.items()),
                      strategy=lay.strategy, batch_size=w.batch, seq_len=w.seq,
-                     precision=w.dtype, remat=w.remat,
+                     precision=w.dtype, remat=w.remat, attention=w.attention,
+                     context_attention=lay.context_attention,
                      schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
                      microbatches=lay.microbatches, virtual=lay.virtual)
 
@@ -73,11 +74,13 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
 def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
     env = dict(os.environ, JAX_NUM_CPU_DEVICES=str(lay.devices), JAX_PLATFORMS="cpu",
                TF_CPP_MIN_LOG_LEVEL="3")
-    arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers, "dtype": w.dtype,
+    arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers,
+                      "max_seq_len": w.cfg.max_seq_len, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "sizes": lay.sizes, "strategy": lay.strategy,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
-                      "virtual": lay.virtual})
+                      "virtual": lay.virtual, "attention": w.attention,
+                      "context_attention": lay.context_attention})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -93,8 +96,9 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     if not w.train:
         raise ValueError("--verify compiles the train step; use it with --train")
     # XLA's CPU backend runs bf16/fp16 arithmetic and collectives in fp32, so a CPU compile
-    # of a mixed-precision plan is checked as the fp32 plan it actually compiles to.
-    w = dataclasses.replace(w, dtype="fp32")
+    # of a mixed-precision plan is checked as the fp32 plan it actually compiles to, with
+    # the attention kernel the CPU runs (`auto` is the reference kernel there).
+    w = dataclasses.replace(w, dtype="fp32", backend="cpu")
     got = _in_process_or_subprocess(w, lay, timeout)
     mem = estimate(w, lay)
     predicted_comm = {a: t.payload for a, t in traffic(w, lay).items()}
@@ -147,10 +151,13 @@ def verify_trainer(trainer, batch, device: str = "h100-80gb",
 
 def _main(arg: str) -> None:
     a = json.loads(arg)
-    w = Workload.of(config.get(a["model"], num_layers=a["layers"]), train=True,
-                    dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"])
+    cfg = config.get(a["model"], num_layers=a["layers"]).replace(max_seq_len=a["max_seq_len"])
+    w = Workload.of(cfg, train=True,
+                    dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"],
+                    attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
-                 microbatches=a["microbatches"], virtual=a["virtual"])
+                 microbatches=a["microbatches"], virtual=a["virtual"],
+                 context_attention=a["context_attention"])
     print(json.dumps(compile_figures(w, lay)))
 
 

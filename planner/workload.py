@@ -10,6 +10,8 @@ unpipelined one has none.
     'data=4,tensor=2'
     >>> Layout(data=2, pipe=4, schedule=ScheduleKind.parse("1f1b"), microbatches=8).describe()
     'data=2,pipe=4 dp, 1f1b M=8'
+    >>> Layout(data=8, context=4, context_attention="ring").describe()
+    'data=8,context=4 dp, ring'
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from triax.mesh.build import AXES
+from triax.models.attention import resolve
 from triax.models.config import ModelConfig
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import get_strategy
@@ -37,6 +40,9 @@ class Workload:
     batch: int = 1
     seq: int = 2048
     remat: str = "none"            # none | full | dots (see models.transformer)
+    attention: str = "auto"        # the step's --attention (models.attention.resolve)
+    backend: str = "gpu"           # where it runs, which picks `auto`'s kernel: the planner
+    #                                plans GPUs; --verify's CPU compile predicts for "cpu"
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":
@@ -49,6 +55,7 @@ class Workload:
         for k in ("batch", "seq"):
             if k in kw and kw[k] < 1:
                 raise ValueError(f"--{'batch-size' if k == 'batch' else 'seq-len'} must be ≥ 1")
+        resolve(kw.get("attention", "auto"))   # an unknown --attention names the choices
         return cls(cfg, int(params or cfg.num_params), **kw)
 
     @property
@@ -82,6 +89,7 @@ class Layout:
     microbatches: int = 1
     virtual: int = 1
     context: int = 1    # last: callers build layouts positionally
+    context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
 
     @property
     def devices(self) -> int:
@@ -113,7 +121,8 @@ class Layout:
         sched = "" if self.pipe == 1 or self.schedule is None else (
             f", {self.schedule.value} M={self.microbatches}"
             + (f" v={self.virtual}" if self.virtual > 1 else ""))
-        return f"{self.mesh_str} {self.strategy}{sched}"
+        ctx = f", {self.context_attention}" if self.context > 1 else ""
+        return f"{self.mesh_str} {self.strategy}{sched}{ctx}"
 
 
 def ceil_div(a: int, b: int) -> int:

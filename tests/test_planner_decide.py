@@ -238,3 +238,55 @@ def test_pipelined_moe_with_expert_and_tensor_still_aborts_xla(devices):
     with pytest.raises(ScheduleError, match="aborts XLA's SPMD partitioner"):
         Pipeline(config.get("tiny-moe", num_layers=2), make_mesh(pipe=2, expert=2, tensor=2),
                  "tp", PipelineConfig("1f1b", 2))
+
+
+def test_search_tries_context_where_the_sequence_splits():
+    """Training searches context over the divisors that split the sequence for the zigzag
+    layout (T divisible by 2·C), with both schemes, without pipeline stages; inference and
+    an indivisible sequence get none."""
+    cluster = hardware.cluster("h100-80gb", 8, 1)
+    long = [lay for lay in layouts(_w("llama3-8b", True, batch=1, seq=32768), cluster)
+            if lay.context > 1]
+    assert {lay.context for lay in long} == {2, 4, 8}
+    assert {lay.context_attention for lay in long} == {"all-gather", "ring"}
+    assert all(lay.pipe == 1 for lay in long)
+    odd = _w("llama3-8b", True, batch=1, seq=4 * 1001)      # 2·C divides it for C = 2 only
+    assert {lay.context for lay in layouts(odd, cluster)} == {1, 2}
+    assert {lay.context for lay in layouts(_w("llama3-8b", False, batch=1, seq=32768),
+                                           cluster)} == {1}
+
+
+def test_long_sequence_plans_context_parallelism_and_says_why():
+    """One 262,144-token sequence on 32 GPUs: no plan without the context axis fits (the
+    activations), the ring's does; the reasoning says both."""
+    w = _w("llama3-8b", True, batch=1, seq=262144)
+    rec = plan(w, hardware.cluster("h100-80gb", 8, 4))
+    best = rec.plans[0]
+    assert best.layout.context > 1 and best.layout.context_attention == "ring"
+    why = " ".join(rec.reasoning)
+    assert "Context parallelism: each 262,144-token sequence is split" in why
+    assert "without it no plan fits (activations do not fit" in why
+    assert "context" in best.traffic
+
+
+def test_cli_context_mesh(capsys):
+    rc, out, _ = _cli(capsys, "--model", "llama3-8b", "--train", "--gpu", "h100-80gb",
+                      "--gpus-per-node", "8", "--nodes", "4", "--seq-len", "131072",
+                      "--mesh", "data=8,context=4", "--strategy", "fsdp", "--remat", "full",
+                      "--context-attention", "ring", "--json")
+    p = json.loads(out)["plans"][0]
+    assert rc == 0 and p["mesh"] == "data=8,context=4"
+    assert p["comm_payload_bytes_per_device"]["context"] > 0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--mesh", "data=2,pipe=2,context=2", "--seq-len", "1024"], "pipe × context is not modelled"),
+    (["--mesh", "data=2,context=4", "--seq-len", "1004"], "divisible by 2·context = 8"),
+    (["--mesh", "data=2,context=4", "--seq-len", "1024", "--inference"],
+     "context parallelism for training only"),
+])
+def test_cli_context_mesh_refused(capsys, args, msg):
+    job = [] if "--inference" in args else ["--train"]
+    rc, _, err = _cli(capsys, "--model", "llama3-8b", "--gpu", "h100-80gb", "--strategy", "dp",
+                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "8", *job, *args)
+    assert rc == 2 and msg in err, err
