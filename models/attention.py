@@ -336,12 +336,17 @@ def blockwise(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block_size: int = BLOCK_S
 
 # ---- jax.nn.dot_product_attention --------------------------------------------------------
 
+def cudnn_flash(backend: str, dtype, head_dim: int, plain_causal: bool) -> bool:
+    """Whether ``dot_product`` runs cuDNN's fused flash kernel on ``backend``: GPU, fp16/bf16,
+    head dim a multiple of 8 up to 128 and the plain causal mask (its own; an explicit mask
+    would be materialised). The planner asks it for backends other than this process's."""
+    return (backend == "gpu" and plain_causal
+            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+            and head_dim % 8 == 0 and head_dim <= 128)
+
+
 def _cudnn_fits(q_BTNH, vis: Visibility) -> bool:
-    """cuDNN flash attention here: GPU, fp16/bf16, head dim a multiple of 8 up to 128 and the
-    plain causal mask (its own; an explicit mask would be materialised)."""
-    H = q_BTNH.shape[-1]
-    return (jax.default_backend() == "gpu" and vis.plain_causal
-            and q_BTNH.dtype in (jnp.bfloat16, jnp.float16) and H % 8 == 0 and H <= 128)
+    return cudnn_flash(jax.default_backend(), q_BTNH.dtype, q_BTNH.shape[-1], vis.plain_causal)
 
 
 def dot_product(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):

@@ -12,7 +12,7 @@ reference kernel at short T, blockwise and the ring alike).
   its backward holds a third score-sized array while it runs (``SOFTMAX_BACKWARD_SCORES``,
   N per pair, transient);
 - ``dot_product`` through XLA (``jax.nn.dot_product_attention`` without cuDNN): the same;
-- ``cudnn`` (``dot_product`` on GPU where :func:`cudnn_flash` holds): the softmax
+- ``cudnn`` (``dot_product`` on GPU where :func:`~triax.models.attention.cudnn_flash` holds): the softmax
   statistics only (N per query);
 - ``blockwise``: the log-sum-exp (N per query); its backward recomputes each key tile's
   scores, so one tile's score-sized arrays (``TILE_BACKWARD_SCORES``: s, p, dp, ds of
@@ -42,9 +42,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax.numpy as jnp
 
-from triax.models.attention import BLOCK_SIZE, resolve
+from triax.models.attention import BLOCK_SIZE, cudnn_flash, resolve
 
 KERNELS = ("reference", "dot_product", "cudnn", "blockwise")
 # The one fitted figure here: the softmax backward of a materialised-score kernel holds
@@ -67,16 +66,6 @@ class AttentionMemory:
 
     def __add__(self, other: "AttentionMemory") -> "AttentionMemory":
         return AttentionMemory(self.saved + other.saved, self.transient + other.transient)
-
-
-def cudnn_flash(backend: str, dtype, head_dim: int, plain_causal: bool) -> bool:
-    """Whether ``dot_product`` runs cuDNN's fused flash kernel: GPU, fp16/bf16, head dim a
-    multiple of 8 up to 128 and the plain causal mask (the conditions of
-    ``models.attention._cudnn_fits``, stated for a backend and dtype that need not be this
-    process's)."""
-    return (backend == "gpu" and plain_causal
-            and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-            and head_dim % 8 == 0 and head_dim <= 128)
 
 
 def kernel_for(implementation: str, backend: str, dtype, head_dim: int,

@@ -182,8 +182,6 @@ def test_context_parallel_memory_and_bytes_match_compiled(devices, key):
     _check_context_row(*_context_row(CONTEXT_CASES[key]))
 
 
-@pytest.mark.xfail(strict=True, reason="the ring term is written for the custom-VJP ring "
-                   "(branch `ring`); the autodiff ring keeps every hop's scores")
 @pytest.mark.parametrize("key", list(RING_CASES))
 def test_ring_memory_and_bytes_match_compiled(devices, key):
     _check_context_row(*_context_row(RING_CASES[key]))
