@@ -9,7 +9,7 @@ them. The planner asks this for every pipelined layout it weighs.
     >>> cfg = config.TINY.replace(num_layers=4)
     >>> b = activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), ExecConfig(), 2, 16)
     >>> sorted(b), b["stash"] > 0
-    (['inbox', 'stash'], True)
+    (['inbox', 'loop', 'stash'], True)
 """
 from __future__ import annotations
 
