@@ -184,7 +184,7 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
                  [v in wlive for v in jaxpr.invars])
 
 
-_MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 
 
 def _nbytes(v) -> int:
@@ -202,7 +202,7 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     ok, in_cut, chosen = set(b_ok), set(cut), set()
     for i in sorted(w_node):
         e = w_node[i]
-        if i in nodes or e.primitive.name in _MATMULS or _has_inner(e) \
+        if i in nodes or e.primitive.name in MATMULS or _has_inner(e) \
                 or pe.has_effects(e) \
                 or not all(isinstance(v, Literal) or v in ok for v in e.invars):
             continue

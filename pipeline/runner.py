@@ -87,16 +87,16 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     strategy that shares a pipeline layout (building the tick table is the costly part)."""
     schedule = config.build(stages)
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
-    res_shapes, cut_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
-    return buffer_bytes(compile_program(schedule), res_shapes, x, cut_shapes)
+    sb, x = _stage_backward(cfg, per_chunk, exe, rows, seq_len)
+    return buffer_bytes(compile_program(schedule), sb.layout(schedule.kind.split_backward), x)
 
 
 @functools.lru_cache(maxsize=64)
-def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
-                     seq_len: int):
-    """One chunk's pullback residual shapes, its split backward's cut (what B_in stashes for
-    W) and its activation: the costly trace, shared by every schedule and micro-batch count
-    with the same chunk (the planner asks many)."""
+def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                    seq_len: int):
+    """One chunk's stash and split backward (``StageBackward``: what F stashes, what B_in
+    stashes for W) and its activation: the costly trace, shared by every schedule and
+    micro-batch count with the same chunk (the planner asks many)."""
     am = abstract_model(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
@@ -109,7 +109,7 @@ def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
         sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
-    return sb.shapes, sb.cut_shapes, x
+    return sb, x
 
 
 @dataclass(frozen=True)

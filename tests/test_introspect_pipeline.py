@@ -84,3 +84,15 @@ def test_zb_h1_w_runs_only_weight_gradient_matmuls(matmuls):
     head = 1                            # logits = x · head (or the tied embedding)
     assert matmuls["W"]["dots"] == matrices * CFG.num_layers // 2 + head
     assert matmuls["B_in"]["flops"] == pytest.approx(matmuls["F"]["flops"], rel=0.15)
+
+
+def test_zb_h1_tensor_traffic_equals_1f1b(one_f_one_b, zb_h1):
+    """B_in and W together move over `tensor` exactly what 1F1B's B does, and each
+    collective's frequency is as well known: B_in runs its work inside a conditional that
+    only orders its reads before its cut overwrites them (``ORDERED_SCOPE``), counted as
+    B_in's own rather than as a nested branch of unknown frequency."""
+    (ofob, mesh), (zb, _) = one_f_one_b, zb_h1
+    a, b = collectives_from_compiled(ofob, mesh), collectives_from_compiled(zb, mesh)
+    for unknown in ("skip", "at_most"):
+        assert bytes_over(b, axis="tensor", unknown=unknown) == \
+            bytes_over(a, axis="tensor", unknown=unknown)

@@ -28,14 +28,15 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
 
     @jax.jit
     def both(chunk, pieces, x, first, last, dy):
-        (_, loss), stored = sb.forward(apply, chunk, pieces, x, (inputs, consts, first, last))
+        extras = (inputs, consts, first, last)
+        (_, loss), stored = sb.forward(apply, chunk, pieces, x, extras)
         # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
         dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)
-        full = sb.backward(stored, chunk, pieces, dy, dloss)
-        dx, cut = sb.backward_input(stored, chunk, pieces, dy, dloss)
+        full = sb.backward(stored, chunk, pieces, extras, dy, dloss)
+        dx, cut = sb.backward_input(stored, chunk, pieces, extras, dy, dloss)
         assert [(c.shape, c.dtype) for c in cut] == \
             [(s.shape, s.dtype) for s in sb.cut_shapes]
-        return full, (*sb.backward_weight(stored, cut, chunk, pieces), dx)
+        return full, (*sb.backward_weight(stored, cut, chunk, pieces, extras), dx)
 
     dy = jax.random.normal(jax.random.key(3), x.shape, x.dtype)
     for first in (True, False):
@@ -79,3 +80,16 @@ def test_split_equals_full_backward_protocol_stage():
     inputs = jax.tree.map(jnp.asarray, image_batch(c, B))
     x = jax.random.normal(jax.random.key(2), (B, c.patches, c.dim))
     _split_vs_full(loss_only(ProtocolStage(gd)), params["blocks"], pieces, inputs, x)
+
+
+def test_stash_holds_activations_only():
+    """F stashes only what the backward reads and cannot compute without the stage's input:
+    the weights cast to the compute dtype (a copy of the chunk's weights per slot), the tied
+    head's transpose, rotary tables and masks are recomputed, and leaves the pullback never
+    reads are dropped. What is left is activations, so the stash scales with the
+    micro-batch's rows (up to a scalar or two of loss bookkeeping)."""
+    from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
+    cfg, exe = config.TINY.replace(num_layers=2), ExecConfig(compute_dtype="bfloat16")
+    stash = [activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), exe, rows, 16)["stash"]
+             for rows in (2, 4)]
+    assert abs(stash[1] - 2 * stash[0]) <= 16

@@ -13,7 +13,8 @@ rather than assumed (F=1, B=2, ...).
   get-tuple-element, bitcasts, constants).
 * Dots: how many matmul instructions run (:func:`op_matmuls`).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
-  ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
+  ``pipeline.stage``) run on some executions only (except a conditional in
+  ``ORDERED_SCOPE``, an ordering boundary that always runs: counted as the branch's own); their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
   per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs).
 
@@ -44,6 +45,10 @@ import numpy as np
 from triax.sharding.introspect.hlo_text import Instr, Module, compiled_text, parse_module
 
 OP_SCOPE = "pipeline_op_"   # the named scope of each pipeline op's conditional (+ its label)
+# The named scope of a conditional used only as an ordering boundary inside an op (B_in
+# reads the stash cells its cut then overwrites): its predicate is the enclosing op's own
+# flag, so branch 1 runs whenever the conditional is reached and branch 0 never.
+ORDERED_SCOPE = "pipeline_ordered"
 _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
          "partition-id", "replica-id"}
 
@@ -76,6 +81,14 @@ class Cost:
         for branches in groups.values():
             total.add(max(branches, key=lambda c: (c.flops, c.dots)))
         return total
+
+
+def ordering_only(ins: Instr) -> bool:
+    """``ins`` is a conditional in ``ORDERED_SCOPE``: count its branch 1 as part of the
+    computation it sits in (it always runs there), never as a nested conditional."""
+    name = re.search(r'op_name="([^"]*)"', ins.rest)
+    return len(ins.branches) == 2 and name is not None \
+        and name.group(1).rsplit("/", 2)[-2:-1] == [ORDERED_SCOPE]
 
 
 def _dims(ins: Optional[Instr]) -> tuple[int, ...]:
@@ -120,6 +133,9 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
                 cost.unknown_loops.append(ins.name)
             if body and depth < 32:
                 cost.add(computation_cost(m, body, depth + 1), n or 1)
+            continue
+        if ins.branches and ordering_only(ins):
+            cost.add(computation_cost(m, ins.branches[1], depth + 1))
             continue
         if ins.branches:
             for k, b in enumerate(ins.branches):
