@@ -125,23 +125,33 @@ def _nbytes(sd) -> int:
     return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
 
 
-def buffer_bytes(program: TickProgram, layout: StashLayout, x_sd) -> dict[str, int]:
+def stash_layout(program: TickProgram, sb: StageBackward) -> StashLayout:
+    """The stash slot ``run_ticks`` allocates for ``program`` (``StageBackward.layout``)."""
+    return sb.layout(program.schedule.kind.split_backward, program.stash_slots,
+                     program.head_slots)
+
+
+def buffer_bytes(program: TickProgram, sb: StageBackward, x_sd) -> dict[str, int]:
     """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
-    them. ``layout``: one stash slot (``StageBackward.layout``: what one chunk's F stashes
-    for one micro-batch and, split backwards, where B_in's cut goes); ``x_sd``: the
+    them. ``sb``: one chunk's stash and split backward (its ``stash_layout``: what F
+    stashes for one micro-batch and, split backwards, where B_in's cut goes); ``x_sd``: the
     activation passed between stages.
 
     ``stash``: the live slots (written only inside F's and B_in's conditionals, so no
-    scratch slot; F writes its residuals into the slot and B reads them there, in place, so
-    no further residual set is materialised per tick: ``tests/test_pipeline_tick_tax.py``);
-    ``inbox``: the forward and backward inboxes (live slots plus scratch), the two
-    activations in flight and the two being sent. Forward-only schedules stash nothing.
+    scratch slot; the head cells, which only the last chunk's micro-batches hold, have slots
+    of their own plus a scratch slot for the other chunks' F). F writes its residuals into
+    the slot and B reads them there, in place, so no further residual set is materialised
+    per tick (``tests/test_pipeline_tick_tax.py``). ``inbox``: the forward and backward
+    inboxes (live slots plus scratch), the two activations in flight and the two being
+    sent. Forward-only schedules stash nothing.
     """
     x = _nbytes(x_sd)
     if not program.schedule.has_backward:
         return {"stash": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
-    return {"stash": program.stash_slots * layout.slot_bytes, "inbox": inbox}
+    lay = stash_layout(program, sb)
+    stash = program.stash_slots * lay.body_bytes + (program.head_slots + 1) * lay.head_bytes
+    return {"stash": stash, "inbox": inbox}
 
 
 def _gated(flag, run, live: dict) -> dict:
@@ -174,7 +184,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
     sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
-    layout = sb.layout(prog.schedule.kind.split_backward) if backward else None
+    layout = stash_layout(prog, sb) if backward else None
     kinds = _used_kinds(prog.ticks)
     flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
     fperm, bperm = _perms(spec.stages, prog.schedule.wraps)
@@ -229,19 +239,19 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                          out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
             else:
                 (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
-                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w))
+                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w))
             return dict(w, send_f=y.astype(spec.dtype),
                         loss=jax.tree.map(jnp.add, w["loss"], loss))
 
         def bwd(w):
-            stored = layout.read(c["stash"], row.stash_r)
+            stored = layout.read(c["stash"], row.stash_r, row.head_r)
             d_chunk, d_pieces, dx = sb.backward(stored, chunk(), pieces, extras(), dy(), dloss)
             return {"acc": add_grads(w["acc"], d_chunk, d_pieces),
                     "send_b": dx.astype(spec.dtype)}
 
         def bwd_in(w):
             def run(stash):
-                stored = layout.read(stash, row.stash_r)
+                stored = layout.read(stash, row.stash_r, row.head_r)
                 return sb.backward_input(stored, chunk(), pieces, extras(), dy(), dloss)
             # The cut overwrites cells B_in reads, so every read must come first: B_in runs as
             # one conditional (on a flag true here) whose outputs are written after it. A
@@ -252,12 +262,12 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                                        lambda _: jax.tree.map(jnp.zeros_like,
                                                               jax.eval_shape(run, w["stash"])),
                                        w["stash"])
-            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r),
+            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r, row.head_r),
                     "send_b": dx.astype(spec.dtype)}
 
         def wgt(w):
-            stored = layout.read(c["stash"], row.stash_r)
-            cut = layout.read_cut(c["stash"], row.stash_r)
+            stored = layout.read(c["stash"], row.stash_r, row.head_r)
+            cut = layout.read_cut(c["stash"], row.stash_r, row.head_r)
             d_chunk, d_pieces = sb.backward_weight(stored, cut, chunk(), pieces, extras())
             return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
 
@@ -289,7 +299,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
              "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
         carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
-                     stash=layout.buffers(prog.stash_slots),
+                     stash=layout.buffers(prog.stash_slots, prog.head_slots + 1),
                      acc={"blocks": jax.tree.map(jnp.zeros_like, blocks),
                           "pieces": jax.tree.map(jnp.zeros_like, pieces)})
     xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))

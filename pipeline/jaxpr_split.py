@@ -108,6 +108,15 @@ class Split:
     b_reads: list[bool] = field(default_factory=list)   # per invar
     w_reads: list[bool] = field(default_factory=list)   # per invar: available ones W reads
 
+    def cond_cut(self, index_inputs) -> list[bool]:
+        """Per cut value: a slot of a top-level ``cond`` whose index is one of the inputs
+        ``index_inputs`` (positions in the invars): it carries a value only where that
+        input selects the branch producing it."""
+        at = {v: i for i, v in enumerate(self.jaxpr.invars)}
+        slots = {id(k) for n in self.b_nodes if isinstance(n, _CondNode)
+                 and at.get(n.eqn.invars[0]) in index_inputs for k in n.slots}
+        return [id(k) in slots for k in self.cut]
+
 
 def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[bool],
          b_free: Sequence[bool] | None = None) -> Split:

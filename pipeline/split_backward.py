@@ -6,9 +6,9 @@ out), and of those only what the backward cannot get otherwise: a leaf the pullb
 reads is dropped, and one computed without the stage's input activation, from parameters,
 the micro-batch's inputs and flags alone (weights cast to the compute dtype, the tied head's
 transpose, rotary tables, masks), is recomputed by the backward instead (no matmul allowed),
-so a slot holds activations only. The pullback, traced once to a jaxpr, is split generically (``pipeline.jaxpr_split``), so
-any stage splits without its model's help: the built-in Transformer (a scan over layers, remat
-policies, MoE) as well as a user's ``PipelineModel``. B_in runs only what ``dx`` needs and
+so a slot holds activations only. The pullback, traced once to a jaxpr, is split generically
+(``pipeline.jaxpr_split``), so any stage splits without its model's help: the built-in
+Transformer (a scan over layers, remat policies, MoE) as well as a user's ``PipelineModel``. B_in runs only what ``dx`` needs and
 returns the *cut*, what the weight gradients need that B_in has computed: each weight
 matmul's output cotangent, per layer (the matmul's input is already in the F stash). W runs
 the weight-gradient matmuls from the F stash and the cut, and nothing else.
@@ -28,7 +28,7 @@ the weight-gradient matmuls from the F stash and the cut, and nothing else.
     ...                          x, extras)
     >>> sb.cut_bytes < sb.stash_bytes
     True
-    >>> lay = sb.layout(split=True)        # the cut goes into the cells of B_in's residuals
+    >>> lay = sb.layout(split=True, slots=2, head_slots=2)    # the cut over B_in's cells
     >>> lay.extra_bytes < 0.05 * lay.residual_bytes
     True
 """
@@ -67,9 +67,12 @@ class Rebuild:
     leaves: tuple                 # indices into the residual leaves
     jaxpr: Any                    # ClosedJaxpr: the used inputs -> those leaves
     reads: tuple                  # per flat (chunk, pieces, x, extras) leaf: the jaxpr reads it
+    on_last: frozenset            # of the wanted leaves, those the last-chunk flag decides
 
     @classmethod
     def trace(cls, apply, chunk, pieces, x, extras, wanted) -> "Rebuild":
+        """``wanted``: the residual leaves the backward reads. ``extras`` ends with the
+        last-chunk flag; the leaves that depend on it are the post-stack's (head, loss)."""
         def stored(chunk, pieces, x, extras):
             _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
             leaves = jax.tree.leaves(pullback)
@@ -79,13 +82,17 @@ class Rebuild:
         jaxpr, n = closed.jaxpr, len(closed.jaxpr.outvars)
         lo = len(jax.tree.leaves((chunk, pieces)))
         x_in = range(lo, lo + len(jax.tree.leaves(x)))
-        leaves = []
+        last_in = len(closed.jaxpr.invars) - 1
+        leaves, on_last = [], set()
         for i in wanted:
             one, used = pe.dce_jaxpr(jaxpr, [k == i for k in range(n)])
             if not any(used[k] for k in x_in) and not _has_matmul(one):
                 leaves.append(i)
+            if used[last_in]:
+                on_last.add(i)
         rebuilt, used = pe.dce_jaxpr(jaxpr, [k in leaves for k in range(n)])
-        return cls(tuple(leaves), ClosedJaxpr(rebuilt, closed.consts), tuple(used))
+        return cls(tuple(leaves), ClosedJaxpr(rebuilt, closed.consts), tuple(used),
+                   frozenset(on_last))
 
     def __call__(self, chunk, pieces, extras) -> list:
         """The recomputed leaves, in ``leaves`` order (the stage's input is never read)."""
@@ -104,6 +111,8 @@ class StageBackward:
     stashed: tuple                # indices of the residual leaves F stashes
     rebuild: Rebuild              # the residual leaves the backward recomputes
     w_reads: tuple                # per stashed leaf: W reads it (else it is B_in's alone)
+    head: tuple                   # per stashed leaf: the post-stack's (the last chunk's only)
+    cut_head: tuple               # per cut leaf: the post-stack's (zero unless the last chunk)
     split: jaxpr_split.Split      # the pullback (stored, params, dy, dloss) -> grads, split
     consts: tuple                 # the pullback jaxpr's constants
     grad_trees: tuple             # treedefs of (chunk, pieces)
@@ -136,13 +145,23 @@ class StageBackward:
         cut = tuple(jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype) for k in split.cut)
         trees = (jax.tree.structure(chunk), jax.tree.structure(pieces))
         return cls(tuple(res.shapes[i] for i in stashed), cut, res, stashed, rebuild,
-                   tuple(split.w_reads[i] for i in stashed), split, tuple(closed.consts),
-                   trees)
+                   tuple(split.w_reads[i] for i in stashed),
+                   tuple(i in rebuild.on_last for i in stashed),
+                   tuple(split.cond_cut(rebuild.on_last)), split, tuple(closed.consts), trees)
 
-    def layout(self, split: bool) -> StashLayout:
-        """One slot's cells: the stashed residuals, and (``split``: B_in then W) the cut
-        over the cells of those W does not read."""
-        return StashLayout.plan(self.shapes, self.w_reads, self.cut_shapes if split else ())
+    def layout(self, split: bool, slots: int, head_slots: int) -> StashLayout:
+        """One slot's cells: the stashed residuals and (``split``: B_in then W) the cut over
+        the cells of those W does not read; the post-stack's residuals in head cells (which
+        only the last chunk's micro-batches hold, ``head_slots`` of them plus a scratch slot
+        against ``slots``) where that holds less: it does where a stage holds few of the
+        last chunk's micro-batches (1F1B and interleaved one, ZB-V two), not under ZB-H1
+        (its last stage holds S)."""
+        cut = self.cut_shapes if split else ()
+        body = StashLayout.plan(self.shapes, self.w_reads, cut)
+        heads = StashLayout.plan(self.shapes, self.w_reads, cut, self.head,
+                                 self.cut_head if split else ())
+        size = lambda lay: slots * lay.body_bytes + (head_slots + 1) * lay.head_bytes  # noqa: E731
+        return heads if size(heads) < size(body) else body
 
     @property
     def stash_bytes(self) -> int:

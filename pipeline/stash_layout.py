@@ -10,11 +10,17 @@ Under a split backward (ZB-H1, ZB-V) B_in is the last reader of most residuals â
 probabilities, softmax and norm statistics, the MLP's pre-activations. W reads only each
 weight matmul's input, and the cut: the matmuls' output cotangents, which B_in computes. So
 the cut is written over the cells of the residuals B_in alone reads, once B_in has read
-them, instead of into a buffer of its own: a cut leaf takes a free cell of its shape and of
-its dtype or one that holds it exactly (a bf16 cotangent in an f32 cell), or is split along
-one axis into pieces that fit such cells (SwiGLU's fused gate/up cotangent ``[.., 2, F]``
-into two ``[.., F]`` cells), and only what finds no cell gets cells of its own. A slot then
-holds max(residuals, W's residuals + cut), not their sum.
+them, instead of into a buffer of its own: a cut leaf takes a free cell of its shape (up
+to unit dimensions) and of its dtype or one that holds it exactly (a bf16 cotangent in an
+f32 cell), or is split along one axis into pieces that fit such cells (SwiGLU's fused
+gate/up cotangent ``[.., 2, F]`` into two ``[.., F]`` cells), and only what finds no cell
+gets cells of its own. A slot then holds max(residuals, W's residuals + cut), not their
+sum.
+
+The post-stack's residuals (final norm, head, loss: the leaves the last-chunk flag decides)
+are *head cells*, with slots of their own (``tick_program``'s ``head_w``/``head_r``): only a
+micro-batch of the model's last chunk holds them, and a stage holds few of those at once
+(1F1B, interleaved: one; ZB-V: two), where every chunk's slot would otherwise carry them.
 
     >>> import jax, jax.numpy as jnp
     >>> sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -52,14 +58,29 @@ def _holds(cell_dtype, dtype) -> bool:
         and jnp.promote_types(cell_dtype, dtype) == cell_dtype
 
 
+def _core(shape) -> tuple:
+    """A shape without its unit dimensions: cells whose shapes agree on it hold each
+    other's values by a reshape that moves no element (nor any split of an axis)."""
+    return tuple(d for d in shape if d != 1)
+
+
 @dataclass(frozen=True)
 class CutPlace:
-    """Where one cut leaf (of ``dtype``) lives: one cell (``axis`` None), or one cell per
-    index along ``axis`` (the leaf split into pieces of its shape without that axis)."""
+    """Where one cut leaf (of ``shape`` and ``dtype``) lives: one cell (``axis`` None), or
+    one cell per index along ``axis`` (the leaf split into pieces of its shape without that
+    axis)."""
 
     cells: tuple[int, ...]
+    shape: tuple
     dtype: Any
     axis: Optional[int] = None
+
+    @property
+    def piece(self) -> tuple:
+        """The shape each cell holds (before its unit dimensions are matched)."""
+        if self.axis is None:
+            return self.shape
+        return self.shape[:self.axis] + self.shape[self.axis + 1:]
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,25 +90,49 @@ class StashLayout:
     cells: tuple                  # ShapeDtypeStructs, one buffer each
     residuals: int                # cells 0..residuals-1 hold the stashed residual leaves, in order
     cut: tuple = ()               # a CutPlace per cut leaf
+    head: tuple = ()              # per cell: a head cell (its own slots); default none
 
     @classmethod
-    def plan(cls, residuals: Sequence, w_reads: Sequence[bool] = (),
-             cut: Sequence = ()) -> "StashLayout":
+    def plan(cls, residuals: Sequence, w_reads: Sequence[bool] = (), cut: Sequence = (),
+             head: Sequence[bool] = (), cut_head: Sequence[bool] = ()) -> "StashLayout":
         """``residuals``: the leaves F stashes; ``w_reads``: which of them W reads (the
-        others are free once B_in has run); ``cut``: what B_in stashes for W."""
+        others are free once B_in has run); ``cut``: what B_in stashes for W; ``head``:
+        which residuals are the post-stack's (default none); ``cut_head``: which cut leaves
+        are (zero unless the chunk is the last). A head cut leaf goes into head cells, any
+        other into body cells: a non-last chunk's head cells are a scratch slot."""
         cells = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in residuals]
-        if cut and len(w_reads) != len(cells):
-            raise ValueError(f"StashLayout.plan: w_reads has {len(w_reads)} flags for "
-                             f"{len(cells)} residuals")
-        free = [i for i in range(len(cells)) if cut and not w_reads[i]]
+        head = list(head) or [False] * len(cells)
+        cut_head = list(cut_head) or [False] * len(cut)
+        for name, flags, n in (("w_reads", w_reads if cut else cells, len(cells)),
+                               ("head", head, len(cells)), ("cut_head", cut_head, len(cut))):
+            if len(flags) != n:
+                raise ValueError(f"StashLayout.plan: {name} has {len(flags)} flags for {n} "
+                                 f"leaves")
+        free = {h: [i for i in range(len(cells)) if cut and not w_reads[i] and head[i] == h]
+                for h in (False, True)}
         places: dict[int, CutPlace] = {}
         for j in sorted(range(len(cut)), key=lambda j: -nbytes(cut[j])):
-            places[j] = _place(cut[j], free, cells)
-        return cls(tuple(cells), len(residuals), tuple(places[j] for j in range(len(cut))))
+            places[j] = _place(cut[j], free[cut_head[j]], cells)
+            head += [cut_head[j]] * (len(cells) - len(head))
+        return cls(tuple(cells), len(residuals), tuple(places[j] for j in range(len(cut))),
+                   tuple(head))
+
+    def _is_head(self, i: int) -> bool:
+        return bool(self.head) and self.head[i]
+
+    @property
+    def body_bytes(self) -> int:
+        """Bytes of one slot of the body cells (every chunk's)."""
+        return sum(nbytes(c) for i, c in enumerate(self.cells) if not self._is_head(i))
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one slot of the head cells (the last chunk's)."""
+        return sum(nbytes(c) for i, c in enumerate(self.cells) if self._is_head(i))
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one slot: every cell."""
+        """Bytes of one slot of every cell."""
         return sum(nbytes(c) for c in self.cells)
 
     @property
@@ -99,52 +144,60 @@ class StashLayout:
         """The cells the cut needs beyond the residuals' (what finds no free residual cell)."""
         return self.slot_bytes - self.residual_bytes
 
-    def buffers(self, slots: int) -> list:
-        """The zero-filled buffers of ``slots`` slots: ``[slots, *shape]`` per cell."""
-        return [jnp.zeros((slots,) + tuple(c.shape), c.dtype) for c in self.cells]
+    def buffers(self, slots: int, head_slots: int) -> list:
+        """The zero-filled buffers: ``[slots, *shape]`` per body cell, ``[head_slots,
+        *shape]`` per head cell."""
+        return [jnp.zeros((head_slots if self._is_head(i) else slots,) + tuple(c.shape),
+                          c.dtype) for i, c in enumerate(self.cells)]
 
-    def write(self, bufs: list, residuals: Sequence, slot) -> list:
-        """F: the residual leaves into ``slot`` (a dynamic-update-slice per cell: in place)."""
+    def write(self, bufs: list, residuals: Sequence, slot, head_slot) -> list:
+        """F: the residual leaves into ``slot`` and ``head_slot`` (a dynamic-update-slice
+        per cell: in place)."""
         out = list(bufs)
         for i, x in enumerate(residuals):
-            out[i] = _put(out[i], x, slot)
+            out[i] = _put(out[i], x, head_slot if self._is_head(i) else slot)
         return out
 
-    def read(self, bufs: list, slot) -> list:
-        """The residual leaves of ``slot`` (after B_in, those W does not read hold the cut)."""
-        return [_take(b, slot) for b in bufs[:self.residuals]]
+    def read(self, bufs: list, slot, head_slot) -> list:
+        """The residual leaves of ``slot`` and ``head_slot`` (after B_in, those W does not
+        read hold the cut)."""
+        return [_take(b, head_slot if self._is_head(i) else slot)
+                for i, b in enumerate(bufs[:self.residuals])]
 
-    def write_cut(self, bufs: list, cut: Sequence, slot) -> list:
-        """B_in: the cut into ``slot``, over the residuals only B_in reads. Everything B_in
-        computed must be done first (``executor`` puts an optimization barrier on B_in's
-        outputs), so that no read of a cell is left for after the cell's overwrite."""
+    def write_cut(self, bufs: list, cut: Sequence, slot, head_slot) -> list:
+        """B_in: the cut into ``slot`` (head cut leaves: ``head_slot``), over the residuals
+        only B_in reads. Everything B_in computed must be done first, so that no read of a
+        cell is left for after the cell's overwrite (``executor`` runs B_in inside an
+        ordering conditional)."""
         out = list(bufs)
+        at = lambda cell: head_slot if self._is_head(cell) else slot  # noqa: E731
         for place, x in zip(self.cut, cut):
-            if place.axis is None:
-                out[place.cells[0]] = _put(out[place.cells[0]], x, slot)
-                continue
-            for k, cell in enumerate(place.cells):
-                piece = jax.lax.index_in_dim(x, k, place.axis, keepdims=False)
-                out[cell] = _put(out[cell], piece, slot)
+            pieces = [x] if place.axis is None else \
+                [jax.lax.index_in_dim(x, k, place.axis, keepdims=False)
+                 for k in range(len(place.cells))]
+            for cell, piece in zip(place.cells, pieces):
+                piece = piece.reshape(self.cells[cell].shape)
+                out[cell] = _put(out[cell], piece, at(cell))
         return out
 
-    def read_cut(self, bufs: list, slot) -> list:
-        """W: the cut of ``slot``, as B_in's leaves."""
+    def read_cut(self, bufs: list, slot, head_slot) -> list:
+        """W: the cut of ``slot`` and ``head_slot``, as B_in's leaves."""
         out = []
         for place in self.cut:
-            parts = [_take(bufs[c], slot).astype(place.dtype) for c in place.cells]
+            parts = [_take(bufs[c], head_slot if self._is_head(c) else slot)
+                     .astype(place.dtype).reshape(place.piece) for c in place.cells]
             out.append(parts[0] if place.axis is None else jnp.stack(parts, place.axis))
         return out
 
 
 def _place(c, free: list, cells: list) -> CutPlace:
-    """A cut leaf's cells: a free residual cell of its shape that holds its dtype (the
-    narrowest), else its pieces along the first axis whose pieces all find such cells, else
-    a new cell."""
+    """A cut leaf's cells: a free residual cell of its shape (up to unit dimensions) that
+    holds its dtype (the narrowest), else its pieces along the first axis whose pieces all
+    find such cells, else a new cell."""
     shape, dtype = tuple(c.shape), jnp.dtype(c.dtype)
 
     def take(want, k):
-        fits = sorted((i for i in free if tuple(cells[i].shape) == want
+        fits = sorted((i for i in free if _core(cells[i].shape) == _core(want)
                        and _holds(cells[i].dtype, dtype)),
                       key=lambda i: jnp.dtype(cells[i].dtype).itemsize)
         if len(fits) < k:
@@ -154,13 +207,13 @@ def _place(c, free: list, cells: list) -> CutPlace:
         return tuple(fits[:k])
     one = take(shape, 1)
     if one:
-        return CutPlace(one, dtype)
+        return CutPlace(one, shape, dtype)
     for axis, k in enumerate(shape):
         pieces = take(shape[:axis] + shape[axis + 1:], k) if k > 1 else None
         if pieces:
-            return CutPlace(pieces, dtype, axis)
+            return CutPlace(pieces, shape, dtype, axis)
     cells.append(jax.ShapeDtypeStruct(shape, dtype))
-    return CutPlace((len(cells) - 1,), dtype)
+    return CutPlace((len(cells) - 1,), shape, dtype)
 
 
 def _take(buf, i):
