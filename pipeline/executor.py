@@ -14,8 +14,9 @@ channels.
 
 **No per-tick tax.** Each op kind is its own two-branch conditional, "skip" or "run",
 carrying only the buffers that op writes (F: the stash, the outgoing activation, the loss,
-outputs and state; B: the gradient accumulator and the outgoing gradient; B_in: the stash
-(its cut) and the outgoing gradient; W: the accumulator), and reading the rest as operands. A
+outputs and state; B: the gradient accumulators and the outgoing gradient; B_in: the stash
+(its cut), the pre/post-stack's gradients and the outgoing gradient; W: the layers'
+gradient accumulator), and reading the rest as operands. A
 conditional whose only writing branch updates a buffer with a dynamic-update-slice, the
 other passing it through, is compiled in place on XLA:CPU; one ``lax.switch`` carrying every
 buffer through every branch (idle included) is not: it copied the whole accumulator and
@@ -138,8 +139,8 @@ def buffer_bytes(program: TickProgram, sb: StageBackward, x_sd) -> dict[str, int
     activation passed between stages.
 
     ``stash``: the live slots (written only inside F's and B_in's conditionals, so no
-    scratch slot; the head cells, which only the last chunk's micro-batches hold, have slots
-    of their own plus a scratch slot for the other chunks' F). F writes its residuals into
+    scratch slot; the head cells, which only the last chunk's micro-batches hold and write,
+    have slots of their own). F writes its residuals into
     the slot and B reads them there, in place, so no further residual set is materialised
     per tick (``tests/test_pipeline_tick_tax.py``). ``inbox``: the forward and backward
     inboxes (live slots plus scratch), the two activations in flight and the two being
@@ -150,7 +151,7 @@ def buffer_bytes(program: TickProgram, sb: StageBackward, x_sd) -> dict[str, int
         return {"stash": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
     lay = stash_layout(program, sb)
-    stash = program.stash_slots * lay.body_bytes + (program.head_slots + 1) * lay.head_bytes
+    stash = program.stash_slots * lay.body_bytes + program.head_slots * lay.head_bytes
     return {"stash": stash, "inbox": inbox}
 
 
@@ -223,11 +224,11 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             d = _take(c["bin"], row.bwd_in_r)
             return jnp.where(last, jnp.zeros_like(d), d)
 
-        def add_grads(acc, d_chunk, d_pieces):
-            return {"blocks": jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)),
-                                           acc["blocks"], d_chunk),
-                    "pieces": jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc["pieces"],
-                                           d_pieces)}
+        def add_blocks(acc, d_chunk):
+            return jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)), acc, d_chunk)
+
+        def add_pieces(acc, d_pieces):
+            return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
 
         def fwd(w):
             x_in = _take(c["fin"], row.fwd_in_r)
@@ -239,14 +240,15 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                          out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
             else:
                 (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
-                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w))
+                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w, last))
             return dict(w, send_f=y.astype(spec.dtype),
                         loss=jax.tree.map(jnp.add, w["loss"], loss))
 
         def bwd(w):
             stored = layout.read(c["stash"], row.stash_r, row.head_r)
             d_chunk, d_pieces, dx = sb.backward(stored, chunk(), pieces, extras(), dy(), dloss)
-            return {"acc": add_grads(w["acc"], d_chunk, d_pieces),
+            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk),
+                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
                     "send_b": dx.astype(spec.dtype)}
 
         def bwd_in(w):
@@ -258,26 +260,29 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             # barrier does not hold on XLA:CPU: fusion moves a read past the write, and XLA
             # then copies the whole cell buffer each tick to keep the read valid.
             with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as B_in's own
-                dx, cut = jax.lax.cond(flag[OpKind.B_IN] > 0, run,
+                d_pieces, dx, cut = jax.lax.cond(flag[OpKind.B_IN] > 0, run,
                                        lambda _: jax.tree.map(jnp.zeros_like,
                                                               jax.eval_shape(run, w["stash"])),
                                        w["stash"])
-            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r, row.head_r),
+            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r, row.head_r,
+                                              last),
+                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
                     "send_b": dx.astype(spec.dtype)}
 
         def wgt(w):
             stored = layout.read(c["stash"], row.stash_r, row.head_r)
             cut = layout.read_cut(c["stash"], row.stash_r, row.head_r)
-            d_chunk, d_pieces = sb.backward_weight(stored, cut, chunk(), pieces, extras())
-            return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
+            d_chunk = sb.backward_weight(stored, cut, chunk(), pieces, extras())
+            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk)}
 
         # Each op: what it runs, and the buffers it writes. Writers run before readers (F
         # writes the stash B, B_in and W read; B_in reads it and writes the cut W reads): a
         # buffer read by one conditional and then written in place by a later one is copied
         # whole first. One op runs per tick, so the order changes nothing else.
         ops = {OpKind.F: (fwd, ("stash", "send_f", "loss", "out", "state")),
-               OpKind.B_IN: (bwd_in, ("stash", "send_b")),
-               OpKind.W: (wgt, ("acc",)), OpKind.B: (bwd, ("acc", "send_b"))}
+               OpKind.B_IN: (bwd_in, ("stash", "acc_pieces", "send_b")),
+               OpKind.W: (wgt, ("acc_blocks",)),
+               OpKind.B: (bwd, ("acc_blocks", "acc_pieces", "send_b"))}
         for k in (OpKind.F, OpKind.B_IN, OpKind.W, OpKind.B):
             if k in kinds:
                 run, writes = ops[k]
@@ -299,12 +304,13 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
              "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
         carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
-                     stash=layout.buffers(prog.stash_slots, prog.head_slots + 1),
-                     acc={"blocks": jax.tree.map(jnp.zeros_like, blocks),
-                          "pieces": jax.tree.map(jnp.zeros_like, pieces)})
+                     stash=layout.buffers(prog.stash_slots, prog.head_slots),
+                     acc_blocks=jax.tree.map(jnp.zeros_like, blocks),
+                     acc_pieces=jax.tree.map(jnp.zeros_like, pieces))
     xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))
     out, _ = jax.lax.scan(tick, carry, xs)
-    acc = out["acc"] if backward else {"blocks": {}, "pieces": {}}
+    acc = ({"blocks": out["acc_blocks"], "pieces": out["acc_pieces"]} if backward
+           else {"blocks": {}, "pieces": {}})
     return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"], acc)
 
 

@@ -8,10 +8,12 @@ the micro-batch's inputs and flags alone (weights cast to the compute dtype, the
 transpose, rotary tables, masks), is recomputed by the backward instead (no matmul allowed),
 so a slot holds activations only. The pullback, traced once to a jaxpr, is split generically
 (``pipeline.jaxpr_split``), so any stage splits without its model's help: the built-in
-Transformer (a scan over layers, remat policies, MoE) as well as a user's ``PipelineModel``. B_in runs only what ``dx`` needs and
-returns the *cut*, what the weight gradients need that B_in has computed: each weight
-matmul's output cotangent, per layer (the matmul's input is already in the F stash). W runs
-the weight-gradient matmuls from the F stash and the cut, and nothing else.
+Transformer (a scan over layers, remat policies, MoE) as well as a user's ``PipelineModel``.
+B_in runs what ``dx`` needs and the pre/post-stack's gradients (embedding, final norm,
+head), and returns the *cut*: what the layers' weight gradients need that B_in has
+computed, each weight matmul's output cotangent, per layer (the matmul's input is already
+in the F stash). W runs the layers' weight-gradient matmuls from the F stash and the cut,
+and nothing else.
 
     >>> import jax, jax.numpy as jnp
     >>> from triax.models import config
@@ -132,12 +134,19 @@ class StageBackward:
         closed = jaxpr_split.inline(jax.make_jaxpr(pullback)(
             list(res.shapes), _sds(chunk), _sds(pieces), _sds(x),
             *[jax.ShapeDtypeStruct((), jnp.float32)] * n_loss))
-        n_params, n_res = len(jax.tree.leaves((chunk, pieces))), len(res.shapes)
-        # W reads the F stash (each weight matmul's input is there) and the parameters; the
-        # cut is what W needs that only B_in computes (each matmul's output cotangent). The
-        # cut then lives in the cells of the residuals B_in alone reads (StashLayout).
-        split = jaxpr_split.plan(closed.jaxpr, b_used=[False] * n_params + [True],
-                                 w_used=[True] * n_params + [False],
+        n_chunk, n_res = len(jax.tree.leaves(chunk)), len(res.shapes)
+        n_params = n_chunk + len(jax.tree.leaves(pieces))
+        # W computes the layers' weight gradients, from the F stash (each weight matmul's
+        # input is there), the parameters and the cut: what W needs that only B_in computes
+        # (each matmul's output cotangent), which then lives in the cells of the residuals
+        # B_in alone reads (StashLayout). B_in computes the pre/post-stack's gradients
+        # (embedding, final norm, head) itself: deferring the head's one matmul to W would
+        # keep the head's residuals and its logits-sized cotangent until W, on every
+        # micro-batch of the last chunk a stage holds (ZB-H1's last stage: S), where B_in
+        # frees them at once.
+        split = jaxpr_split.plan(closed.jaxpr,
+                                 b_used=[False] * n_chunk + [True] * (n_params - n_chunk + 1),
+                                 w_used=[True] * n_chunk + [False] * (n_params - n_chunk + 1),
                                  avail=[True] * (n_res + n_params) + [False] * (1 + n_loss))
         read = [i for i in range(n_res) if split.b_reads[i] or split.w_reads[i]]
         rebuild = Rebuild.trace(apply, chunk, pieces, x, extras, read)
@@ -152,15 +161,15 @@ class StageBackward:
     def layout(self, split: bool, slots: int, head_slots: int) -> StashLayout:
         """One slot's cells: the stashed residuals and (``split``: B_in then W) the cut over
         the cells of those W does not read; the post-stack's residuals in head cells (which
-        only the last chunk's micro-batches hold, ``head_slots`` of them plus a scratch slot
-        against ``slots``) where that holds less: it does where a stage holds few of the
+        only the last chunk's micro-batches hold, ``head_slots`` of them against ``slots``)
+        where that holds less: it does where a stage holds few of the
         last chunk's micro-batches (1F1B and interleaved one, ZB-V two), not under ZB-H1
         (its last stage holds S)."""
         cut = self.cut_shapes if split else ()
         body = StashLayout.plan(self.shapes, self.w_reads, cut)
         heads = StashLayout.plan(self.shapes, self.w_reads, cut, self.head,
                                  self.cut_head if split else ())
-        size = lambda lay: slots * lay.body_bytes + (head_slots + 1) * lay.head_bytes  # noqa: E731
+        size = lambda lay: slots * lay.body_bytes + head_slots * lay.head_bytes  # noqa: E731
         return heads if size(heads) < size(body) else body
 
     @property
@@ -200,17 +209,16 @@ class StageBackward:
         return [a for a, r in zip(args, reads) if r]
 
     def backward_input(self, stashed, chunk, pieces, extras, dy, dloss):
-        """B_in: only what ``dx`` needs. ``(dx, cut)``, the cut matching ``cut_shapes``."""
+        """B_in: ``dx`` and the pre/post-stack's gradients, and the cut for W:
+        ``(d_pieces, dx, cut)``, the cut matching ``cut_shapes``."""
         args = self._inputs(stashed, chunk, pieces, extras, (dy, *jax.tree.leaves(dloss)),
                             self.split.b_reads)
-        (dx,), cut = jaxpr_split.run_b(self.split, self.consts, args)
-        return dx, list(cut)
+        outs, cut = jaxpr_split.run_b(self.split, self.consts, args)
+        return jax.tree.unflatten(self.grad_trees[1], outs[:-1]), outs[-1], list(cut)
 
     def backward_weight(self, stashed, cut, chunk, pieces, extras):
-        """W: the weight gradients from the stash (only the leaves in ``w_reads`` are read:
-        B_in's own may hold the cut by now) and the cut: ``(d_chunk, d_pieces)``."""
+        """W: the layers' weight gradients ``d_chunk``, from the stash (only the leaves in
+        ``w_reads`` are read: B_in's own may hold the cut by now) and the cut."""
         args = self._inputs(stashed, chunk, pieces, extras, (), self.split.w_reads)
         grads = jaxpr_split.run_w(self.split, self.consts, args, list(cut))
-        n = self.grad_trees[0].num_leaves
-        return (jax.tree.unflatten(self.grad_trees[0], grads[:n]),
-                jax.tree.unflatten(self.grad_trees[1], grads[n:]))
+        return jax.tree.unflatten(self.grad_trees[0], grads)

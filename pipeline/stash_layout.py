@@ -21,6 +21,7 @@ The post-stack's residuals (final norm, head, loss: the leaves the last-chunk fl
 are *head cells*, with slots of their own (``tick_program``'s ``head_w``/``head_r``): only a
 micro-batch of the model's last chunk holds them, and a stage holds few of those at once
 (1F1B, interleaved: one; ZB-V: two), where every chunk's slot would otherwise carry them.
+Other chunks write no head cell, so they need no scratch slot.
 
     >>> import jax, jax.numpy as jnp
     >>> sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -146,46 +147,62 @@ class StashLayout:
 
     def buffers(self, slots: int, head_slots: int) -> list:
         """The zero-filled buffers: ``[slots, *shape]`` per body cell, ``[head_slots,
-        *shape]`` per head cell."""
-        return [jnp.zeros((head_slots if self._is_head(i) else slots,) + tuple(c.shape),
+        *shape]`` per head cell (no scratch slot: only the last chunk writes them; one slot
+        is the cell alone, which the last chunk's F overwrites in place)."""
+        return [jnp.zeros(tuple(c.shape) if self._is_head(i) and head_slots == 1 else
+                          (head_slots if self._is_head(i) else slots,) + tuple(c.shape),
                           c.dtype) for i, c in enumerate(self.cells)]
 
-    def write(self, bufs: list, residuals: Sequence, slot, head_slot) -> list:
-        """F: the residual leaves into ``slot`` and ``head_slot`` (a dynamic-update-slice
-        per cell: in place)."""
-        out = list(bufs)
-        for i, x in enumerate(residuals):
-            out[i] = _put(out[i], x, head_slot if self._is_head(i) else slot)
-        return out
+    def write(self, bufs: list, residuals: Sequence, slot, head_slot, last) -> list:
+        """F: the residual leaves into ``slot`` and, when ``last`` (the chunk is the
+        model's last), the head cells into ``head_slot`` (dynamic-update-slices: in place)."""
+        return self._apply(bufs, list(enumerate(residuals)), slot, head_slot, last)
 
     def read(self, bufs: list, slot, head_slot) -> list:
         """The residual leaves of ``slot`` and ``head_slot`` (after B_in, those W does not
-        read hold the cut)."""
-        return [_take(b, head_slot if self._is_head(i) else slot)
-                for i, b in enumerate(bufs[:self.residuals])]
+        read hold the cut; a chunk that is not the last reads some head slot's values,
+        which its backward never uses)."""
+        return [self._get(b, i, slot, head_slot) for i, b in enumerate(bufs[:self.residuals])]
 
-    def write_cut(self, bufs: list, cut: Sequence, slot, head_slot) -> list:
-        """B_in: the cut into ``slot`` (head cut leaves: ``head_slot``), over the residuals
-        only B_in reads. Everything B_in computed must be done first, so that no read of a
-        cell is left for after the cell's overwrite (``executor`` runs B_in inside an
-        ordering conditional)."""
-        out = list(bufs)
-        at = lambda cell: head_slot if self._is_head(cell) else slot  # noqa: E731
+    def write_cut(self, bufs: list, cut: Sequence, slot, head_slot, last) -> list:
+        """B_in: the cut into ``slot`` (head cut leaves: ``head_slot``, when ``last``), over
+        the residuals only B_in reads. Everything B_in computed must be done first, so that
+        no read of a cell is left for after the cell's overwrite (``executor`` runs B_in
+        inside an ordering conditional)."""
+        updates = []
         for place, x in zip(self.cut, cut):
             pieces = [x] if place.axis is None else \
                 [jax.lax.index_in_dim(x, k, place.axis, keepdims=False)
                  for k in range(len(place.cells))]
-            for cell, piece in zip(place.cells, pieces):
-                piece = piece.reshape(self.cells[cell].shape)
-                out[cell] = _put(out[cell], piece, at(cell))
+            updates += [(cell, piece.reshape(self.cells[cell].shape))
+                        for cell, piece in zip(place.cells, pieces)]
+        return self._apply(bufs, updates, slot, head_slot, last)
+
+    def _apply(self, bufs: list, updates: list, slot, head_slot, last) -> list:
+        """``(cell, value)`` updates into their slots. Head cells have no scratch slot: a
+        chunk that is not the last writes a head slot's own values back (in place, one slot;
+        a conditional around the write would copy a one-slot buffer whole)."""
+        out = list(bufs)
+        for cell, x in updates:
+            if not self._is_head(cell):
+                out[cell] = _put(out[cell], x, slot)
+                continue
+            x = jnp.where(last, x.astype(out[cell].dtype), self._get(out[cell], cell, slot,
+                                                                     head_slot))
+            out[cell] = x if out[cell].shape == x.shape else _put(out[cell], x, head_slot)
         return out
+
+    def _get(self, buf, cell: int, slot, head_slot):
+        if not self._is_head(cell):
+            return _take(buf, slot)
+        return buf if buf.shape == tuple(self.cells[cell].shape) else _take(buf, head_slot)
 
     def read_cut(self, bufs: list, slot, head_slot) -> list:
         """W: the cut of ``slot`` and ``head_slot``, as B_in's leaves."""
         out = []
         for place in self.cut:
-            parts = [_take(bufs[c], head_slot if self._is_head(c) else slot)
-                     .astype(place.dtype).reshape(place.piece) for c in place.cells]
+            parts = [self._get(bufs[c], c, slot, head_slot).astype(place.dtype)
+                     .reshape(place.piece) for c in place.cells]
             out.append(parts[0] if place.axis is None else jnp.stack(parts, place.axis))
         return out
 

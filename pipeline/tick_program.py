@@ -190,6 +190,7 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, head, final_kind) -> dict:
             cell["bwd_in_r"] = bin_.free(key)
     final = op.kind is final_kind
     cell["stash_r"] = stash.free(key) if final else stash.owner.index(key)
-    if op.chunk == C - 1:
-        cell["head_r"] = head.free(key) if final else head.owner.index(key)
+    # B_in computes the post-stack's gradients itself: W reads no head cell.
+    if op.chunk == C - 1 and op.kind is not OpKind.W:
+        cell["head_r"] = head.free(key)
     return cell

@@ -33,10 +33,10 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
         # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
         dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)
         full = sb.backward(stored, chunk, pieces, extras, dy, dloss)
-        dx, cut = sb.backward_input(stored, chunk, pieces, extras, dy, dloss)
+        d_pieces, dx, cut = sb.backward_input(stored, chunk, pieces, extras, dy, dloss)
         assert [(c.shape, c.dtype) for c in cut] == \
             [(s.shape, s.dtype) for s in sb.cut_shapes]
-        return full, (*sb.backward_weight(stored, cut, chunk, pieces, extras), dx)
+        return full, (sb.backward_weight(stored, cut, chunk, pieces, extras), d_pieces, dx)
 
     dy = jax.random.normal(jax.random.key(3), x.shape, x.dtype)
     for first in (True, False):
