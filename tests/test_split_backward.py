@@ -93,3 +93,18 @@ def test_stash_holds_activations_only():
     stash = [activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), exe, rows, 16)["stash"]
              for rows in (2, 4)]
     assert abs(stash[1] - 2 * stash[0]) <= 16
+
+
+def test_zero_bubble_schedules_hold_1f1b_activation_buffers():
+    """Issue 11: ZB-V and ZB-H1 at 1F1B's activation buffers (stash and inboxes, per stage;
+    tiny, 8 layers, S=4, M=8), within 5%. ZB-V holds 2S chunks of half a stage, 1F1B's S
+    stages; the post-stack's residuals (final norm, head) sit in head cells with slots of
+    their own, which only the last chunk's micro-batches take (ZB-V: two at once, 1F1B:
+    one) instead of in every chunk's slot; B_in's cut lives in its micro-batch's slot."""
+    from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
+    cfg = config.TINY.replace(num_layers=8)
+    total = {k: sum(activation_buffer_bytes(cfg, 4, PipelineConfig(k, 8), ExecConfig(), 2,
+                                            16).values())
+             for k in ("1f1b", "zb-v", "zb-h1")}
+    assert total["zb-v"] <= 1.05 * total["1f1b"], total
+    assert total["zb-h1"] <= 1.05 * total["1f1b"], total
