@@ -74,12 +74,20 @@ class Cost:
     def costliest(self) -> "Cost":
         """This execution with each nested conditional at its costliest branch (by FLOPs):
         what the stage that runs the embedding or the head pays."""
+        return self._nested_at(max)
+
+    def cheapest(self) -> "Cost":
+        """This execution with each nested conditional at its cheapest branch (by FLOPs):
+        what a stage that runs neither the embedding nor the head pays."""
+        return self._nested_at(min)
+
+    def _nested_at(self, pick) -> "Cost":
         total = Cost(self.flops, self.bytes, self.dots)
         groups: dict[str, list[Cost]] = {}
         for name, c in self.nested.items():
-            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c.costliest())
+            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c._nested_at(pick))
         for branches in groups.values():
-            total.add(max(branches, key=lambda c: (c.flops, c.dots)))
+            total.add(pick(branches, key=lambda c: (c.flops, c.dots)))
         return total
 
 
