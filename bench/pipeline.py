@@ -154,7 +154,8 @@ def run(args) -> list[dict]:
                 sched, table = None, build("gpipe", STAGES, M)
                 in_flight = M                # autodiff keeps every tick's residuals
             else:
-                tr = trainer(f"data={8 // STAGES},pipe={STAGES}", schedule=kind, microbatches=M, virtual=v)
+                tr = trainer(f"data={8 // STAGES},pipe={STAGES}", schedule=kind,
+                             microbatches=M, virtual=v)
                 sched = table = tr.pipeline.schedule
                 in_flight = sched.peak_in_flight / sched.virtual   # in whole stages
             r = measure(tr, batch, args.steps)

@@ -13,10 +13,11 @@ rather than assumed (F=1, B=2, ...).
   get-tuple-element, bitcasts, constants).
 * Dots: how many matmul instructions run (:func:`op_matmuls`).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
-  ``pipeline.stage``) run on some executions only (except a conditional in
-  ``ORDERED_SCOPE``, an ordering boundary that always runs: counted as the branch's own); their costs are kept apart, per nested
+  ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
-  per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs).
+  per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs). A
+  conditional in ``ORDERED_SCOPE`` is an ordering boundary that always runs: its branch 1
+  counts as the enclosing branch's own.
 
     >>> from triax.sharding.introspect.hlo_text import parse_module
     >>> m = parse_module('''
