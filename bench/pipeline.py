@@ -1,10 +1,13 @@
 """Pipeline benchmark: every schedule vs the unpipelined step and a MaxText-style baseline.
 
 Not run in CI. On 8 simulated CPU devices (data=2 x pipe=4) it reports, per schedule and M:
-the table's bubble fraction, step time relative to the unpipelined step (data=8, same global
-batch), peak per-device memory from the compiled step, and compile time. The baseline runs
-the same stages as GPipe the way MaxText/praxis do: ``vmap`` over stages, every stage
-computing in every tick (bubble included), differentiated by autodiff through the loop.
+the table's bubble fraction and peak in flight, step time relative to the unpipelined step
+(data=8, same global batch), the matmul FLOPs per micro-batch measured on the compiled step
+relative to 1F1B's (each op's conditional branch, from ``sharding.introspect``, times the
+cells of the table that run it), peak per-device memory and temporaries from the compiled
+step, and compile time. The baseline runs the same stages as GPipe the way MaxText/praxis
+do: ``vmap`` over stages, every stage computing in every tick (bubble included),
+differentiated by autodiff through the loop.
 
     python bench/pipeline.py --model small --layers 4 --seq 16 --batch 64 --write
 """
@@ -30,9 +33,11 @@ from triax.models.axes import using_constraint  # noqa: E402
 from triax.models.attention import Visibility  # noqa: E402
 from triax.models.transformer import cross_entropy, scan_blocks  # noqa: E402
 from triax.pipeline import ScheduleKind, build, chunks_per_stage  # noqa: E402
-from triax.pipeline.runner import PipelineConfig  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
-from triax.sharding.introspect import memory_from_compiled  # noqa: E402
+from triax.pipeline.timeline import LABELS  # noqa: E402
+from triax.sharding.introspect import memory_from_compiled, op_branch_costs  # noqa: E402
+from triax.sharding.introspect.branch_costs import computation_cost  # noqa: E402
+from triax.sharding.introspect.hlo_text import compiled_text, parse_module  # noqa: E402
 from triax.training.config import RunConfig  # noqa: E402
 from triax.training.setup import build_run  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
@@ -40,6 +45,7 @@ from triax.units import mib  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "allow")
 KINDS = {k.value for k in ScheduleKind}
+STAGES = 4                           # the pipelined mesh: data=2 x pipe=4
 
 
 def vmapped_gpipe(trainer: Trainer, M: int):
@@ -79,6 +85,28 @@ def vmapped_gpipe(trainer: Trainer, M: int):
     return lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)
 
 
+def step_flops(compiled, stages: int, schedule=None) -> int:
+    """Matmul FLOPs of one step of one data replica (all ``stages`` devices), measured on
+    the compiled program. With a ``schedule``: each op kind's conditional branch
+    (``op_branch_costs``; the head's conditional at its costliest branch on the last
+    chunk's cells, its cheapest elsewhere) times the table's cells that run it, plus what
+    runs outside the ops on every stage. Without (the vmap baseline, which has no op
+    conditionals): the whole program on every stage."""
+    text = compiled_text(compiled)
+    m = parse_module(text)
+    total = stages * computation_cost(m, m.entry).flops   # the ops' conditionals kept apart
+    if schedule is None:
+        return total
+    ops = op_branch_costs(text)
+    last = schedule.num_chunks - 1
+    for row in schedule.table:
+        for op in row:
+            if op is not None:
+                c = ops[LABELS[op.kind]]
+                total += (c.costliest() if op.chunk == last else c.cheapest()).flops
+    return total
+
+
 def measure(trainer: Trainer, batch, steps: int) -> dict:
     t0 = time.perf_counter()
     compiled = trainer._jitted_step.lower(trainer.abstract_state(), {
@@ -98,7 +126,7 @@ def measure(trainer: Trainer, batch, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak = mem.argument_bytes + mem.output_bytes + mem.temp_bytes - mem.alias_bytes
     return {"step_s": float(np.min(times)), "compile_s": compile_s, "peak_mb": mib(peak),
-            "temp_mb": mib(mem.temp_bytes), "loss": float(m["loss"])}
+            "temp_mb": mib(mem.temp_bytes), "loss": float(m["loss"]), "compiled": compiled}
 
 
 def run(args) -> list[dict]:
@@ -113,23 +141,36 @@ def run(args) -> list[dict]:
     base = measure(ref, batch, args.steps)
     print(f"unpipelined data=8: {base}", file=sys.stderr)
     rows = []
-    mesh = make_mesh(data=2, pipe=4)
+    mesh = make_mesh(data=8 // STAGES, pipe=STAGES)
     for M in args.ms:
         for kind in args.schedules:
             v = 2 if kind == "interleaved" else chunks_per_stage(kind) if kind in KINDS else 1
             if kind == "maxtext-vmap":   # the baseline brings its own loss_and_grad
-                tr = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig("gpipe", M))
-                tr = Trainer(cfg, mesh, tr.strategy, loss_and_grad=vmapped_gpipe(tr, M))
-                bubble = build("gpipe", 4, M).bubble_fraction()
+                # The same run (optimizer and its schedule included) with GPipe's stages.
+                tr = trainer(f"data={8 // STAGES},pipe={STAGES}", schedule="gpipe",
+                             microbatches=M)
+                tr = Trainer(cfg, mesh, tr.strategy, optim=tr.optim, exe=tr.exe,
+                             loss_and_grad=vmapped_gpipe(tr, M))
+                sched, table = None, build("gpipe", STAGES, M)
+                in_flight = M                # autodiff keeps every tick's residuals
             else:
-                tr = trainer("data=2,pipe=4", schedule=kind, microbatches=M, virtual=v)
-                bubble = tr.pipeline.schedule.bubble_fraction()
+                tr = trainer(f"data={8 // STAGES},pipe={STAGES}", schedule=kind,
+                             microbatches=M, virtual=v)
+                sched = table = tr.pipeline.schedule
+                in_flight = sched.peak_in_flight / sched.virtual   # in whole stages
             r = measure(tr, batch, args.steps)
-            r.update(kind=kind, M=M, v=v, bubble=bubble, ratio=r["step_s"] / base["step_s"])
+            r.update(kind=kind, M=M, v=v, bubble=table.bubble_fraction(), in_flight=in_flight,
+                     ratio=r["step_s"] / base["step_s"],
+                     flops_mb=step_flops(r.pop("compiled"), STAGES, sched) / M)
             np.testing.assert_allclose(r["loss"], base["loss"], rtol=1e-4)
             print(r, file=sys.stderr)
             rows.append(r)
-    return [dict(kind="unpipelined (data=8)", M=1, v=1, bubble=0.0, ratio=1.0, **base)] + rows
+    ofob = {r["M"]: r["flops_mb"] for r in rows if r["kind"] == "1f1b"}
+    for r in rows:
+        r["flops_ratio"] = r["flops_mb"] / ofob[r["M"]] if r["M"] in ofob else None
+    base.pop("compiled")
+    return [dict(kind="unpipelined (data=8)", M=1, v=1, bubble=0.0, ratio=1.0, in_flight=None,
+                 flops_ratio=None, **base)] + rows
 
 
 def table(rows, args) -> str:
@@ -144,11 +185,14 @@ def table(rows, args) -> str:
             "after a warm-up (the machine is shared, so slower repeats measure other load). Simulated devices share the same CPU cores, so a ratio measures "
             "total work plus overhead: bubble ticks that compute (the vmap baseline) cost "
             "real time here, skipped ones (triax) do not.", "",
-            "| schedule | M | bubble | step s | step time / unpipelined | peak MB/device | "
-            "temp MB | compile s |", "|---|---|---|---|---|---|---|---|"]
+            "| schedule | M | bubble | peak in flight (stages) | step s | step time / unpipelined "
+            "| FLOPs per micro-batch / 1F1B | peak MB/device | temp MB | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    dash = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
     body = [f"| {r['kind']}{' v=2' if r['v'] > 1 else ''} | {r['M']} | {r['bubble']:.3f} | "
-            f"{r['step_s']:.1f} | {r['ratio']:.2f} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['compile_s']:.1f} |"
-            for r in rows]
+            f"{dash(r['in_flight'], 'g')} | {r['step_s']:.1f} | {r['ratio']:.2f} | "
+            f"{dash(r['flops_ratio'], '.3f')} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | "
+            f"{r['compile_s']:.1f} |" for r in rows]
     return "\n".join(head + body) + "\n"
 
 

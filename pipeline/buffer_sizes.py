@@ -23,10 +23,11 @@ import numpy as np
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
-from triax.pipeline.executor import buffer_bytes, loss_only
-from triax.pipeline.split_backward import StageBackward
+from triax.pipeline.executor import loss_only, slot_buffer_bytes
+from triax.pipeline.split_backward import SlotInputs, StageBackward, slot_layouts
 from triax.pipeline.jaxpr_split import reads
 from triax.pipeline.stage import Residuals, Stage
+from triax.pipeline.stash_layout import nbytes
 from triax.pipeline.stage_layers import StageLayers
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import abstract_model
@@ -57,40 +58,46 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
 def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: ExecConfig,
                   rows: int, seq_len: int) -> dict[str, int]:
     """``activation_buffer_bytes``, cached: the planner asks the same question for every
-    strategy that shares a pipeline layout (building the tick table is the costly part)."""
+    strategy that shares a pipeline layout."""
     schedule = config.build(stages)
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
-    res_shapes, cut_shapes, x = _stage_residuals(cfg, per_chunk, exe, rows, seq_len)
-    out = buffer_bytes(compile_program(schedule), res_shapes, x, cut_shapes)
+    inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
+    program = compile_program(schedule)
+    layouts = slot_layouts(inputs, schedule.kind.split_backward) \
+        if schedule.has_backward else None
+    out = slot_buffer_bytes(program, layouts, nbytes(x))
     out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
         if per_chunk > 1 and schedule.has_backward else 0
     return out
 
 
-# Chunk sizes and micro-batch rows the residual shapes are traced at (see _stage_residuals).
+# Chunk sizes and micro-batch rows the chunk is traced at (see _slot_inputs).
 _PROBE_LAYERS, _PROBE_ROWS = (2, 3), (2, 3)
 
 
 @functools.lru_cache(maxsize=1024)
-def _stage_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
-                     seq_len: int):
-    """One chunk's pullback residual shapes, its split backward's cut (what B_in stashes for
-    W) and its activation: shared by every schedule and micro-batch count with the same chunk.
+def _slot_inputs(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                 seq_len: int) -> tuple[SlotInputs, jax.ShapeDtypeStruct]:
+    """One chunk's stash slot inputs (``split_backward.SlotInputs``: the stashed leaves, the
+    cut) and its activation, shared by every schedule and micro-batch count with the same
+    chunk.
 
-    Tracing a 40-layer chunk takes about a second and the planner asks for dozens of (layers,
-    rows) pairs. Every residual dimension is a constant, the chunk's layer count (the layer
-    scan stacks it), the micro-batch rows, or their product, so each dimension is bilinear in
-    (layers, rows): four traces at small sizes give every pair (``_bilinear``), exact in bytes
-    per leaf (one row may fold a size-1 dimension; the buffers need only bytes:
-    ``tests/test_buffer_sizes.py``). A shape that does not fit that form is traced directly."""
-    if per_chunk < _PROBE_LAYERS[0]:   # one layer runs unscanned: its own shapes (and cheap)
-        return _trace_residuals(cfg, per_chunk, exe, rows, seq_len)
-    probes = {(l, r): _trace_residuals(cfg, l, exe, r, seq_len)
-              for l in _PROBE_LAYERS for r in _PROBE_ROWS}
-    if (per_chunk, rows) in probes:
-        return probes[(per_chunk, rows)]
-    guess = _bilinear(probes, per_chunk, rows)
-    return guess if guess is not None else _trace_residuals(cfg, per_chunk, exe, rows, seq_len)
+    Tracing a chunk's split backward takes about a second whatever its size, and the planner
+    asks for dozens of (layers, rows) pairs. Every stashed leaf's dimensions are constants,
+    the chunk's layer count (the layer scan stacks it), the micro-batch rows, or their
+    product, so each dimension is bilinear in (layers, rows): four traces at small sizes give
+    every pair (``_bilinear``), the same leaves in bytes (one row may fold a size-1
+    dimension, which the slot planning ignores: ``tests/test_buffer_sizes.py``). What does
+    not fit that form, and a one-layer chunk (it runs unscanned), is traced directly."""
+    if per_chunk >= _PROBE_LAYERS[0]:
+        probes = {(l, r): _trace_slot_inputs(cfg, l, exe, r, seq_len)
+                  for l in _PROBE_LAYERS for r in _PROBE_ROWS}
+        if (per_chunk, rows) in probes:
+            return probes[(per_chunk, rows)]
+        fitted = _bilinear(probes, per_chunk, rows)
+        if fitted is not None:
+            return fitted
+    return _trace_slot_inputs(cfg, per_chunk, exe, rows, seq_len)
 
 
 def _corners(probes: dict) -> list:
@@ -107,27 +114,40 @@ def _fit(d00: int, d10: int, d01: int, d11: int, layers: int, rows: int) -> int:
 
 
 def _bilinear(probes: dict, layers: int, rows: int):
-    """The probes' shapes evaluated at (layers, rows), each dimension fitted by ``_fit``;
-    None when the probes disagree in structure or a dimension does not fit."""
-    flat = [jax.tree.flatten(c) for c in _corners(probes)]
+    """The probes' shapes at (layers, rows), each dimension fitted by ``_fit``; None where
+    the probes differ in anything but shapes (flags, structure, ranks, dtypes)."""
+    sds = lambda x: isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+    flat = [jax.tree.flatten(c, is_leaf=sds) for c in _corners(probes)]
     if any(f[1] != flat[0][1] for f in flat):
         return None
     leaves = []
-    for sds in zip(*(f[0] for f in flat)):
-        if len({len(x.shape) for x in sds}) != 1 or len({x.dtype for x in sds}) != 1:
+    for xs in zip(*(f[0] for f in flat)):
+        if not sds(xs[0]):          # a flag: the same at every probe
+            if any(x != xs[0] for x in xs):
+                return None
+            leaves.append(xs[0])
+            continue
+        if len({len(x.shape) for x in xs}) != 1 or len({x.dtype for x in xs}) != 1:
             return None
-        dims = [_fit(*ds, layers, rows) for ds in zip(*(x.shape for x in sds))]
+        dims = tuple(_fit(*ds, layers, rows) for ds in zip(*(x.shape for x in xs)))
         if min(dims, default=1) < 0:
             return None
-        leaves.append(jax.ShapeDtypeStruct(tuple(dims), sds[0].dtype))
+        leaves.append(jax.ShapeDtypeStruct(dims, xs[0].dtype))
     return jax.tree.unflatten(flat[0][1], leaves)
 
 
 @functools.lru_cache(maxsize=256)
-def _trace_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
-                     seq_len: int):
-    """``_stage_residuals`` by tracing the chunk's pullback (``jax.eval_shape``-style:
-    nothing is allocated)."""
+def _trace_slot_inputs(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                       seq_len: int) -> tuple[SlotInputs, jax.ShapeDtypeStruct]:
+    """``_slot_inputs`` by tracing the chunk's split backward (nothing is allocated)."""
+    sb, x = _stage_backward(cfg, per_chunk, exe, rows, seq_len)
+    return sb.slot_inputs(), x
+
+
+def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
+                    seq_len: int):
+    """One chunk's stash and split backward (``StageBackward``: what F stashes, what B_in
+    stashes for W) and its activation, traced abstractly."""
     am = abstract_model(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
@@ -140,14 +160,14 @@ def _trace_residuals(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: in
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
         sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
-    return sb.shapes, sb.cut_shapes, x
+    return sb, x
 
 
 @functools.lru_cache(maxsize=1024)
 def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
                          seq_len: int) -> int:
     """``_trace_loop_bytes``, fitted bilinearly in (layers, rows) from four small traces as
-    ``_stage_residuals`` is (a sum of leaves that are each bilinear)."""
+    ``_slot_inputs`` is (a sum of leaves that are each bilinear)."""
     probes = {(l, r): _trace_loop_bytes(cfg, l, exe, r, seq_len)
               for l in _PROBE_LAYERS for r in _PROBE_ROWS}
     return _fit(*_corners(probes), per_chunk, rows)

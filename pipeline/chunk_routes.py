@@ -95,20 +95,25 @@ def to_compute(tree, stages: int, virtual: int, axis: str = "pipe", v_shape: boo
     return _move(tree, stages, virtual, axis, reverse=False, v_shape=v_shape)
 
 
-def to_storage(tree, stages: int, virtual: int, axis: str = "pipe", v_shape: bool = False):
-    """The inverse of :func:`to_compute` (gradients of the chunks back to where they live)."""
-    return _move(tree, stages, virtual, axis, reverse=True, v_shape=v_shape)
+def to_storage(tree, stages: int, virtual: int, axis: str = "pipe", v_shape: bool = False,
+               into=None):
+    """The inverse of :func:`to_compute` (gradients of the chunks back to where they live).
+    ``into``: a tree of the same shapes that is dead once read here (the compute-order
+    weights, after the tick loop), whose buffers the result overwrites: every slot is
+    written, so nothing of it survives, and the step holds no third stage-sized copy (the
+    weights in compute order, their gradients, and the gradients in storage order)."""
+    return _move(tree, stages, virtual, axis, reverse=True, v_shape=v_shape, into=into)
 
 
-def _move(tree, S, v, axis, reverse, v_shape):
+def _move(tree, S, v, axis, reverse, v_shape, into=None):
     rounds = chunk_routes(S, v, v_shape)
     src_slot, dst_slot = _tables(rounds, S)
     if reverse:
         src_slot, dst_slot = dst_slot, src_slot
     me = jax.lax.axis_index(axis)
 
-    def one(a):
-        out = jnp.zeros_like(a)
+    def one(a, out):
+        out = jnp.zeros_like(a) if out is None else out.astype(a.dtype)
         for k, rd in enumerate(rounds):
             perm = [(s, d) if reverse else (d, s) for d, _, s, _ in rd]
             sent = jax.lax.dynamic_index_in_dim(a, src_slot[k, me], 0, keepdims=False)
@@ -116,4 +121,5 @@ def _move(tree, S, v, axis, reverse, v_shape):
                 sent = jax.lax.ppermute(sent, axis, perm)
             out = jax.lax.dynamic_update_index_in_dim(out, sent, dst_slot[k, me], 0)
         return out
-    return jax.tree.map(one, tree)
+    return jax.tree.map(one, tree, jax.tree.map(lambda _: None, tree) if into is None else into,
+                        is_leaf=lambda x: x is None)

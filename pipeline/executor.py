@@ -4,17 +4,19 @@ over the tick program, one gated op per op kind, ``ppermute`` between stages.
 Per tick, every stage (1) files the messages that arrived into its inbox slots, (2) runs its
 op from the program — idle, F, B, B_in or W — and (3) sends the forward activation to the
 next stage and (schedules with a backward) the input gradient to the previous one with
-``ppermute``. A forward stashes what its backward needs (parameters excluded) in a slot the
-program assigned; the backward reads it, adds the weight gradients to the accumulator and
-frees the slot (ZB-H1, ZB-V: B_in stashes its cut for W, W frees both). ZB-V's V sends
+``ppermute``. A forward stashes what its backward needs and cannot recompute (parameters
+excluded) in a slot the program assigned; the backward reads it, adds the weight gradients
+to the accumulator and frees the slot (ZB-H1, ZB-V: B_in writes its cut for W into the same
+slot, over the residuals only B_in reads, ``pipeline.stash_layout``; W frees it). ZB-V's V sends
 some activations down and some gradients up, and files a message on its own stage at the
 turn; the program says which (``tick_program.Ticks``), so the V runs on the same two
 channels.
 
 **No per-tick tax.** Each op kind is its own two-branch conditional, "skip" or "run",
 carrying only the buffers that op writes (F: the stash, the outgoing activation, the loss,
-outputs and state; B: the gradient accumulator and the outgoing gradient; B_in: the cut
-buffer and the outgoing gradient; W: the accumulator), and reading the rest as operands. A
+outputs and state; B: the gradient accumulators and the outgoing gradient; B_in: the stash
+(its cut), the pre/post-stack's gradients and the outgoing gradient; W: the layers'
+gradient accumulator), and reading the rest as operands. A
 conditional whose only writing branch updates a buffer with a dynamic-update-slice, the
 other passing it through, is compiled in place on XLA:CPU; one ``lax.switch`` carrying every
 buffer through every branch (idle included) is not: it copied the whole accumulator and
@@ -40,11 +42,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax.pipeline.permute_parity import gated
-from triax.pipeline.split_backward import StageBackward
+from triax.pipeline.split_backward import StageBackward, pick_layout
 from triax.pipeline.schedules import OpKind, Schedule
+from triax.pipeline.stash_layout import StashLayout
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
 from triax.pipeline.timeline import LABELS
-from triax.sharding.introspect.branch_costs import OP_SCOPE
+from triax.sharding.introspect.branch_costs import OP_SCOPE, ORDERED_SCOPE
 
 PIPE, DATA = "pipe", "data"
 
@@ -124,27 +127,41 @@ def _nbytes(sd) -> int:
     return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
 
 
-def buffer_bytes(program: TickProgram, residuals, x_sd, cut=None) -> dict[str, int]:
-    """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
-    them. ``residuals``: what one chunk's F stashes for one micro-batch
-    (``StageBackward.shapes``); ``x_sd``: the activation passed between stages; ``cut``: what
-    B_in stashes for W (``StageBackward.cut_shapes``; default: one activation).
+def stash_layout(program: TickProgram, sb: StageBackward) -> StashLayout:
+    """The stash slot ``run_ticks`` allocates for ``program`` (``StageBackward.layout``)."""
+    return sb.layout(program.schedule.kind.split_backward, program.stash_slots,
+                     program.head_slots)
 
-    ``stash``: the live slots (written only inside F's conditional, so no scratch slot; F
-    writes its residuals into the slot and B reads them there, in place, so no further
-    residual set is materialised per tick: ``tests/test_pipeline_tick_tax.py``);
-    ``inbox``: the forward and backward inboxes (live slots plus scratch), the two
-    activations in flight and the two being sent, plus (split backwards) the cut buffer's
-    live slots. Forward-only schedules stash nothing.
+
+def buffer_bytes(program: TickProgram, sb: StageBackward, x_sd) -> dict[str, int]:
+    """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
+    them. ``sb``: one chunk's stash and split backward (its ``stash_layout``: what F
+    stashes for one micro-batch and, split backwards, where B_in's cut goes); ``x_sd``: the
+    activation passed between stages. ``slot_buffer_bytes`` is the formula."""
+    layouts = sb.layouts(program.schedule.kind.split_backward) \
+        if program.schedule.has_backward else None
+    return slot_buffer_bytes(program, layouts, _nbytes(x_sd))
+
+
+def slot_buffer_bytes(program: TickProgram, layouts, x_bytes: int) -> dict[str, int]:
+    """``buffer_bytes`` from the slot layouts' sizes (``StageBackward.layouts``: anything
+    with ``body_bytes`` and ``head_bytes``) and the activation's bytes.
+
+    ``stash``: the live slots (written only inside F's and B_in's conditionals, so no
+    scratch slot; the head cells, which only the last chunk's micro-batches hold and write,
+    have slots of their own). F writes its residuals into
+    the slot and B reads them there, in place, so no further residual set is materialised
+    per tick (``tests/test_pipeline_tick_tax.py``). ``inbox``: the forward and backward
+    inboxes (live slots plus scratch), the two activations in flight and the two being
+    sent. Forward-only schedules stash nothing.
     """
-    x = _nbytes(x_sd)
+    x = x_bytes
     if not program.schedule.has_backward:
         return {"stash": 0, "inbox": (program.fwd_slots + 1 + 2) * x}
-    res = sum(_nbytes(r) for r in residuals)
     inbox = (program.fwd_slots + program.bwd_slots + 2 + 4) * x
-    if program.schedule.kind.split_backward:
-        inbox += program.ct_slots * sum(_nbytes(c) for c in (cut or [x_sd]))
-    return {"stash": program.stash_slots * res, "inbox": inbox}
+    lay = pick_layout(layouts, program.stash_slots, program.head_slots)
+    stash = program.stash_slots * lay.body_bytes + program.head_slots * lay.head_bytes
+    return {"stash": stash, "inbox": inbox}
 
 
 def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResult:
@@ -171,6 +188,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
     sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
+    layout = stash_layout(prog, sb) if backward else None
     kinds = _used_kinds(prog.ticks)
     flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
     fperm, bperm = _perms(spec.stages, prog.schedule.wraps)
@@ -184,10 +202,10 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
         if (getattr(prog.ticks, field) != scratch[buf]).any()]
     mixed_up, mixed_down = prog.ticks.up_b.any(), prog.ticks.down_f.any()
 
-    def slots(n, sd, scratch=1):
-        """n live slots (+1 scratch for the inboxes, written every tick; the stash and the
-        cut are written only inside their op's conditional, always to a live slot)."""
-        return jnp.zeros((n + scratch,) + tuple(sd.shape), sd.dtype)
+    def slots(n, sd):
+        """n live slots +1 scratch (the inboxes, written every tick; the stash is written
+        only inside F's and B_in's conditionals, always to a live slot: no scratch)."""
+        return jnp.zeros((n + 1,) + tuple(sd.shape), sd.dtype)
 
     def tick(c, xs):
         row, flag = jax.tree.map(lambda a: _take(a, stage), xs)
@@ -209,11 +227,11 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             d = _take(c["bin"], row.bwd_in_r)
             return jnp.where(last, jnp.zeros_like(d), d)
 
-        def add_grads(acc, d_chunk, d_pieces):
-            return {"blocks": jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)),
-                                           acc["blocks"], d_chunk),
-                    "pieces": jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc["pieces"],
-                                           d_pieces)}
+        def add_blocks(acc, d_chunk):
+            return jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)), acc, d_chunk)
+
+        def add_pieces(acc, d_pieces):
+            return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
 
         def fwd(w):
             x_in = _take(c["fin"], row.fwd_in_r)
@@ -225,35 +243,49 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
                          out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
             else:
                 (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
-                w = dict(w, stash=[_put(s, x, row.stash_w) for s, x in zip(w["stash"], res)])
+                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w, last))
             return dict(w, send_f=y.astype(spec.dtype),
                         loss=jax.tree.map(jnp.add, w["loss"], loss))
 
-        def stored():
-            return [_take(s, row.stash_r) for s in c["stash"]]
-
         def bwd(w):
-            d_chunk, d_pieces, dx = sb.backward(stored(), chunk(), pieces, dy(), dloss)
-            return {"acc": add_grads(w["acc"], d_chunk, d_pieces),
+            stored = layout.read(c["stash"], row.stash_r, row.head_r)
+            d_chunk, d_pieces, dx = sb.backward(stored, chunk(), pieces, extras(), dy(), dloss)
+            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk),
+                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
                     "send_b": dx.astype(spec.dtype)}
 
         def bwd_in(w):
-            dx, cut = sb.backward_input(stored(), chunk(), pieces, dy(), dloss)
-            return {"cut": [_put(b, x, row.ct_w) for b, x in zip(w["cut"], cut)],
+            def run(stash):
+                stored = layout.read(stash, row.stash_r, row.head_r)
+                return sb.backward_input(stored, chunk(), pieces, extras(), dy(), dloss)
+            # The cut overwrites cells B_in reads, so every read must come first: B_in runs as
+            # one conditional (on a flag true here) whose outputs are written after it. A
+            # barrier does not hold on XLA:CPU: fusion moves a read past the write, and XLA
+            # then copies the whole cell buffer each tick to keep the read valid.
+            with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as B_in's own
+                d_pieces, dx, cut = jax.lax.cond(flag[OpKind.B_IN] > 0, run,
+                                       lambda _: jax.tree.map(jnp.zeros_like,
+                                                              jax.eval_shape(run, w["stash"])),
+                                       w["stash"])
+            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r, row.head_r,
+                                              last),
+                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
                     "send_b": dx.astype(spec.dtype)}
 
         def wgt(w):
-            cut = [_take(b, row.ct_r) for b in c["cut"]]
-            d_chunk, d_pieces = sb.backward_weight(stored(), cut, chunk(), pieces)
-            return {"acc": add_grads(w["acc"], d_chunk, d_pieces)}
+            stored = layout.read(c["stash"], row.stash_r, row.head_r)
+            cut = layout.read_cut(c["stash"], row.stash_r, row.head_r)
+            d_chunk = sb.backward_weight(stored, cut, chunk(), pieces, extras())
+            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk)}
 
         # Each op: what it runs, and the buffers it writes. Writers run before readers (F
-        # writes the stash B, B_in and W read; B_in writes the cut W reads): a buffer read by
-        # one conditional and then written in place by a later one is copied whole first.
-        # One op runs per tick, so the order changes nothing else.
+        # writes the stash B, B_in and W read; B_in reads it and writes the cut W reads): a
+        # buffer read by one conditional and then written in place by a later one is copied
+        # whole first. One op runs per tick, so the order changes nothing else.
         ops = {OpKind.F: (fwd, ("stash", "send_f", "loss", "out", "state")),
-               OpKind.B_IN: (bwd_in, ("cut", "send_b")),
-               OpKind.W: (wgt, ("acc",)), OpKind.B: (bwd, ("acc", "send_b"))}
+               OpKind.B_IN: (bwd_in, ("stash", "acc_pieces", "send_b")),
+               OpKind.W: (wgt, ("acc_blocks",)),
+               OpKind.B: (bwd, ("acc_blocks", "acc_pieces", "send_b"))}
         for k in (OpKind.F, OpKind.B_IN, OpKind.W, OpKind.B):
             if k in kinds:
                 run, writes = ops[k]
@@ -276,14 +308,13 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
              "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
     if backward:
         carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
-                     stash=[slots(prog.stash_slots, r, 0) for r in sb.shapes],
-                     acc={"blocks": jax.tree.map(jnp.zeros_like, blocks),
-                          "pieces": jax.tree.map(jnp.zeros_like, pieces)})
-        if OpKind.B_IN in kinds:
-            carry["cut"] = [slots(prog.ct_slots, r, 0) for r in sb.cut_shapes]
+                     stash=layout.buffers(prog.stash_slots, prog.head_slots),
+                     acc_blocks=jax.tree.map(jnp.zeros_like, blocks),
+                     acc_pieces=jax.tree.map(jnp.zeros_like, pieces))
     xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))
     out, _ = jax.lax.scan(tick, carry, xs)
-    acc = out["acc"] if backward else {"blocks": {}, "pieces": {}}
+    acc = ({"blocks": out["acc_blocks"], "pieces": out["acc_pieces"]} if backward
+           else {"blocks": {}, "pieces": {}})
     return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"], acc)
 
 

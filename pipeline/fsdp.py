@@ -58,6 +58,11 @@ class FSDP:
     dims: Any
     auto: Any
 
+    @property
+    def splits(self) -> bool:
+        """Some leaf is split over `data` (the gather makes a copy of it)."""
+        return any(d is not None for d in jax.tree.leaves(self.dims, is_leaf=lambda x: x is None))
+
     def _local(self, fn, tree):
         """Run ``fn(tree)`` manual over the automatic axes too, on each leaf's local block:
         a collective over `data` in the partially manual region would first gather the

@@ -120,6 +120,15 @@ class Split:
     b_reads: list[bool] = field(default_factory=list)   # per invar
     w_reads: list[bool] = field(default_factory=list)   # per invar: available ones W reads
 
+    def cond_cut(self, index_inputs) -> list[bool]:
+        """Per cut value: a slot of a top-level ``cond`` whose index is one of the inputs
+        ``index_inputs`` (positions in the invars): it carries a value only where that
+        input selects the branch producing it."""
+        at = {v: i for i, v in enumerate(self.jaxpr.invars)}
+        slots = {id(k) for n in self.b_nodes if isinstance(n, _CondNode)
+                 and at.get(n.eqn.invars[0]) in index_inputs for k in n.slots}
+        return [id(k) in slots for k in self.cut]
+
 
 def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[bool],
          b_free: Sequence[bool] | None = None) -> Split:
@@ -196,7 +205,7 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
                  [v in wlive for v in jaxpr.invars])
 
 
-_MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
+MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 
 
 def _nbytes(v) -> int:
@@ -214,7 +223,7 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     ok, in_cut, chosen = set(b_ok), set(cut), set()
     for i in sorted(w_node):
         e = w_node[i]
-        if i in nodes or e.primitive.name in _MATMULS or _has_inner(e) \
+        if i in nodes or e.primitive.name in MATMULS or _has_inner(e) \
                 or pe.has_effects(e) \
                 or not all(isinstance(v, Literal) or v in ok for v in e.invars):
             continue

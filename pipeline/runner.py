@@ -221,15 +221,16 @@ class Pipeline:
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
-        def routes(tree, move):  # [1, v, ...] leaves between storage and compute order
+        def routes(tree, move, **into):  # [1, v, ...] leaves between storage and compute order
             if not lay.routed:
                 return tree
-            moved = move(jax.tree.map(lambda a: a[0], tree), PIPE)
+            into = {k: jax.tree.map(lambda a: a[0], t) for k, t in into.items()}
+            moved = move(jax.tree.map(lambda a: a[0], tree), PIPE, **into)
             return jax.tree.map(lambda a: a[None], moved)
 
         def body(blocks, pieces, inputs, consts, state):
-            blocks = routes(blocks, lay.to_compute)  # before the FSDP gather: 1/data of a chunk
-            blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(blocks))   # [v, Lc, ...]
+            routed = routes(blocks, lay.to_compute)  # before the FSDP gather: 1/data of a chunk
+            blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(routed))   # [v, Lc, ...]
             state = routes(state, lay.to_compute)
             pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
@@ -246,7 +247,11 @@ class Pipeline:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
             g_blocks = bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"]))
-            return (loss, outputs, state, routes(g_blocks, lay.to_storage),
+            # The routed weights are dead after the ticks: their buffers take the gradients
+            # back to storage order (unless an FSDP gather made the ticks' copy, and the
+            # routed 1/data was free long before).
+            into = {} if bfsdp.splits else {"into": routed}
+            return (loss, outputs, state, routes(g_blocks, lay.to_storage, **into),
                     pfsdp.reduce(g_pieces))
 
         bat, per_stage_rows, state_spec = P(DATA), P(PIPE, DATA), P(PIPE, None, None, DATA)

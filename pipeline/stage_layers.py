@@ -76,9 +76,9 @@ class StageLayers:
         """Inside ``shard_map``: stored chunks → the chunks this stage runs (``routed``)."""
         return to_compute(tree, self.stages, self.virtual, axis, self.v_shape)
 
-    def to_storage(self, tree, axis: str):
-        """Inverse of :meth:`to_compute`."""
-        return to_storage(tree, self.stages, self.virtual, axis, self.v_shape)
+    def to_storage(self, tree, axis: str, into=None):
+        """Inverse of :meth:`to_compute` (``into``: ``chunk_routes.to_storage``)."""
+        return to_storage(tree, self.stages, self.virtual, axis, self.v_shape, into)
 
     def stored_chunks(self, blocks):
         """``[L, ...]`` → ``[S, v, Lc, ...]`` in storage order (chunk ``s*v + r`` at ``[s, r]``):

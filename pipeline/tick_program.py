@@ -1,9 +1,9 @@
 """Compile a schedule table into the named integer arrays the executor scans over.
 
 Besides each cell's op, the executor needs buffer slots: where an arriving activation or
-gradient waits until its op runs, where a forward's residuals wait for their backward,
-(zero-bubble schedules) where B_in's cotangent waits for W, and where a micro-batch's output
-is kept. Slots are assigned here, in Python, by a first-free allocator, so the buffers hold exactly the
+gradient waits until its op runs, where a forward's residuals wait for their backward (and,
+zero-bubble schedules, B_in's cut for W: in the same slot, ``pipeline.stash_layout``), and
+where a micro-batch's output is kept. Slots are assigned here, in Python, by a first-free allocator, so the buffers hold exactly the
 schedule's live items plus one scratch slot (index = the buffer's slot count) that absorbs
 the writes of ticks that have nothing to keep. Every field is an ``int32[ticks, S]`` array,
 and every slot in it is a real index: no sentinel is left for the executor to resolve.
@@ -34,9 +34,11 @@ class Ticks:
     Idle cells have kind 0 and read/write scratch slots. ``*_w`` is the slot a tick writes,
     ``*_r`` the slot it reads, per buffer: the forward inbox (an arriving activation is filed
     at ``fwd_in_w``, F reads ``fwd_in_r``), the backward inbox (likewise for gradients), the
-    stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``; B or W frees it), the
-    cut buffer (B_in writes what W needs of its values, W reads) and the per-micro-batch
-    outputs (the last chunk's F writes).
+    stash (F writes residuals at ``stash_w``, B/B_in/W read ``stash_r``, B_in writes its cut
+    for W there too; B or W frees it) and the per-micro-batch outputs (the last chunk's F
+    writes). ``head_w``/``head_r`` are the stash's head cells (``stash_layout``: the
+    post-stack's residuals), in slots of their own, which only the last chunk's micro-batches
+    take.
 
     Messages travel on two ``ppermute`` channels, "up" (stage s to s+1) and "down" (s to
     s-1), and, where consecutive chunks share a stage (ZB-V's turn at stage S-1), stay on the
@@ -58,8 +60,8 @@ class Ticks:
     bwd_in_r: np.ndarray
     stash_w: np.ndarray
     stash_r: np.ndarray
-    ct_w: np.ndarray
-    ct_r: np.ndarray
+    head_w: np.ndarray
+    head_r: np.ndarray
     out_w: np.ndarray
     fwd_in_down_w: np.ndarray
     fwd_in_turn_w: np.ndarray
@@ -73,7 +75,7 @@ class Ticks:
         return {f.name: int(getattr(self, f.name)[t, s]) for f in dataclasses.fields(self)}
 
 
-SLOT_FIELDS = ("fwd_in", "bwd_in", "stash", "ct", "out")
+SLOT_FIELDS = ("fwd_in", "bwd_in", "stash", "head", "out")
 
 
 @dataclass(frozen=True, eq=False)
@@ -85,7 +87,7 @@ class TickProgram:
     stash_slots: int
     fwd_slots: int
     bwd_slots: int
-    ct_slots: int
+    head_slots: int
 
     @property
     def out_slots(self) -> int:
@@ -117,7 +119,7 @@ def compile_program(s: Schedule) -> TickProgram:
     names = [f.name for f in dataclasses.fields(Ticks)]
     cols = {n: np.full((s.ticks, S), -1 if n.endswith(("_w", "_r")) else 0, np.int32)
             for n in names}
-    stash, fin, bin_, ct = ([_Slots() for _ in range(S)] for _ in range(4))
+    stash, fin, bin_, head = ([_Slots() for _ in range(S)] for _ in range(4))
     # The op that frees a forward's stash: B, or (ZB-H1, ZB-V) W, which reads it with the cut.
     final_kind = (None if not s.has_backward else
                   OpKind.W if s.kind.split_backward else OpKind.B)
@@ -138,17 +140,17 @@ def compile_program(s: Schedule) -> TickProgram:
                 cols["up_b"][t - 1, st] = int(way == "up")
         for st, op in enumerate(row):
             if op is not None:
-                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], ct[st], final_kind)
+                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], head[st], final_kind)
                 for name, value in cell.items():
                     cols[name][t, st] = value
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
-    sizes = {"stash": size(stash), "fwd_in": size(fin), "bwd_in": size(bin_), "ct": size(ct),
-             "out": s.microbatches}
+    sizes = {"stash": size(stash), "fwd_in": size(fin), "bwd_in": size(bin_),
+             "head": size(head), "out": s.microbatches}
     for name, a in cols.items():  # unassigned slots → that buffer's scratch slot
         if name.endswith(("_w", "_r")):
             a[a < 0] = sizes[next(b for b in SLOT_FIELDS if name.startswith(b))]
     return TickProgram(s, Ticks(**cols), sizes["stash"], sizes["fwd_in"], sizes["bwd_in"],
-                       sizes["ct"])
+                       sizes["head"])
 
 
 # Where an arriving message is filed, by the way it came (up, down, or staying on the stage).
@@ -168,7 +170,7 @@ def _way(s: Schedule, st: int, forward: bool, to: int) -> str:
     return "up" if forward else "down"
 
 
-def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
+def _cell(op: Op, S: int, C: int, stash, fin, bin_, head, final_kind) -> dict:
     """The fields of one non-idle cell (slots left out are scratch)."""
     key = (op.mb, op.chunk)
     cell = {"kind": int(op.kind), "mb": op.mb, "chunk": op.chunk // S,
@@ -180,13 +182,15 @@ def _cell(op: Op, S: int, C: int, stash, fin, bin_, ct, final_kind) -> dict:
             cell["out_w"] = op.mb
         if final_kind is not None:  # forward-only keeps no residuals
             cell["stash_r"] = cell["stash_w"] = stash.take(key)
+            if op.chunk == C - 1:
+                cell["head_r"] = cell["head_w"] = head.take(key)
         return cell
     if op.kind in (OpKind.B, OpKind.B_IN):
         if op.chunk < C - 1:
             cell["bwd_in_r"] = bin_.free(key)
-        if op.kind is OpKind.B_IN:
-            cell["ct_r"] = cell["ct_w"] = ct.take(key)
-    if op.kind is OpKind.W:
-        cell["ct_r"] = ct.free(key)
-    cell["stash_r"] = stash.free(key) if op.kind is final_kind else stash.owner.index(key)
+    final = op.kind is final_kind
+    cell["stash_r"] = stash.free(key) if final else stash.owner.index(key)
+    # B_in computes the post-stack's gradients itself: W reads no head cell.
+    if op.chunk == C - 1 and op.kind is not OpKind.W:
+        cell["head_r"] = head.free(key)
     return cell

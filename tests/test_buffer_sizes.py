@@ -1,24 +1,28 @@
-"""The pipeline's buffer pricing (``triax.pipeline.buffer_sizes``) extrapolates a chunk's
-residual shapes from four small traces; every leaf's bytes equal a direct trace's."""
-import jax
-import numpy as np
+"""The pipeline's buffer pricing (``triax.pipeline.buffer_sizes``) fits a chunk's stashed
+shapes from four small traces; the slot layouts planned from them, and the loop's residual
+bytes, equal a direct trace's."""
 import pytest
 
 from triax.models import config
 from triax.models.layers import ExecConfig
 from triax.pipeline import buffer_sizes
+from triax.pipeline.split_backward import slot_layouts
+from triax.pipeline.stash_layout import nbytes
 
 
-def leaf_bytes(tree):
-    return [int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree)]
+def sizes(inputs, x):
+    return nbytes(x), [[(lay.body_bytes, lay.head_bytes) for lay in slot_layouts(inputs, split)]
+                       for split in (False, True)]
 
 
 @pytest.mark.parametrize("model,remat,layers,rows", [
     ("tiny", "none", 5, 7), ("tiny", "none", 3, 1), ("tiny-moe", "full", 6, 5)])
-def test_extrapolated_residuals_equal_a_direct_trace(model, remat, layers, rows):
+def test_fitted_chunk_equals_a_direct_trace(model, remat, layers, rows):
     cfg, exe = config.get(model), ExecConfig(remat=remat)
     assert (layers, rows) not in [(l, r) for l in buffer_sizes._PROBE_LAYERS
                                   for r in buffer_sizes._PROBE_ROWS]
-    got = buffer_sizes._stage_residuals(cfg, layers, exe, rows, 32)
-    want = buffer_sizes._trace_residuals(cfg, layers, exe, rows, 32)
-    assert [leaf_bytes(t) for t in got] == [leaf_bytes(t) for t in want]
+    got = buffer_sizes._slot_inputs(cfg, layers, exe, rows, 32)
+    want = buffer_sizes._trace_slot_inputs(cfg, layers, exe, rows, 32)
+    assert sizes(*got) == sizes(*want)
+    assert buffer_sizes._loop_residual_bytes(cfg, layers, exe, rows, 32) \
+        == buffer_sizes._trace_loop_bytes(cfg, layers, exe, rows, 32)

@@ -113,7 +113,8 @@ def test_llama3_70b_zb_h1_costs_what_its_table_says(devices):
     """llama3-70b training on 4×8 H100, on the best plan's layout: with the split backward
     ZB-H1 computes exactly what 1F1B does (W ≈ the weight-gradient half of B; when W reran
     the whole pullback its compute was ~1.35× 1F1B's) in a smaller bubble. What it pays is
-    memory: the cut slots B_in fills for W (priced from ``StageBackward.cut_shapes``)."""
+    a little memory: the pieces of B_in's cut for W that find no free cell in their
+    micro-batch's stash slot (``StageBackward.layout``)."""
     w = Workload.of(config.get("llama3-70b"), train=True, batch=64, seq=4096)
     cluster = hardware.cluster("h100-80gb", 8, 4)
     best = plan(w, cluster, top=1).plans[0].layout

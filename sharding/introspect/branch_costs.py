@@ -18,7 +18,9 @@ rather than assumed (F=1, B=2, ...).
 * Conditionals nested in a branch (the stage's first/last-chunk embedding and head in
   ``pipeline.stage``) run on some executions only; their costs are kept apart, per nested
   branch, in :func:`branch_costs` and left out of the branch's own figures. With one chunk
-  per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs).
+  per stage that is exactly stage 0's F (its embedding is a gather: no FLOPs). A
+  conditional in ``ORDERED_SCOPE`` is an ordering boundary that always runs: its branch 1
+  counts as the enclosing branch's own.
 
     >>> from triax.sharding.introspect.hlo_text import parse_module
     >>> m = parse_module('''
@@ -47,6 +49,10 @@ import numpy as np
 from triax.sharding.introspect.hlo_text import Instr, Module, compiled_text, parse_module
 
 OP_SCOPE = "pipeline_op_"   # the named scope of each pipeline op's conditional (+ its label)
+# The named scope of a conditional used only as an ordering boundary inside an op (B_in
+# reads the stash cells its cut then overwrites): its predicate is the enclosing op's own
+# flag, so branch 1 runs whenever the conditional is reached and branch 0 never.
+ORDERED_SCOPE = "pipeline_ordered"
 _FREE = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
          "partition-id", "replica-id"}
 
@@ -79,14 +85,30 @@ class Cost:
     def costliest(self) -> "Cost":
         """This execution with each nested conditional at its costliest branch (by FLOPs):
         what the stage that runs the embedding or the head pays."""
+        return self._nested_at(max)
+
+    def cheapest(self) -> "Cost":
+        """This execution with each nested conditional at its cheapest branch (by FLOPs):
+        what a stage that runs neither the embedding nor the head pays."""
+        return self._nested_at(min)
+
+    def _nested_at(self, pick) -> "Cost":
         total = Cost(self.flops, self.bytes, self.dots,
                      unknown_loops=list(self.unknown_loops))
         groups: dict[str, list[Cost]] = {}
         for name, c in self.nested.items():
-            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c.costliest())
+            groups.setdefault(name.rsplit(" of ", 1)[-1], []).append(c._nested_at(pick))
         for branches in groups.values():
-            total.add(max(branches, key=lambda c: (c.flops, c.dots)))
+            total.add(pick(branches, key=lambda c: (c.flops, c.dots)))
         return total
+
+
+def ordering_only(ins: Instr) -> bool:
+    """``ins`` is a conditional in ``ORDERED_SCOPE``: count its branch 1 as part of the
+    computation it sits in (it always runs there), never as a nested conditional."""
+    name = re.search(r'op_name="([^"]*)"', ins.rest)
+    return len(ins.branches) == 2 and name is not None \
+        and name.group(1).rsplit("/", 2)[-2:-1] == [ORDERED_SCOPE]
 
 
 def _dims(ins: Optional[Instr]) -> tuple[int, ...]:
@@ -131,6 +153,9 @@ def computation_cost(m: Module, comp: str, depth: int = 0) -> Cost:
                 cost.unknown_loops.append(ins.name)
             if body and depth < 32:
                 cost.add(computation_cost(m, body, depth + 1), n or 1)
+            continue
+        if ins.branches and ordering_only(ins):
+            cost.add(computation_cost(m, ins.branches[1], depth + 1))
             continue
         if ins.branches:
             for k, b in enumerate(ins.branches):

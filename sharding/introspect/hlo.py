@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from triax.sharding.introspect.branch_costs import ordering_only
 from triax.sharding.introspect.branch_frequency import branch_counts as derive_branch_counts
 from triax.sharding.introspect.hlo_text import DTYPE_BYTES, Module, compiled_text, parse_module
 
@@ -91,6 +92,8 @@ def _reaches(m: Module, given: Sequence[Sequence[int]]) -> dict[str, list[_Reach
                         where = f"while {ins.name} (trip count unknown)"
                         sub = _Reach(1, f"{r.branch} > {where}" if r.branch else where, None)
                     visit(callee, sub, n if role == "body" else None, depth + 1)
+            elif ins.branches and ordering_only(ins):   # always its branch 1 (branch_costs)
+                visit(ins.branches[1], r, loop_trips, depth + 1)
             elif ins.branches:
                 weights = _branch_weights(m, comp, ins, loop_trips, given)
                 for k, b in enumerate(ins.branches):
