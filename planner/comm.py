@@ -171,8 +171,9 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
         v_shape = lay.schedule is not None and lay.schedule.v_shape
         t.add("collective-permute", chunk,
               moving_rounds(lay.pipe, lay.virtual, v_shape) * passes)
-    if w.train:
-        shared = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+    if w.train:   # summed over pipe whole over data, before FSDP's reduce-scatter
+        whole = get_strategy(lay.unsharded_over_data().strategy).rules
+        shared = sum(local_elements(s, l, whole, lay.sizes) for p, s, l in param_leaves(w.cfg)
                      if not p.startswith("blocks/"))
         t.add("all-reduce", shared * FP32)
 
@@ -215,7 +216,8 @@ def fsdp_gathers_table(w: Workload, lay: Layout) -> bool:
 
 def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """FSDP by parameter: block weights are gathered in the forward and again in the
-    backward (the layer scan frees them), the head once; every gradient but the embedding
+    backward (the layer scan frees them), the head once (a pipeline gathers every leaf once
+    per step, ``pipeline.fsdp``); every gradient but the embedding
     table's is reduce-scattered. The embedding table stays split over ``embed``: the
     lookup's activations are exchanged instead (an all-to-all each way), or, where the table
     is the smaller (``fsdp_gathers_table``), the table is gathered for the forward and the
@@ -225,6 +227,11 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
+        if lay.pipe > 1:   # the pipeline gathers every fp32 leaf once per step, outside its
+            t.add("reduce-scatter" if split else "all-reduce", full * FP32)   # tick loop
+            if split:
+                t.add("all-gather", full * FP32)
+            continue
         if path.startswith("embed/"):
             if fsdp_gathers_table(w, lay):
                 t.add("all-gather", full * w.dtype_bytes, 2)

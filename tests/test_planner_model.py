@@ -53,6 +53,11 @@ PIPELINE_CASES = {
                    "none"),
     # Two layers per stage: each op's layer loop materialises a residual set and B's whole
     # chunk gradient (0.898 before they were counted).
+    # FSDP: the stage's weights are gathered whole once per step and its gradients
+    # accumulated whole over data (0.833 while one block's gather was counted).
+    "tiny-pp-fsdp": ("tiny", 4, 16, 32, Layout(data=4, pipe=2, strategy="fsdp",
+                                               schedule=ScheduleKind.ONE_F_ONE_B,
+                                               microbatches=4), "none"),
     "tiny-pp-2-layers-per-stage": ("tiny", 8, 16, 32, Layout(
         data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4),
         "none"),
