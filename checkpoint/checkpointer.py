@@ -76,7 +76,11 @@ class Checkpointer:
         return list(self.manager.all_steps())
 
     def latest_step(self) -> Optional[int]:
-        return self.manager.latest_step()
+        """The last step committed on disk. Not the manager's own list: Orbax lists a step
+        as soon as its save starts, so after a failed save it would name the broken step."""
+        committed = ocp.utils.checkpoint_steps(self.directory) if os.path.isdir(
+            self.directory) else []
+        return max(committed, default=None)
 
     def save(self, step: int, state: Any, meta: dict, wait: bool = False) -> None:
         """Start an (async) save of ``state`` plus the JSON ``meta`` at ``step``; the meta
