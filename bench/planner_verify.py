@@ -75,6 +75,8 @@ CASES = [
 DERIVED_ON = [
     ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ONE_F_ONE_B, microbatches=4), "dp"),
     ("small-moe", 2, 16, 64, dict(data=2, expert=4), "dp"),
+    # pipelined FSDP: the stage gathered whole once per step, its gradients accumulated whole
+    ("tiny", 4, 16, 32, dict(data=4, pipe=2, schedule=ONE_F_ONE_B, microbatches=4), "fsdp"),
 ]
 # Rows added to check those terms on, nothing derived from them: other layers per stage,
 # micro-batch counts and schedules; MoE at another sequence, batch and expert degree.
@@ -96,8 +98,11 @@ CHECKS = [
     ("tiny-moe", 2, 16, 32, dict(data=2, expert=4), "dp", "full"),
     ("tiny-moe", 4, 16, 32, dict(data=2, pipe=2, expert=2, schedule=ONE_F_ONE_B,
                                  microbatches=4), "dp"),
+    # pipelined FSDP on another model, layer count and schedule
+    ("small", 4, 16, 64, dict(data=4, pipe=2, schedule=ONE_F_ONE_B, microbatches=4), "fsdp"),
+    ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ZB_H1, microbatches=8), "fsdp"),
 ]
-CASES += CHECKS + CONTEXT
+CASES += [r for r in DERIVED_ON if r not in CASES] + CHECKS + CONTEXT
 
 
 def cell(pred: float, got: float) -> str:

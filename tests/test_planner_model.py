@@ -153,11 +153,10 @@ CONTEXT_CASES = {
     # ZeRO-1: the gradients all-reduced over context at the optimizer's sharding.
     "tiny-cp2-zero1": ("tiny", 2, 8, 512, Layout(data=4, context=2, strategy="zero1")),
 }
-# Written for the flash-style custom-VJP ring (branch `ring`, sharding/ring.py: saves q, its
-# K/V block, o and the log-sum-exp; dK/dV travel with their blocks in the backward) and
-# checked against it merged in a scratch checkout. The autodiff ring it replaces keeps every
-# hop's scores, so this fails until that ring merges; then it passes (strict) and the mark
-# goes.
+# The flash-style custom-VJP ring (sharding/ring.py: saves q, its K/V block, o and the
+# log-sum-exp; dK/dV travel with their blocks in the backward), at a long local block: at
+# short ones (64-256 local queries) the planner's four transient score tiles overstate what
+# XLA keeps by 22-36% (bench/planner_verify.py's ring rows).
 RING_CASES = {
     "tiny-cp4-ring": ("tiny", 2, 4, 4096, Layout(data=2, context=4, strategy="dp",
                                                 context_attention="ring")),
