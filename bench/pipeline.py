@@ -174,7 +174,7 @@ def run(args) -> list[dict]:
 
 
 def table(rows, args) -> str:
-    cmd = ("PYTHONPATH=<worktree-link> python bench/pipeline.py --model {} --layers {} --seq {} "
+    cmd = ("python bench/pipeline.py --model {} --layers {} --seq {} "
            "--batch {} --steps {}").format(args.model, args.layers, args.seq, args.batch,
                                           args.steps)
     head = ["## Pipeline", "",
@@ -185,11 +185,16 @@ def table(rows, args) -> str:
             "after a warm-up (the machine is shared, so slower repeats measure other load). Simulated devices share the same CPU cores, so a ratio measures "
             "total work plus overhead: bubble ticks that compute (the vmap baseline) cost "
             "real time here, skipped ones (triax) do not.", "",
-            "| schedule | M | bubble | peak in flight (stages) | step s | step time / unpipelined "
-            "| FLOPs per micro-batch / 1F1B | peak MB/device | temp MB | compile s |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| schedule | M | tokens per micro-batch and data rank | bubble | peak in flight "
+            "(stages) | step s | step time / unpipelined | FLOPs per micro-batch / 1F1B "
+            "| peak MB/device | temp MB | compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    # What one op's matmuls see: where it is a few rows, dispatch dominates the matmul.
+    data = {r["M"]: 8 if r["M"] == 1 else 8 // STAGES for r in rows}
+    tokens = lambda r: args.batch // data[r["M"]] // r["M"] * args.seq  # noqa: E731
     dash = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
-    body = [f"| {r['kind']}{' v=2' if r['v'] > 1 else ''} | {r['M']} | {r['bubble']:.3f} | "
+    body = [f"| {r['kind']}{' v=2' if r['v'] > 1 else ''} | {r['M']} | {tokens(r)} | "
+            f"{r['bubble']:.3f} | "
             f"{dash(r['in_flight'], 'g')} | {r['step_s']:.1f} | {r['ratio']:.2f} | "
             f"{dash(r['flops_ratio'], '.3f')} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | "
             f"{r['compile_s']:.1f} |" for r in rows]
