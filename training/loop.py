@@ -234,6 +234,7 @@ class _Loop:
         """Restore the last checkpoint; continue after the bad batch (the data in between is
         skipped; the step counter goes back to the checkpoint's)."""
         if len(self.result.rollbacks) >= MAX_ROLLBACKS:
+            self._guarded(self.ckpt.wait)
             raise NonFiniteLoss(nonfinite_message(
                 f"{bad.what} again after {MAX_ROLLBACKS} rollbacks", bad.step, bad.index,
                 self.ckpt.latest_step(), self.ckpt.directory))
@@ -335,6 +336,8 @@ class _Loop:
     def _nonfinite(self, step, what, index) -> Exception:
         if self.rc.on_nonfinite == "rollback":
             return Rollback(step, index, what)
+        if self.ckpt:   # the step being saved commits first: name what is on disk
+            self._guarded(self.ckpt.wait)
         last = self.ckpt.latest_step() if self.ckpt else None
         return NonFiniteLoss(nonfinite_message(what, step, index, last,
                                                self.ckpt.directory if self.ckpt else None))
