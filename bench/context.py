@@ -126,9 +126,8 @@ def main(argv=None) -> int:
                  f"whose compiled peak (`memory_analysis`) exceeds {args.budget_mib} MiB "
                  f"per device does not fit and is not run. \"planner\": `triax.planner`'s "
                  f"predicted peak (`estimate(...).modelled`) and context payload "
-                 f"(`traffic(...)`), formulas in [planner.md](planner.md). The ring rows "
-                 f"compile the ring of the day; the planner's ring terms are written for "
-                 f"the flash-style custom-VJP ring.")
+                 f"(`traffic(...)`), formulas in [planner.md](planner.md). The ring is "
+                 f"`sharding.ring`'s flash-style custom VJP.")
         write_section(BENCHMARKS_MD, HEADING, intro + "\n\n" + "\n".join(rows))
     return 0
 
