@@ -190,8 +190,8 @@ def table(rows, args) -> str:
             "| peak MB/device | temp MB | compile s |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     # What one op's matmuls see: where it is a few rows, dispatch dominates the matmul.
-    data = {r["M"]: 8 if r["M"] == 1 else 8 // STAGES for r in rows}
-    tokens = lambda r: args.batch // data[r["M"]] // r["M"] * args.seq  # noqa: E731
+    tokens = lambda r: (args.batch // (8 if r["M"] == 1 else 8 // STAGES)  # noqa: E731
+                        // r["M"] * args.seq)   # M == 1: the unpipelined data=8 row
     dash = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
     body = [f"| {r['kind']}{' v=2' if r['v'] > 1 else ''} | {r['M']} | {tokens(r)} | "
             f"{r['bubble']:.3f} | "
