@@ -22,7 +22,7 @@ from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
 from triax.planner.memory import FP32, _tp_div, local_elements, local_param_elements, \
-    param_leaves
+    param_leaves, pipelined_fsdp
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.workload import Layout, Workload, ceil_div
@@ -227,7 +227,7 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
-        if lay.pipe > 1:   # the pipeline gathers every fp32 leaf once per step, outside its
+        if pipelined_fsdp(w, lay):   # every fp32 leaf gathered once per step, outside the
             t.add("reduce-scatter" if split else "all-reduce", full * FP32)   # tick loop
             if split:
                 t.add("all-gather", full * FP32)

@@ -349,7 +349,7 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         params = p_local * FP32
         # Pipelined FSDP accumulates the stage's gradients whole over ``data`` in the tick
         # loop and reduce-scatters them once per step (``pipeline.fsdp.FSDP.reduce``).
-        acc = local_param_elements(w, lay.unsharded_over_data()) if _pipelined_fsdp(w, lay) \
+        acc = local_param_elements(w, lay.unsharded_over_data()) if pipelined_fsdp(w, lay) \
             else o_local
         grads = acc * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
@@ -368,7 +368,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     mixed precision: one block's compute-dtype copy of the local fp32 weights."""
     if not w.train or w.cfg is None:
         return 0.0
-    if _pipelined_fsdp(w, lay):   # the stage's weights, gathered once per step (pipeline.fsdp)
+    if pipelined_fsdp(w, lay):   # the stage's weights, gathered once per step (pipeline.fsdp)
         return local_param_elements(w, lay.unsharded_over_data()) * FP32
     if get_strategy(lay.strategy).fsdp and lay.data > 1:
         return _block_grad_elements(w, lay) * w.dtype_bytes
@@ -377,7 +377,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     return 0.0
 
 
-def _pipelined_fsdp(w: Workload, lay: Layout) -> bool:
+def pipelined_fsdp(w: Workload, lay: Layout) -> bool:
     """A pipelined step under FSDP: the executor gathers the whole stage over ``data`` once
     per step, outside the tick loop, rather than one block at a time."""
     return lay.pipe > 1 and w.cfg is not None and get_strategy(lay.strategy).fsdp \
