@@ -11,6 +11,7 @@ import sys
 import time
 
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from triax.checkpoint import Checkpointer
@@ -49,6 +50,12 @@ def _launch(tmp_path, steps, resume=False):
             for i in range(2)]
 
 
+def _committed(tmp_path):
+    """Steps whose save has committed on disk (a save in flight is not one of them)."""
+    d = tmp_path / "c"
+    return ocp.utils.checkpoint_steps(str(d)) if d.is_dir() else []
+
+
 def _logged(tmp_path):
     p = tmp_path / "log.jsonl"
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
@@ -58,9 +65,11 @@ def _logged(tmp_path):
 def test_dead_peer_stops_the_survivor_and_resume_matches(tmp_path):
     procs = _launch(tmp_path, BASE.steps)
     deadline = time.time() + 600
-    while len(_logged(tmp_path)) < 7:   # past the save at step 6
+    # Past step 6 and its save committed: the save is async, and one in flight when the peer
+    # dies never commits, so waiting on the log alone makes the resume step a race.
+    while len(_logged(tmp_path)) < 7 or max(_committed(tmp_path), default=0) < 6:
         assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
-        assert time.time() < deadline, "the 2-process run never reached step 7"
+        assert time.time() < deadline, "the 2-process run never committed step 6"
         time.sleep(0.2)
     procs[1].send_signal(signal.SIGKILL)
     killed = time.time()
