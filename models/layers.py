@@ -27,6 +27,7 @@ class ExecConfig:
     compute_dtype: str = "float32"  # "bfloat16": bf16 compute over fp32 master parameters
     remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
     attention: str = "auto"         # see triax.models.attention.resolve
+    loss_chunks: int = 1            # the loss over this many slices of the sequence (models.loss)
 
     @property
     def dtype(self):

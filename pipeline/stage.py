@@ -35,7 +35,7 @@ from flax import nnx
 
 from triax.models.attention import packed_visibility
 from triax.models.layers import ExecConfig
-from triax.models.loss import weighted_nll_sum
+from triax.models.loss import head_nll_sum
 
 
 class StackedModel(Protocol):
@@ -97,8 +97,8 @@ class Stage:
                                              exe=self.exe)
 
             def loss():
-                nll = weighted_nll_sum(model.logits(y_BTD, self.exe), inputs["targets"],
-                                       inputs["weights"])
+                nll = head_nll_sum(lambda y: model.logits(y, self.exe), y_BTD,
+                                   inputs["targets"], inputs["weights"], self.exe.loss_chunks)
                 return nll * consts["inv_total_weight"]
             ce = jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32))
             return y_BTD, _with_aux(ce, aux, consts), {}, state

@@ -84,6 +84,9 @@ class RunConfig:
                             "dots_no_batch")
     attention: str = _f("auto", "attention implementation: auto (the fastest for the "
                                 "backend) | reference | blockwise | dot_product")
+    loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
+                             "at a time (long sequences: only a slice's fp32 logits are alive; "
+                             "the backward recomputes them)")
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
@@ -156,8 +159,10 @@ class RunConfig:
             raise ValueError(f"--remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
         from triax.models.attention import resolve
         resolve(self.attention)  # a clear error for an unknown name, before anything is built
+        from triax.models.loss import check_loss_chunks
+        check_loss_chunks(self.loss_chunks, self.seq_len)
         return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
-                          attention=self.attention)
+                          attention=self.attention, loss_chunks=self.loss_chunks)
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from triax.models.config import ModelConfig
 from triax.models.attention import packed_visibility
 from triax.models.layers import ExecConfig
-from triax.models.transformer import cross_entropy
+from triax.models.loss import head_nll_sum, loss_denominator
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.sharding.context import context_size, zigzag_batch
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
@@ -60,8 +60,11 @@ def model_loss(am: AbstractModel, exe: ExecConfig):
     """``loss(params, batch) -> (loss, aux)`` on the plain (unpipelined) model."""
     def loss(params, batch):
         model = nnx.merge(am.graphdef, params)
-        logits, aux = model(batch["inputs"], *packed_inputs(batch), exe=exe)
-        ce = cross_entropy(logits, batch["targets"], batch.get("weights"))
+        x_BTD, aux, _ = model.run_blocks(model.embed_tokens(batch["inputs"], exe),
+                                         *packed_inputs(batch), exe=exe)
+        ce = head_nll_sum(lambda y_BTD: model.logits(y_BTD, exe), x_BTD, batch["targets"],
+                          batch.get("weights"), exe.loss_chunks)
+        ce = ce / loss_denominator(batch["targets"], batch.get("weights"))
         total = ce + sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
         return total, {"ce": ce, **aux}
     return loss
