@@ -38,6 +38,9 @@ def add_parser(sub) -> None:
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
     p.add_argument("--remat", choices=("none", "full", "dots"), default="none",
                    help="activation checkpointing for --mesh")
+    p.add_argument("--loss-chunks", type=int, default=1,
+                   help=RunConfig.__dataclass_fields__["loss_chunks"].metadata["help"]
+                   + "; for --mesh, or tried beside the search's own choice for long sequences")
     p.add_argument("--context-attention",   # RunConfig's choices: JAX-free, = context.SCHEMES
                    choices=RunConfig.__dataclass_fields__["context_attention"].metadata["choices"],
                    help="attention across the context axis: the scheme for --mesh with "
@@ -97,7 +100,7 @@ def run(args) -> int:
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
-                    remat=args.remat, attention=args.attention)
+                    remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)
     schemes = (args.context_attention,) if args.context_attention else SCHEMES
     rec = plan(w, cluster, top=args.top, layout=_layout(args), schemes=schemes)
     out = rec.to_json()

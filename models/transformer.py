@@ -28,7 +28,6 @@ from triax.models.config import ModelConfig
 from triax.models.decode import Cache
 from triax.models.attention import Visibility
 from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
-from triax.models.loss import cross_entropy  # noqa: F401  (the train step's loss; see loss.py)
 
 REMAT_POLICIES: dict[str, Optional[Callable]] = {
     "none": None,

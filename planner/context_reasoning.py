@@ -30,7 +30,7 @@ def _gb(x: float) -> str:
 
 
 def _plan(p: PlanResult) -> str:
-    return f"{p.layout.describe()} (remat {p.workload.remat})"
+    return f"{p.layout.describe()} ({p.workload.run_label})"
 
 
 def _scheme_sentence(best: PlanResult, plans: list[PlanResult]) -> str:
@@ -42,7 +42,8 @@ def _scheme_sentence(best: PlanResult, plans: list[PlanResult]) -> str:
             "layer's at a time) and reduce-scatters their gradients, both exposed")
     other = [p for p in plans if p.layout.context_attention != lay.context_attention
              and p.layout.sizes == lay.sizes and p.layout.strategy == lay.strategy
-             and p.workload.remat == best.workload.remat]
+             and p.workload.remat == best.workload.remat
+             and p.workload.loss_chunks == best.workload.loss_chunks]
     if not other:
         return f"Scheme {lay.context_attention}: {what}."
     o = other[0]

@@ -28,7 +28,9 @@ from triax.pipeline.runner import (default_microbatches, unpipelinable_mesh_reas
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
-from triax.planner.memory import ADAM_MOMENTS, FP32, Assumptions, min_devices_for_weights
+from triax.models.loss import chunk_recompute_flops
+from triax.planner.memory import (ADAM_MOMENTS, FP32, Assumptions, logits_bytes, loss_tokens,
+                                  min_devices_for_weights)
 from triax.planner.op_costs import op_costs_for
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.context_reasoning import context_reasoning
@@ -166,7 +168,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
     best = ranked[0]
     why.append(f"Searched {res.considered} plans; {len(res.fitting)} fit. Best: "
                f"{best.layout.describe()}"
-               + (f" (remat {best.workload.remat}), " if w.train else ", ") +
+               + (f" ({best.workload.run_label}), " if w.train else ", ") +
                f"{best.step_time_s * 1e3:.1f} ms per step, MFU {best.mfu:.0%}, "
                f"{best.memory.total / 1e9:.1f} GB per device.")
     if best.bubble > 0:
@@ -176,8 +178,29 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         why.append(f"Most communication time is on '{axis}' "
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
     why.extend(context_reasoning(w, res, best))
+    why.extend(loss_chunk_reasoning(res, best))
     used = _op_costs(w, res.fitting, why)
     return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions(), used)
+
+
+def loss_chunk_reasoning(res, best: PlanResult) -> list[str]:
+    """Why the best plan computes its loss in slices of the sequence (nothing when not)."""
+    w, lay = best.workload, best.layout
+    if w.loss_chunks == 1:
+        return []
+    whole, tokens = logits_bytes(w, lay, chunks=1), loss_tokens(w, lay, chunks=1)
+    extra = chunk_recompute_flops(w.cfg.embed_dim, w.cfg.vocab_size, w.loss_chunks)
+    s = (f"Loss in {w.loss_chunks} chunks: the fp32 logits, log-probabilities and their "
+         f"gradient of a device's {tokens:,.0f} tokens (vocab {w.cfg.vocab_size:,}) would "
+         f"take {whole / 1e9:.1f} GB at once, {logits_bytes(w, lay) / 1e9:.1f} GB in slices "
+         f"of {tokens / w.loss_chunks:,.0f}; the backward reruns the head's forward for it "
+         f"(+{extra / w.cfg.flops_per_token(w.seq):.1%} compute)")
+    same = [p for p in res.fitting + res.overflowing if p.layout == lay
+            and p.workload == dataclasses.replace(w, loss_chunks=1)]
+    if same:
+        s += ("; without it this plan " + (f"takes {same[0].step_time_s * 1e3:.1f} ms"
+                                           if same[0].fits else f"{same[0].overflow}"))
+    return [s + "."]
 
 
 def _op_costs(w: Workload, plans: list[PlanResult], why: list[str]) -> dict:

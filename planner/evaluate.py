@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.models.loss import chunk_recompute_flops
 from triax.planner import comm
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions, Memory, estimate
@@ -55,6 +56,7 @@ class PlanResult:
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,
                 "context_attention": lay.context_attention if lay.context > 1 else None,
+                "remat": self.workload.remat, "loss_chunks": self.workload.loss_chunks,
                 "devices": lay.devices,
                 "memory_per_device": self.memory.as_dict(),
                 "comm_bytes_per_device": {a: int(t.wire) for a, t in self.traffic.items()},
@@ -84,6 +86,9 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
+        if w.cfg is not None:   # a chunked loss reruns the head's forward (models.loss)
+            compute *= 1.0 + chunk_recompute_flops(w.cfg.embed_dim, w.cfg.vocab_size,
+                                                   w.loss_chunks) / w.cfg.flops_per_token(w.seq)
         if lay.pipe > 1:     # what the executor's ops cost beyond F + B (ZB-H1's W today)
             compute *= work_factor(lay.schedule, w.remat)
         bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual,

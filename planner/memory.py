@@ -289,7 +289,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
     attn = attention_per_token(w, lay, "none")
     working = layer_activation_elements(cfg, mb_tokens, w.seq, lay.tensor, "none", split,
                                         attn.saved) + attn.transient * mb_tokens
-    logits = 3 * mb_tokens * cfg.vocab_size / lay.tensor * FP32 / w.dtype_bytes
+    logits = logits_bytes(w, lay) / w.dtype_bytes
     if lay.pipe > 1:
         return pipeline_buffer_bytes(w, lay) + (working + logits) * w.dtype_bytes
     in_flight = peak_in_flight(lay.schedule, lay.pipe, lay.microbatches, lay.virtual)
@@ -297,6 +297,24 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
                                           attention_per_token(w, lay, w.remat).saved)
     saved = cfg.num_layers * (per_layer * in_flight + _expert_weight_copies(w, lay)) + working
     return (saved + logits) * w.dtype_bytes
+
+
+def loss_tokens(w: Workload, lay: Layout, chunks: Optional[int] = None) -> float:
+    """Tokens whose logits are alive at once on a device: its micro-batch's share of the
+    sequence, over ``chunks`` (default ``w.loss_chunks``) slices of it (models.loss)."""
+    rules = get_strategy(lay.strategy).rules
+    rows = w.batch / lay.batch_shards / max(lay.microbatches, 1)
+    return rows * w.seq / rules.split_size("seq", lay.sizes) / (chunks or w.loss_chunks)
+
+
+def logits_bytes(w: Workload, lay: Layout, chunks: Optional[int] = None) -> float:
+    """The fp32 logits, log-probabilities and their gradient of ``loss_tokens``, the vocab
+    split over ``tensor``. A chunked loss adds the head's weight gradient: the loop carries
+    it in fp32 beside each slice's own product, where the whole sequence's loss writes it
+    once."""
+    chunks = chunks or w.loss_chunks
+    head = 0.0 if chunks == 1 else FP32 * w.cfg.embed_dim * w.cfg.vocab_size / lay.tensor
+    return 3 * loss_tokens(w, lay, chunks) * w.cfg.vocab_size / lay.tensor * FP32 + head
 
 
 def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:

@@ -26,7 +26,9 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
     for i, p in enumerate(rec.plans, 1):
         m = p.memory
         sizes = (m.total, m.params, m.grads, m.optimizer, m.activations, m.kv_cache)
-        lines.append(f"{i:>2} {p.layout.describe():<42} {p.workload.remat:<5} "
+        name = p.layout.describe() + (f", loss/{p.workload.loss_chunks}"
+                                      if p.workload.loss_chunks > 1 else "")
+        lines.append(f"{i:>2} {name:<42} {p.workload.remat:<5} "
                      f"{'yes' if p.fits else 'NO':<4} "
                      + " ".join(f"{human_bytes(b):>10}" for b in sizes)
                      + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%} {p.tokens_per_s:>9.0f}")

@@ -159,6 +159,26 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
                                                               context_attention=scheme)
 
 
+# The longest slice of a sequence whose loss is computed at once, when the search tries a
+# chunked loss (models.loss): at 8,192 tokens, llama3's 128,256-entry fp32 logits are 4.2 GB
+# per sequence, against 67 GB for 131,072 tokens.
+LOSS_CHUNK_TOKENS = 8192
+
+
+def long_sequence_loss_chunks(seq: int) -> int:
+    """The chunk count the search tries beside 1: the fewest slices of at most
+    ``LOSS_CHUNK_TOKENS`` that split ``seq`` evenly (1 for a sequence that short)."""
+    return next(n for n in range(1, seq + 1) if seq % n == 0 and seq // n <= LOSS_CHUNK_TOKENS)
+
+
+def loss_chunks_keep_the_split(w: Workload, lay: Layout) -> bool:
+    """Whether each loss slice splits over the devices the sequence does (``seq`` over
+    ``context``, ``res_seq`` also over ``tensor`` under SP), so slicing moves no data."""
+    rules = get_strategy(lay.strategy).rules
+    return all((w.seq // w.loss_chunks) % rules.split_size(name, lay.sizes) == 0
+               for name in ("seq", "res_seq"))
+
+
 def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
            remats: tuple[str, ...] = ("none", "full"),
            schemes: tuple[str, ...] = SCHEMES) -> SearchResult:
@@ -166,10 +186,13 @@ def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
     ``schemes``) and sort the outcomes."""
     res = SearchResult()
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
-    workloads = [dataclasses.replace(w, remat=r) for r in remats] if w.train \
-        and w.cfg is not None else [w]
+    chunks = sorted({w.loss_chunks, long_sequence_loss_chunks(w.seq)})
+    workloads = [dataclasses.replace(w, remat=r, loss_chunks=c) for r in remats
+                 for c in chunks] if w.train and w.cfg is not None else [w]
     for lay in layouts(w, cluster, res.not_runnable, res.not_searched, schemes):
         for wr in workloads:
+            if not loss_chunks_keep_the_split(wr, lay):
+                continue
             try:
                 r = evaluate(wr, lay, cluster, assume)
             except ShardingError as e:

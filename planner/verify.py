@@ -45,6 +45,7 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
                      mesh=",".join(f"{a}={n}" for a, n in lay.sizes.items()),
                      strategy=lay.strategy, batch_size=w.batch, seq_len=w.seq,
                      precision=w.dtype, remat=w.remat, attention=w.attention,
+                     loss_chunks=w.loss_chunks,
                      context_attention=lay.context_attention,
                      schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
                      microbatches=lay.microbatches, virtual=lay.virtual)
@@ -77,6 +78,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
     arg = json.dumps({"model": w.cfg.name, "layers": w.cfg.num_layers,
                       "max_seq_len": w.cfg.max_seq_len, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
+                      "loss_chunks": w.loss_chunks,
                       "sizes": lay.sizes, "strategy": lay.strategy,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
@@ -105,7 +107,8 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     axes = sorted(set(predicted_comm) | set(got["collectives"]))
     batch_bytes = 2 * (w.batch // lay.batch_shards) * w.seq * 4    # int32 inputs, targets
     state = got["memory"]["argument_bytes"] - batch_bytes
-    return {"plan": f"{lay.describe()} remat={w.remat}", "compiled_as": "fp32 on simulated CPU devices",
+    return {"plan": f"{lay.describe()} remat={w.remat}"
+                    + (f" loss_chunks={w.loss_chunks}" if w.loss_chunks > 1 else ""), "compiled_as": "fp32 on simulated CPU devices",
             "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],
                        "predicted_state": mem.params + mem.optimizer,
                        "compiled_state": state,
@@ -154,6 +157,7 @@ def _main(arg: str) -> None:
     cfg = config.get(a["model"], num_layers=a["layers"]).replace(max_seq_len=a["max_seq_len"])
     w = Workload.of(cfg, train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"],
+                    loss_chunks=a["loss_chunks"],
                     attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"],

@@ -23,6 +23,7 @@ from typing import Optional
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
+from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import get_strategy
 
@@ -40,6 +41,7 @@ class Workload:
     batch: int = 1
     seq: int = 2048
     remat: str = "none"            # none | full | dots (see models.transformer)
+    loss_chunks: int = 1           # the loss over this many slices of the sequence (models.loss)
     attention: str = "auto"        # the step's --attention (models.attention.resolve)
     backend: str = "gpu"           # where it runs, which picks `auto`'s kernel: the planner
     #                                plans GPUs; --verify's CPU compile predicts for "cpu"
@@ -56,7 +58,14 @@ class Workload:
             if k in kw and kw[k] < 1:
                 raise ValueError(f"--{'batch-size' if k == 'batch' else 'seq-len'} must be ≥ 1")
         resolve(kw.get("attention", "auto"))   # an unknown --attention names the choices
+        check_loss_chunks(kw.get("loss_chunks", 1), kw.get("seq", 2048))
         return cls(cfg, int(params or cfg.num_params), **kw)
+
+    @property
+    def run_label(self) -> str:
+        """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)."""
+        return f"remat {self.remat}" + (f", loss in {self.loss_chunks} chunks"
+                                        if self.loss_chunks > 1 else "")
 
     @property
     def dtype_bytes(self) -> int:

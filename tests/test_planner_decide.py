@@ -15,7 +15,7 @@ from triax.planner import hardware
 from triax.planner.decide import plan
 from triax.planner.memory import estimate, min_devices_for_weights
 from triax.planner.pipeline_math import microbatch_constraint, peak_in_flight
-from triax.planner.search import layouts
+from triax.planner.search import layouts, long_sequence_loss_chunks, loss_chunks_keep_the_split
 from triax.planner.workload import Layout, Workload
 
 
@@ -257,16 +257,40 @@ def test_search_tries_context_where_the_sequence_splits():
 
 
 def test_long_sequence_plans_context_parallelism_and_says_why():
-    """One 262,144-token sequence on 32 GPUs: no plan without the context axis fits (the
-    activations), the ring's does; the reasoning says both."""
+    """One 262,144-token sequence on 32 GPUs: without the context axis only a pipeline of
+    tensor-parallel stages fits (one micro-batch: 4× slower), the ring's plan fits and
+    wins; the reasoning says both."""
     w = _w("llama3-8b", True, batch=1, seq=262144)
     rec = plan(w, hardware.cluster("h100-80gb", 8, 4))
     best = rec.plans[0]
     assert best.layout.context > 1 and best.layout.context_attention == "ring"
     why = " ".join(rec.reasoning)
     assert "Context parallelism: each 262,144-token sequence is split" in why
-    assert "without it no plan fits (activations do not fit" in why
+    assert "the best plan without it, pipe=4,tensor=8" in why and "% slower)" in why
     assert "context" in best.traffic
+
+
+def test_131072_tokens_plan_context_parallelism_with_a_chunked_loss():
+    """The issue's example (8 × 131,072 tokens, llama3-8b, 32 H100s): the whole sequence's
+    fp32 logits keep every context plan over 80 GB (the smallest needed 87 GB), so the
+    answer was TP × SP; computed over 16 slices they fit, and context wins on time."""
+    rec = plan(_w("llama3-8b", True, batch=8, seq=131072), hardware.cluster("h100-80gb", 8, 4))
+    best = rec.plans[0]
+    assert best.layout.context > 1 and best.workload.loss_chunks == 16 and best.fits
+    why = " ".join(rec.reasoning)
+    assert "Context parallelism: each 131,072-token sequence is split over context=" in why
+    assert "Loss in 16 chunks: the fp32 logits" in why
+    assert "without it this plan needs" in why         # the same plan, whole-sequence loss
+
+
+def test_search_tries_a_chunked_loss_only_where_it_splits_evenly():
+    assert [long_sequence_loss_chunks(t) for t in (2048, 8192, 16384, 131072, 12288)] == \
+        [1, 1, 2, 16, 2]
+    w = _w("llama3-8b", True, batch=8, seq=16384, loss_chunks=2)
+    assert loss_chunks_keep_the_split(w, Layout(data=2, context=4, strategy="fsdp"))
+    # Slices of 3 tokens cannot split over context=4: slicing would move data.
+    w = _w("llama3-8b", True, batch=8, seq=24576, loss_chunks=8192)
+    assert not loss_chunks_keep_the_split(w, Layout(data=2, context=4, strategy="fsdp"))
 
 
 def test_cli_context_mesh(capsys):
