@@ -281,6 +281,7 @@ def test_131072_tokens_plan_context_parallelism_with_a_chunked_loss():
     assert "Context parallelism: each 131,072-token sequence is split over context=" in why
     assert "Loss in 16 chunks: the fp32 logits" in why
     assert "without it this plan needs" in why         # the same plan, whole-sequence loss
+    assert "131,072 tokens is longer than llama3-8b's context (max_seq_len 8,192)" in why
 
 
 def test_search_tries_a_chunked_loss_only_where_it_splits_evenly():
