@@ -22,13 +22,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.models.loss import chunk_recompute_flops
 from triax.pipeline import ScheduleKind
 from triax.pipeline.runner import (default_microbatches, unpipelinable_mesh_reason,
                                    unpipelinable_reason)
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
-from triax.models.loss import chunk_recompute_flops
 from triax.planner.memory import (ADAM_MOMENTS, FP32, Assumptions, logits_bytes, loss_tokens,
                                   min_devices_for_weights)
 from triax.planner.op_costs import op_costs_for
