@@ -1,0 +1,53 @@
+"""The named choices of a run, in one JAX-free home: rules, models, ``RunConfig``, the CLI and
+the planner import them (the CLI builds its parser before JAX may start, so nothing here
+imports JAX).
+
+    >>> from triax import choices
+    >>> choices.check("strategy", "fsdp_tp", choices.STRATEGIES)
+    'fsdp_tp'
+    >>> choices.check("remat", "dots_all", choices.REMAT_POLICIES)
+    Traceback (most recent call last):
+    ...
+    ValueError: --remat 'dots_all': choose one of none, full, dots, dots_no_batch
+    >>> choices.PRECISION_BYTES["bf16"]
+    2
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+# Parallelism strategies (``triax.sharding.rules.StrategyKind`` names their rules tables).
+STRATEGIES = ("dp", "fsdp", "zero1", "tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp")
+# The strategy each FSDP flavour becomes when its ``data`` split is taken away (the
+# unsharded-weights twin, e.g. inside a pipeline stage or for the planner's base terms).
+FSDP_BASE = {"fsdp": "dp", "fsdp_tp": "tp", "fsdp_tp_sp": "tp_sp"}
+
+# Activation checkpointing policies (``triax.models.transformer.REMAT_POLICIES`` maps them
+# onto ``jax.checkpoint_policies``).
+REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+
+# Local attention kernels; ``auto`` is resolved per backend (``models.attention.resolve``).
+ATTENTION_KERNELS = ("reference", "blockwise", "dot_product")
+ATTENTION_CHOICES = ("auto", *ATTENTION_KERNELS)
+
+# Attention across the ``context`` mesh axis (``triax.sharding.context``).
+CONTEXT_SCHEMES = ("all-gather", "ring")
+
+# Precision names -> compute dtype (parameters stay fp32: bf16/fp16 are mixed precision),
+# and the bytes of one element of each.
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int32": 4}
+
+# What a NaN/inf loss does (``triax.training.faults``).
+NONFINITE_MODES = ("stop", "skip", "rollback")
+
+
+def check(flag: str, value, accepted: Iterable):
+    """``value`` if it is one of ``accepted``, else a ValueError naming ``--flag`` and the
+    accepted values (the one wording every validation uses)."""
+    accepted = tuple(accepted)
+    if value not in accepted:
+        raise ValueError(f"--{flag.replace('_', '-')} {value!r}: choose one of "
+                         f"{', '.join(map(str, accepted))}")
+    return value
