@@ -40,6 +40,7 @@ def simulate_cpu_devices(n: int = DEFAULT_SIMULATED, *, announce: bool = True) -
 
 
 def _backend_started() -> bool:
+    # A private JAX name, read without importing JAX (listed and tested in triax.private_jax).
     xb = sys.modules.get("jax._src.xla_bridge")
     return bool(xb is not None and getattr(xb, "_backends", None))
 

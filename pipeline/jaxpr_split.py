@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import partial_eval as pe  # dead-code rules per primitive
+from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxprs_in_params
 from jax.extend.core import primitives as P
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax._src.interpreters import partial_eval as pe  # dead-code elimination of a jaxpr
+from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, jaxprs_in_params
 
 from triax.pipeline import jaxpr_split

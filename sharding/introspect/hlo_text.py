@@ -19,11 +19,6 @@ from functools import cached_property
 
 import numpy as np
 
-try:    # the printer with large constants; a jaxlib without it still gives as_text()
-    from jaxlib import _hlo
-except ImportError:   # pragma: no cover
-    _hlo = None
-
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
                "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
                "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1}
@@ -152,8 +147,9 @@ def parse_module(text: str) -> Module:
 def compiled_text(compiled) -> str:
     """The compiled module's text with large constants printed (a tick table, say), so
     branch frequencies can be read off it; falls back to ``compiled.as_text()``."""
+    from triax.private_jax import hlo_print_options   # imports JAX: only when compiled
     try:
-        opts = _hlo.HloPrintOptions()
+        opts = hlo_print_options()
         opts.print_large_constants = True
         return "\n\n".join(m.to_string(opts)
                            for m in compiled.runtime_executable().hlo_modules())
