@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from triax.mesh.build import mesh_sizes
 from triax.models.decode import CacheAttentionFn, using_cache_attention
 from triax.models.layers import ExecConfig
-from triax.pipeline.runner import Pipeline, PipelineConfig, unpipelinable_reason
+from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.partition import AbstractModel, activation_sharding
 from triax.sharding.rules import ShardingError, Strategy
@@ -42,9 +42,6 @@ def check_pipeline(am: AbstractModel, mesh: Mesh, batch: int, microbatches: int)
     """Raise a clear error for a layout the pipelined forward cannot run."""
     sizes = mesh_sizes(mesh)
     S, L = sizes["pipe"], am.cfg.num_layers
-    reason = unpipelinable_reason(am.cfg)
-    if reason is not None:
-        raise ShardingError(f"pipeline decode: {reason}")
     if L % S:
         raise ShardingError(f"pipeline decode needs num_layers={L} divisible by pipe={S}; "
                             f"choose pipe dividing {L}")

@@ -1,6 +1,6 @@
 """What the training tick loop's activation buffers take on one stage, priced without
 running anything: the schedule's slot counts (``tick_program``) × one chunk's traced
-residual shapes (``split_backward.StageBackward``), as ``executor.buffer_bytes`` allocates
+residual shapes (``split_backward.StageBackward``), as ``executor.slot_buffer_bytes`` prices what ``run_ticks`` allocates
 them. The planner asks this for every pipelined layout it weighs.
 
     >>> from triax.models import config
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig",
                             exe: ExecConfig, rows: int, seq_len: int) -> dict[str, int]:
     """Per-stage bytes of the training tick loop's activation buffers (``executor.
-    buffer_bytes``): the stash of pullback residuals and the inboxes, for micro-batches of
+    slot_buffer_bytes``): the stash of pullback residuals and the inboxes, for micro-batches of
     ``rows`` sequences of ``seq_len`` tokens on one data shard. Traced abstractly
     (``jax.eval_shape``; nothing is allocated), so it prices a 70B model on a laptop.
 

@@ -59,7 +59,6 @@ class StepSpec:
     program: TickProgram
     apply: Any                      # a pipeline.stage.Stage
     stages: int
-    virtual: int
     dtype: Any
     state_mb_axis: int = 0          # micro-batch axis of a state leaf, after its chunk axis
 
@@ -123,29 +122,16 @@ def branch_kinds(schedule: Schedule) -> tuple[str, ...]:
     return ("idle",) + tuple(LABELS[k] for k in _used_kinds(compile_program(schedule).ticks))
 
 
-def _nbytes(sd) -> int:
-    return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
-
-
 def stash_layout(program: TickProgram, sb: StageBackward) -> StashLayout:
     """The stash slot ``run_ticks`` allocates for ``program`` (``StageBackward.layout``)."""
     return sb.layout(program.schedule.kind.split_backward, program.stash_slots,
                      program.head_slots)
 
 
-def buffer_bytes(program: TickProgram, sb: StageBackward, x_sd) -> dict[str, int]:
-    """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
-    them. ``sb``: one chunk's stash and split backward (its ``stash_layout``: what F
-    stashes for one micro-batch and, split backwards, where B_in's cut goes); ``x_sd``: the
-    activation passed between stages. ``slot_buffer_bytes`` is the formula."""
-    layouts = sb.layouts(program.schedule.kind.split_backward) \
-        if program.schedule.has_backward else None
-    return slot_buffer_bytes(program, layouts, _nbytes(x_sd))
-
-
 def slot_buffer_bytes(program: TickProgram, layouts, x_bytes: int) -> dict[str, int]:
-    """``buffer_bytes`` from the slot layouts' sizes (``StageBackward.layouts``: anything
-    with ``body_bytes`` and ``head_bytes``) and the activation's bytes.
+    """Bytes of the tick loop's activation buffers on one stage, as ``run_ticks`` allocates
+    them, from the slot layouts' sizes (``StageBackward.layouts``: anything with
+    ``body_bytes`` and ``head_bytes``) and the bytes of the activation passed between stages.
 
     ``stash``: the live slots (written only inside F's and B_in's conditionals, so no
     scratch slot; the head cells, which only the last chunk's micro-batches hold and write,

@@ -59,12 +59,6 @@ def default_decode_microbatches(stages: int) -> int:
     return stages
 
 
-def unpipelinable_reason(cfg: ModelConfig) -> Optional[str]:
-    """Why the executor cannot pipeline ``cfg`` (None when it can): the one home of that fact.
-    Every built-in model pipelines (MoE too: the expert all-to-all runs inside the stages)."""
-    return None
-
-
 def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
                               rules) -> Optional[str]:
     """Why the executor cannot pipeline ``cfg`` on a mesh of ``sizes`` under ``rules`` (None
@@ -115,8 +109,7 @@ class Pipeline:
         if self.stages < 2:
             raise ScheduleError(f"a pipeline needs a mesh with pipe >= 2, got {sizes}")
         am = model if isinstance(model, AbstractModel) else abstract_model(model)
-        reason = (unpipelinable_reason(am.cfg) if am.cfg is not None
-                  else _protocol_problem(am))
+        reason = None if am.cfg is not None else _protocol_problem(am)
         if reason is not None:
             raise ScheduleError(reason)
         self.cfg, self.mesh, self.exe, self.config = am.cfg, mesh, exe, config
@@ -215,8 +208,8 @@ class Pipeline:
         blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
         state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
-        spec = StepSpec(compile_program(schedule), stage, self.stages, schedule.virtual,
-                        self.exe.dtype, state_mb_axis=1)
+        spec = StepSpec(compile_program(schedule), stage, self.stages, self.exe.dtype,
+                        state_mb_axis=1)
         bspec, pspec, bfsdp, pfsdp = self._manual_specs
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731

@@ -24,8 +24,7 @@ from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
 from triax.pipeline import ScheduleKind
-from triax.pipeline.runner import (default_microbatches, unpipelinable_mesh_reason,
-                                   unpipelinable_reason)
+from triax.pipeline.runner import default_microbatches, unpipelinable_mesh_reason
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
@@ -138,8 +137,6 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     if min_dev > 1 and need <= dev.memory * cluster.gpus_per_node:
         why.append(f"That fits within one node: tensor parallelism inside the node, over "
                    f"{cluster.intra.name}.")
-    if w.cfg is not None and unpipelinable_reason(w.cfg) is not None:
-        why.append(f"No pipeline stages: {unpipelinable_reason(w.cfg)}.")
     if w.cfg is None:
         why.append("Without a model config (--params), activations and TP/PP traffic are not "
                    "modelled, so plans are ranked by the least model parallelism that fits.")
@@ -259,9 +256,8 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
 def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
     """pipe > 1: 1F1B (forward-only for inference) and the pipeline's default micro-batch
     count (capped at the local batch) unless given; check M."""
-    reason = w.cfg is not None and (
-        unpipelinable_reason(w.cfg) or unpipelinable_mesh_reason(
-            w.cfg, layout.sizes, get_strategy(layout.strategy).rules))
+    reason = w.cfg is not None and unpipelinable_mesh_reason(
+        w.cfg, layout.sizes, get_strategy(layout.strategy).rules)
     if reason:
         raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy}: {reason}")
     local = max(w.batch // layout.batch_shards, 1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from triax.pipeline import ScheduleKind, chunks_per_stage
-from triax.pipeline.runner import unpipelinable_mesh_reason, unpipelinable_reason
+from triax.pipeline.runner import unpipelinable_mesh_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions
@@ -117,7 +117,6 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
     ``(layout, why)`` per such plan is appended to it (the executor's own reason). Plans with
     a stage or chunk holding no layer (``PADDED``) are not yielded either: ``skipped``."""
     n = cluster.devices
-    why_not_pipe = w.cfg is not None and unpipelinable_reason(w.cfg)
     experts = w.cfg.moe.num_experts if (w.cfg is not None and w.cfg.moe) else 1
     for e in (d for d in divisors(n) if experts % d == 0):
         for t in divisors(n // e):
@@ -126,10 +125,6 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
             for c in _contexts(w, n // (e * t)):
                 for p in divisors(n // (e * t * c)) if c == 1 else (1,):
                     d = n // (e * t * p * c)
-                    if p > 1 and why_not_pipe:
-                        if refused is not None:
-                            refused.append((Layout(d, t, p, e), why_not_pipe))
-                        continue
                     if p > 1 and w.cfg is not None and p > w.cfg.num_layers:
                         if skipped is not None:
                             skipped.append((Layout(d, t, p, e), PADDED))

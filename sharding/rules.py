@@ -206,8 +206,9 @@ class Strategy:
     """A parallelism strategy: the rules for parameters/activations and for optimizer state.
 
     ``optimizer_rules`` differs from ``rules`` only for ZeRO-1 (replicated parameters,
-    sharded optimizer state). Pipeline and expert parallelism are added by ``with_pipe``
-    and ``with_experts`` so they compose with every base strategy.
+    sharded optimizer state). Every preset also carries the pipeline's and the experts'
+    rules (``_PIPE``, ``_EXPERT``: layers over ``pipe``, experts over ``expert``), so both
+    compose with every base strategy; on a mesh without those axes they split nothing.
     """
 
     name: str

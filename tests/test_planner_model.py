@@ -136,7 +136,7 @@ def test_gpipe_holds_more_activations_than_1f1b():
     f = estimate(w, Layout(data=2, pipe=4, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=16))
     # GPipe stashes all M=16 micro-batches, 1F1B at most S=4 (the executor's slot counts).
     # The executor's buffers add one scratch slot and two op buffers to either stash
-    # (executor.buffer_bytes): 19 residual sets against 7, so more than 2.5x, not 4x.
+    # (executor.slot_buffer_bytes): 19 residual sets against 7, so more than 2.5x, not 4x.
     assert compile_program(build("gpipe", 4, 16)).stash_slots == 16
     assert compile_program(build("1f1b", 4, 16)).stash_slots == 4
     assert g.activations > 2.5 * f.activations

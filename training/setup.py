@@ -1,10 +1,9 @@
 """One path from a ``RunConfig`` to a runnable run: mesh, pipeline choice, batch check, trainer.
 
-``triax train``, ``triax inspect``, ``triax.planner.verify`` and the benches all start here,
-so whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
-runs ``triax.pipeline``'s schedule unless the model cannot be pipelined
-(``pipeline.runner.unpipelinable_reason``), in which case the plain step keeps the layer
-stack split over ``pipe``. The schedule is built here, so a bad
+``triax train``, ``triax inspect``, ``triax.planner.verify`` and the run-level benches
+(``bench/train.py``, ``bench/pipeline.py``, ``bench/strategies.py``) start here, so whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
+runs ``triax.pipeline``'s schedule (every built-in model pipelines, MoE included). The
+schedule is built here, so a bad
 schedule / micro-batch combination fails before anything compiles.
 
     >>> from triax.training.config import RunConfig
@@ -29,7 +28,7 @@ from jax.sharding import Mesh
 
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
-from triax.pipeline.runner import PipelineConfig, unpipelinable_reason
+from triax.pipeline.runner import PipelineConfig
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig
@@ -106,9 +105,9 @@ def build_mesh(run: RunConfig, cfg: ModelConfig) -> Mesh:
 
 
 def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[PipelineConfig]:
-    """The one pipelining decision: a schedule when ``pipe > 1`` and the model allows it."""
+    """The one pipelining decision: a schedule when ``pipe > 1``."""
     stages = mesh_sizes(mesh).get("pipe", 1)
-    if stages < 2 or unpipelinable_reason(cfg) is not None:
+    if stages < 2:
         return None
     pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual)
     pipeline.build(stages)  # a bad schedule/micro-batch combination fails here, not in a compile
