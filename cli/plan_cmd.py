@@ -13,6 +13,7 @@ import json
 from triax import choices
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags
+from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
 from triax.training.config import RunConfig
 
 
@@ -35,7 +36,8 @@ def add_parser(sub) -> None:
     add_run_flags(p, ["num_layers"])
     p.add_argument("--mesh", help="evaluate this mesh, e.g. data=2,tensor=4 (axes left out=1)")
     p.add_argument("--strategy", choices=choices.STRATEGIES, help="strategy for --mesh")
-    p.add_argument("--schedule", help="pipeline schedule for --mesh with pipe > 1")
+    p.add_argument("--schedule", choices=tuple(k.value for k in ScheduleKind),
+                   help="pipeline schedule for --mesh with pipe > 1")
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
     p.add_argument("--remat", choices=choices.REMAT_POLICIES, default="none",
                    help="activation checkpointing for --mesh")
@@ -60,7 +62,6 @@ def _layout(args):
     # Imported here: triax.mesh and the rules load JAX, which must first see the simulated
     # device count (run() sets it).
     from triax.mesh import parse_mesh
-    from triax.pipeline import ScheduleKind
     from triax.planner.workload import Layout
     from triax.sharding.rules import get_strategy
     if args.mesh is None:
