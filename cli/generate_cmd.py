@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
     src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
                      "(config.json, safetensors, tokenizer.json)")
     p.add_argument("--seed", type=int, default=0, help="init seed (with --model) and sampling seed")
-    p.add_argument("--num-layers", type=int, default=None, help="override the preset's layers")
+    add_run_flags(p, ["num_layers"])
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 
+from triax import choices
 from triax.cli.common import start_devices
-from triax.training.config import PRECISIONS, RunConfig
+from triax.cli.run_flags import add_run_flags
+from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
+from triax.training.config import RunConfig
 
 
 def add_parser(sub) -> None:
@@ -21,7 +24,7 @@ def add_parser(sub) -> None:
     what.add_argument("--params", type=float, help="parameter count for a quick estimate")
     what.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory (its "
                       "config.json; no weights are read)")
-    p.add_argument("--dtype", choices=tuple(PRECISIONS), default="bf16")
+    p.add_argument("--dtype", choices=tuple(choices.PRECISIONS), default="bf16")
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--train", action="store_true")
     job.add_argument("--inference", action="store_true")
@@ -30,24 +33,23 @@ def add_parser(sub) -> None:
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--num-layers", type=int, help="override the preset's layer count")
+    add_run_flags(p, ["num_layers"])
     p.add_argument("--mesh", help="evaluate this mesh, e.g. data=2,tensor=4 (axes left out=1)")
-    p.add_argument("--strategy", help="strategy for --mesh (dp, fsdp, zero1, tp, fsdp_tp, "
-                   "tp_sp, fsdp_tp_sp)")
-    p.add_argument("--schedule", help="pipeline schedule for --mesh with pipe > 1")
+    p.add_argument("--strategy", choices=choices.STRATEGIES, help="strategy for --mesh")
+    p.add_argument("--schedule", choices=tuple(k.value for k in ScheduleKind),
+                   help="pipeline schedule for --mesh with pipe > 1")
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
-    p.add_argument("--remat", choices=("none", "full", "dots"), default="none",
+    p.add_argument("--remat", choices=choices.REMAT_POLICIES, default="none",
                    help="activation checkpointing for --mesh")
     p.add_argument("--loss-chunks", type=int, default=1,
                    help=RunConfig.__dataclass_fields__["loss_chunks"].metadata["help"]
                    + "; for --mesh, or tried beside the search's own choice for long sequences")
-    p.add_argument("--context-attention",   # RunConfig's choices: JAX-free, = context.SCHEMES
-                   choices=RunConfig.__dataclass_fields__["context_attention"].metadata["choices"],
+    p.add_argument("--context-attention", choices=choices.CONTEXT_SCHEMES,
                    help="attention across the context axis: the scheme for --mesh with "
                    "context > 1; without --mesh, the only scheme searched (default: both)")
-    p.add_argument("--attention", default="auto", help="attention implementation the step "
-                   "runs: auto (cuDNN's flash kernel on GPU where it applies) | reference | "
-                   "blockwise | dot_product")
+    p.add_argument("--attention", default="auto", choices=choices.ATTENTION_CHOICES,
+                   help="attention implementation the step runs (auto: cuDNN's flash kernel "
+                   "on GPU where it applies)")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--verify", action="store_true",
                    help="compile the top plans on simulated CPU devices and compare")
@@ -60,7 +62,6 @@ def _layout(args):
     # Imported here: triax.mesh and the rules load JAX, which must first see the simulated
     # device count (run() sets it).
     from triax.mesh import parse_mesh
-    from triax.pipeline import ScheduleKind
     from triax.planner.workload import Layout
     from triax.sharding.rules import get_strategy
     if args.mesh is None:
@@ -68,7 +69,7 @@ def _layout(args):
             raise ValueError("--strategy/--schedule go with --mesh (e.g. --mesh data=2,tensor=4)")
         return None
     if not args.strategy:
-        raise ValueError("--mesh needs --strategy (dp, fsdp, zero1, tp, fsdp_tp)")
+        raise ValueError(f"--mesh needs --strategy ({', '.join(choices.STRATEGIES)})")
     get_strategy(args.strategy)
     sizes = parse_mesh(args.mesh)
     if any(v < 1 for v in sizes.values()):
@@ -89,7 +90,6 @@ def run(args) -> int:
     from triax.planner.decide import plan
     from triax.planner.plan_table import text_report
     from triax.planner.workload import Workload
-    from triax.sharding.context import SCHEMES
 
     cat = hardware.load_catalog(args.hardware)
     cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
@@ -101,7 +101,7 @@ def run(args) -> int:
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)
-    schemes = (args.context_attention,) if args.context_attention else SCHEMES
+    schemes = (args.context_attention,) if args.context_attention else choices.CONTEXT_SCHEMES
     rec = plan(w, cluster, top=args.top, layout=_layout(args), schemes=schemes)
     out = rec.to_json()
     if args.verify:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triax import choices
 from triax.models.axes import constrain
 
 # Masked scores: the most negative finite float, so a row never meets inf - inf.
@@ -381,7 +382,7 @@ def attention(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str = "re
 # docs/training.md ("Attention implementations", bench/attention.py); other backends take
 # the CPU choice.
 AUTO = {"gpu": "dot_product", "cpu": "reference"}
-CHOICES = ("auto", *IMPLEMENTATIONS)
+CHOICES = choices.ATTENTION_CHOICES  # tests/test_attention_kernels.py: = ("auto", *IMPLEMENTATIONS)
 
 
 def resolve(implementation: str, backend: Optional[str] = None) -> str:

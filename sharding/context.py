@@ -33,13 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
+from triax import choices
 from triax.mesh.build import mesh_sizes
 from triax.models.attention import BLOCK_SIZE, AttentionFn, Visibility, kernel
 from triax.models.axes import using_constraint
 from triax.sharding.ring import LAYOUTS, RingSpec, ring_attention
 from triax.sharding.rules import Rules, ShardingError
 
-SCHEMES = ("all-gather", "ring")
+SCHEMES = choices.CONTEXT_SCHEMES
 
 
 def context_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:

@@ -105,3 +105,9 @@ def test_auto_resolves_per_backend_and_names_are_checked():
     with pytest.raises(ValueError, match="'flash'.*auto, reference, blockwise, dot_product"):
         RunConfig(attention="flash").exec_config()
     assert RunConfig(attention="blockwise").exec_config().attention == "blockwise"
+
+
+def test_attention_choices_are_the_named_kernels():
+    from triax import choices
+    assert tuple(A.IMPLEMENTATIONS) == choices.ATTENTION_KERNELS
+    assert A.CHOICES == ("auto", *A.IMPLEMENTATIONS) == choices.ATTENTION_CHOICES

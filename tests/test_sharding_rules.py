@@ -128,3 +128,18 @@ def test_parse_mesh_errors(text, err):
 
 def test_parse_mesh_defaults():
     assert parse_mesh("data=2, pipe=2") == {"data": 2, "pipe": 2}
+
+
+def test_strategy_kinds_are_the_named_strategies():
+    # choices.py is the JAX-free home of the names (the CLI and RunConfig use it).
+    from triax import choices
+    from triax.sharding.rules import StrategyKind
+    assert tuple(k.value for k in StrategyKind) == choices.STRATEGIES
+    assert set(choices.FSDP_BASE) <= set(choices.STRATEGIES)
+    assert set(choices.FSDP_BASE.values()) <= set(choices.STRATEGIES)
+
+
+def test_remat_policies_are_the_named_policies():
+    from triax import choices
+    from triax.models.transformer import REMAT_POLICIES
+    assert tuple(REMAT_POLICIES) == choices.REMAT_POLICIES

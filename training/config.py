@@ -8,7 +8,7 @@ explicit flags override it.
     >>> run = RunConfig(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
     >>> run.replace(steps=100).steps
     100
-    >>> RunConfig(precision="fp8").exec_config()
+    >>> RunConfig(precision="fp8")
     Traceback (most recent call last):
     ...
     ValueError: --precision 'fp8': choose one of fp32, bf16, fp16
@@ -31,6 +31,8 @@ import yaml
 # JAX-free on purpose: the CLI builds its parser from these fields before it may load JAX
 # (the simulated device count must be set first), so the model, optimizer and execution
 # configs, whose packages import JAX, are imported where they are built.
+from triax import choices
+from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
 from triax.pipeline.schedules import ScheduleKind
 
 if TYPE_CHECKING:
@@ -38,12 +40,8 @@ if TYPE_CHECKING:
     from triax.models.layers import ExecConfig
     from triax.training.optim import OptimConfig
 
-# Precision names -> compute dtype (parameters stay fp32: bf16/fp16 are mixed precision).
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 # Schedules a training step can run (forward-only is for evaluation and inference).
 TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
-# What a NaN/inf loss does (``triax.training.faults``).
-NONFINITE_MODES = ("stop", "skip", "rollback")
 
 
 def _f(default, help: str, **meta):
@@ -63,12 +61,12 @@ class RunConfig:
     mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
                        "(the remaining devices)",
                    default_help="data × tensor × pipe picked from the devices")
-    strategy: str = _f("fsdp_tp", "dp | fsdp | zero1 | tp | fsdp_tp | tp_sp | fsdp_tp_sp")
+    strategy: str = _f("fsdp_tp", "parallelism strategy (see triax.sharding.rules)",
+                       choices=choices.STRATEGIES)
     context_attention: str = _f("all-gather", "attention across the context mesh axis: "
                                               "all-gather (K/V gathered) | ring (K/V passed "
                                               "around with ppermute)",
-                                choices=("all-gather", "ring"))  # = sharding.context.SCHEMES
-                                # (JAX-free here; tests/test_context.py holds them equal)
+                                choices=choices.CONTEXT_SCHEMES)
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = _f(0, "seed for parameters and data order")
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
@@ -80,10 +78,9 @@ class RunConfig:
     clip_norm: float = _f(1.0, "gradient clipping (global norm)")
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
                                 "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
-    remat: str = _f("none", "activation checkpointing policy: none | full | dots | "
-                            "dots_no_batch")
-    attention: str = _f("auto", "attention implementation: auto (the fastest for the "
-                                "backend) | reference | blockwise | dot_product")
+    remat: str = _f("none", "activation checkpointing policy", choices=choices.REMAT_POLICIES)
+    attention: str = _f("auto", "attention implementation (auto: the fastest for the "
+                                "backend)", choices=choices.ATTENTION_CHOICES)
     loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
                              "at a time (long sequences: only a slice's fp32 logits are alive; "
                              "the backward recomputes them)")
@@ -119,6 +116,11 @@ class RunConfig:
     progress: bool = _f(True, "progress bar")
 
     def __post_init__(self):
+        # Every field with a fixed set of values (its ``choices`` metadata) is checked, so a
+        # --config file fails like the flag would, naming the flag and the accepted values.
+        for f in dataclasses.fields(self):
+            if "choices" in f.metadata:
+                choices.check(f.name, getattr(self, f.name), f.metadata["choices"])
         # Numbers that cannot train are refused here, so flags and --config files alike
         # fail before anything is built (``--lr -1`` would otherwise ascend the gradient).
         for name, (must, ok, fix) in _BOUNDS.items():
@@ -149,14 +151,8 @@ class RunConfig:
                            clip_norm=self.clip_norm).resolved(self.steps)
 
     def exec_config(self) -> "ExecConfig":
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision!r}: choose one of "
-                             f"{', '.join(PRECISIONS)}")
-        # These load JAX: see the imports.
+        # The names were checked in __post_init__; these load JAX: see the imports.
         from triax.models.layers import ExecConfig
-        from triax.models.transformer import REMAT_POLICIES
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"--remat {self.remat!r}: choose one of {', '.join(REMAT_POLICIES)}")
         from triax.models.attention import resolve
         resolve(self.attention)  # a clear error for an unknown name, before anything is built
         from triax.models.loss import check_loss_chunks

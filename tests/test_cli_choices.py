@@ -1,0 +1,67 @@
+"""The CLI's named choices come from one home (``triax.choices``): a flag that several
+commands share accepts the same values in each, and every name ``choices.py`` holds."""
+import argparse
+
+import pytest
+
+from triax import choices
+from triax.cli.main import build_parser
+from triax.pipeline.schedules import ScheduleKind
+from triax.training.config import TRAIN_SCHEDULES
+
+COMMANDS = ("train", "inspect", "plan", "generate")
+
+
+def _subparsers(parser):
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices
+
+
+def _flag_choices(p):
+    """``--flag`` -> its choices (None when the flag takes any value)."""
+    out = {}
+    for a in p._actions:
+        for s in a.option_strings:
+            if s.startswith("--"):
+                out[s] = None if a.choices is None else tuple(a.choices)
+    return out
+
+
+@pytest.fixture(scope="module")
+def flags():
+    subs = _subparsers(build_parser())
+    return {c: _flag_choices(subs[c]) for c in COMMANDS}
+
+
+def test_shared_flags_have_the_same_choices_everywhere(flags):
+    seen = {}
+    for cmd, fl in flags.items():
+        for flag, ch in fl.items():
+            seen.setdefault(flag, {})[cmd] = ch
+    for flag, by_cmd in seen.items():
+        given = {c: ch for c, ch in by_cmd.items() if ch is not None}
+        if len(given) < 1 or len(by_cmd) < 2:
+            continue
+        if flag == "--schedule":  # a plan may be for inference: forward-only too
+            assert by_cmd.pop("plan") == tuple(k.value for k in ScheduleKind)
+            assert set(by_cmd.values()) == {TRAIN_SCHEDULES}, by_cmd
+            continue
+        # A flag limited to a set in one command is limited to the same set in all.
+        assert len(set(by_cmd.values())) == 1, f"{flag}: {by_cmd}"
+
+
+@pytest.mark.parametrize("flag,names", [
+    ("--strategy", choices.STRATEGIES), ("--remat", choices.REMAT_POLICIES),
+    ("--attention", choices.ATTENTION_CHOICES),
+    ("--context-attention", choices.CONTEXT_SCHEMES)])
+def test_flags_accept_every_named_choice(flags, flag, names):
+    for cmd, fl in flags.items():
+        if flag in fl:
+            assert fl[flag] == tuple(names), f"triax {cmd} {flag}: {fl[flag]}"
+    assert flags["plan"][flag] == tuple(names)
+    assert flags["train"][flag] == tuple(names)
+
+
+def test_precision_names(flags):
+    assert flags["train"]["--precision"] == tuple(choices.PRECISIONS)
+    assert flags["plan"]["--dtype"] == tuple(choices.PRECISIONS)
