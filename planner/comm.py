@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
-from triax.planner.memory import FP32, _tp_div, local_elements, local_param_elements, \
+from triax.planner.memory import FP32, local_elements, tensor_local, local_param_elements, \
     param_leaves, pipelined_fsdp
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
@@ -102,7 +102,7 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     once (``fsdp_gathers_table``: not where the table itself is gathered)."""
     cfg = w.cfg
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
-    kv = _tp_div(cfg.num_kv_heads, lay.tensor)
+    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor)
     forward_again = 2 if w.remat != "none" else 1
     size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
     for kind, elements, fwd, bwd, dtype in scheme_collectives(

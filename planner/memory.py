@@ -144,8 +144,14 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> i
 
 
 # ---- activations --------------------------------------------------------------------------
-def _tp_div(n: int, t: int) -> float:
-    return n / t if n % t == 0 else n   # a head count that does not divide is replicated
+_TP_RULES = get_strategy("tp").rules
+
+
+def tensor_local(logical: str, n: int, tensor: int) -> int:
+    """``n`` (a head count, an MLP width named ``logical``) on one of ``tensor`` ranks, as
+    the rules place it (``Rules.local_size``): split, whole for KV heads that ``tensor``
+    does not divide (replicated), a ShardingError for query heads or a width it does not."""
+    return _TP_RULES.local_size(logical, n, {"tensor": tensor})
 
 
 def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: int,
@@ -170,10 +176,12 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
     are gathered whole for the column-parallel matmuls, which save them.
     """
     D, N, K, H = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    nh, kh = _tp_div(N, tensor) * H, _tp_div(K, tensor) * H
+    nh = tensor_local("act_heads", N, tensor) * H
+    kh = tensor_local("act_kv_heads", K, tensor) * H
     if attention is None:
         attention = attention_memory("reference", queries=seq, keys=seq,
-                                     heads=_tp_div(N, tensor), kv_heads=_tp_div(K, tensor),
+                                     heads=tensor_local("act_heads", N, tensor),
+                                     kv_heads=tensor_local("act_kv_heads", K, tensor),
                                      head_dim=H, remat=remat).saved / seq
     r = residual_split
     if remat == "full":
@@ -206,7 +214,7 @@ def moe_residual_elements(cfg: ModelConfig, seq: int, tensor: int, remat: str) -
     so the local trace is the device's (the all-to-all moves them, not their size)."""
     moe = cfg.moe
     fe = moe.mlp_dim or cfg.mlp_dim
-    local = cfg.replace(moe=dataclasses.replace(moe, mlp_dim=int(_tp_div(fe, tensor))))
+    local = cfg.replace(moe=dataclasses.replace(moe, mlp_dim=tensor_local("expert_mlp", fe, tensor)))
     gd, state = nnx.split(nnx.eval_shape(lambda: MoE(local, nnx.Rngs(0))))
     x = jax.ShapeDtypeStruct((1, seq, cfg.embed_dim), jnp.float32)
     layer = lambda st, x: nnx.merge(gd, st)(x, jnp.float32)  # noqa: E731
@@ -264,8 +272,9 @@ def attention_per_token(w: Workload, lay: Layout, remat: str) -> AttentionMemory
     cfg = w.cfg
     context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
     m = scheme_memory(lay.context_attention, attention_kernel(w, lay), seq=w.seq,
-                      context=context, heads=_tp_div(cfg.num_heads, lay.tensor),
-                      kv_heads=_tp_div(cfg.num_kv_heads, lay.tensor), head_dim=cfg.head_dim,
+                      context=context, heads=tensor_local("act_heads", cfg.num_heads, lay.tensor),
+                      kv_heads=tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor),
+                      head_dim=cfg.head_dim,
                       remat=remat)
     queries = w.seq / context
     return AttentionMemory(m.saved / queries, m.transient / queries)
@@ -347,7 +356,7 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
     if cfg is None or w.train:
         return 0.0
     layers = ceil_div(cfg.num_layers, lay.pipe)
-    kv = _tp_div(cfg.num_kv_heads, lay.tensor) * cfg.head_dim
+    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor) * cfg.head_dim
     return layers * 2 * kv * w.seq * (w.batch / lay.batch_shards) * w.dtype_bytes
 
 

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.choices import PRECISION_BYTES
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
@@ -27,7 +28,7 @@ from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import get_strategy
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Workload:
     dtype: str = "bf16"            # fp32 | bf16 | fp16 (bf16/fp16 train = mixed precision)
     batch: int = 1
     seq: int = 2048
-    remat: str = "none"            # none | full | dots (see models.transformer)
+    remat: str = "none"            # none | full | dots | dots_no_batch (choices.REMAT_POLICIES)
     loss_chunks: int = 1           # the loss over this many slices of the sequence (models.loss)
     attention: str = "auto"        # the step's --attention (models.attention.resolve)
     backend: str = "gpu"           # where it runs, which picks `auto`'s kernel: the planner

@@ -43,6 +43,22 @@ class ShardingError(ValueError):
     """A rules table, a parameter or a mesh that cannot be combined; the message says the fix."""
 
 
+def split_pieces(name: str, size: int, axes: Sequence[str], n: int, what: str = "array",
+                 dim: int = 0) -> int:
+    """How many pieces a dimension of ``size`` named ``name`` is cut into over mesh ``axes``
+    (``n`` devices in all): ``n`` where that divides it, 1 (replicated) for a ``REPLICABLE``
+    name where it does not, else a ShardingError naming the fix (``what``'s dimension
+    ``dim``). ``Rules.spec`` and the planner both ask this."""
+    if size % n == 0:
+        return n
+    if name in REPLICABLE:
+        return 1
+    raise ShardingError(
+        f"{what}: dimension {dim} ({name!r}, size {size}) is not divisible "
+        f"by mesh axes {tuple(axes)} of size {n}; choose a mesh whose {'×'.join(axes)} "
+        f"divides {size}, or map {name!r} elsewhere in the rules")
+
+
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     if axes is None:
         return ()
@@ -89,6 +105,25 @@ class Rules:
         for a in self.split_axes(logical, sizes):
             n *= sizes[a]
         return n
+
+    def local_size(self, logical: str, size: int, sizes: Mapping[str, int]) -> int:
+        """A dimension of ``size`` named ``logical`` on one device, as :meth:`spec` places it
+        on a mesh of ``sizes``: divided by its split, whole for a ``REPLICABLE`` name the
+        split does not divide (KV heads beyond ``tensor``); any other name that does not
+        divide raises ShardingError (query heads, the MLP width).
+
+            >>> from triax.sharding.rules import get_strategy
+            >>> r = get_strategy("tp").rules
+            >>> r.local_size("act_heads", 8, {"tensor": 4}), r.local_size("act_kv_heads", 2, {"tensor": 4})
+            (2, 2)
+            >>> r.local_size("act_heads", 6, {"tensor": 4})
+            Traceback (most recent call last):
+            ...
+            triax.sharding.rules.ShardingError: act_heads: dimension 0 ('act_heads', size 6) is not divisible by mesh axes ('tensor',) of size 4; choose a mesh whose tensor divides 6, or map 'act_heads' elsewhere in the rules
+        """
+        axes = self.split_axes(logical, sizes)
+        n = self.split_size(logical, sizes)
+        return size // split_pieces(logical, size, axes, n, logical)
 
     def unknown_names_error(self, where: Mapping[str, Optional[str]]) -> ShardingError:
         """One error for every unknown name (``{name: where it was met}``), with the fix."""
@@ -175,16 +210,10 @@ class Rules:
                 n = 1
                 for a in axes:
                     n *= mesh_shape[a]
-                if shape[i] % n:
-                    if name in REPLICABLE:
-                        for a in axes:
-                            used.pop(a)
-                        axes = ()
-                    else:
-                        raise ShardingError(
-                            f"{what}: dimension {i} ({name!r}, size {shape[i]}) is not divisible "
-                            f"by mesh axes {axes} of size {n}; choose a mesh whose {'×'.join(axes)} "
-                            f"divides {shape[i]}, or map {name!r} elsewhere in the rules")
+                if split_pieces(name, shape[i], axes, n, what, i) == 1:   # replicated
+                    for a in axes:
+                        used.pop(a)
+                    axes = ()
             out.append(None if not axes else (axes[0] if len(axes) == 1 else axes))
         while out and out[-1] is None:
             out.pop()
