@@ -37,7 +37,6 @@ CONTEXT_SCHEMES = ("all-gather", "ring")
 # and the bytes of one element of each.
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "int32": 4}
 
 # What a NaN/inf loss does (``triax.training.faults``).
 NONFINITE_MODES = ("stop", "skip", "rollback")
