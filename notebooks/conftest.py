@@ -3,16 +3,18 @@
 ``pytest notebooks`` collects ``*.ipynb`` (one file, one test, so ``--dist loadfile`` spreads
 notebooks over workers); the work is in ``execute.py`` next to this file.
 """
-import os
+import sys
 from pathlib import Path
 
 import pytest
 
 from execute import check
 
-# The kernels inherit this: the compilation cache tests/conftest.py shares (run alone too).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+# The kernels inherit the suite's environment (tests/suite_env.py), also when run alone.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from suite_env import apply  # noqa: E402
+
+apply(devices=False)
 
 
 def pytest_collect_file(file_path: Path, parent):

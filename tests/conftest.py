@@ -1,14 +1,7 @@
 """Test-wide setup: 8 simulated CPU devices and strict JAX, set once before JAX starts."""
-import os
-from pathlib import Path
+from suite_env import apply
 
-os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-# One persistent compilation cache for the run's workers and the processes they start: many
-# tests, docstrings and notebooks compile the same step (notebooks/conftest.py sets the same).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+apply()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
