@@ -37,6 +37,7 @@ from triax.planner.search import context_reason, search
 from triax.planner.workload import Layout, Workload
 from triax.sharding.context import SCHEMES
 from triax.sharding.rules import get_strategy
+from triax.training.config import context_fix
 
 SLOW_LINK_MAX_TP = 2
 
@@ -117,11 +118,10 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     dev = cluster.device
     why = [f"{w.name}: {w.params:,} parameters, {_gb(w.weight_bytes)} GB of "
            f"{w.dtype} weights; one {dev.name} holds {dev.memory / 1e9:.0f} GB."]
-    if w.cfg is not None and w.seq > w.cfg.max_seq_len:   # as training.setup.check_seq_len
+    if w.cfg is not None and w.seq > w.cfg.max_seq_len:   # as RunConfig.check_model refuses
         why.append(f"Note: {w.seq:,} tokens is longer than {w.name}'s context (max_seq_len "
                    f"{w.cfg.max_seq_len:,}); the plan sizes the run, but `triax train` refuses "
-                   f"it with this model: use a model with a longer context (e.g. its RoPE "
-                   f"scaled), or --seq-len {w.cfg.max_seq_len:,} or less.")
+                   f"it with this model: {context_fix(w.seq, w.cfg.max_seq_len)}.")
     if min_dev == 1:
         why.append("The weights fit on one device" + (
             ", so data parallelism over the others adds throughput." if w.train
