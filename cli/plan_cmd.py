@@ -15,8 +15,8 @@ from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags
 from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
 
-RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "mesh", "strategy", "remat", "loss_chunks",
-             "context_attention", "attention")
+RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "max_seq_len", "mesh", "strategy", "remat",
+             "loss_chunks", "context_attention", "attention")
 PLAN_DEFAULTS = {"batch_size": 8, "seq_len": 2048, "mesh": None, "strategy": None,
                  "context_attention": None}
 PLAN_NOTES = {
@@ -98,6 +98,8 @@ def run(args) -> int:
         from triax.hf.load import read_model_config
         cfg = read_model_config(args.model_dir)
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
+    if cfg is not None and args.max_seq_len is not None:
+        cfg = cfg.replace(max_seq_len=args.max_seq_len)
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)

@@ -98,8 +98,8 @@ def test_command_defaults():
     p = build_parser()
     plan = p.parse_args(PLAN_ARGS)
     assert (plan.batch_size, plan.seq_len, plan.mesh, plan.strategy, plan.remat,
-            plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers) == \
-        (8, 2048, None, None, "none", None, "auto", 1, None)
+            plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers,
+            plan.max_seq_len) == (8, 2048, None, None, "none", None, "auto", 1, None, None)
     gen = p.parse_args(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "1"])
     assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == (0, "", "all-gather", None)
     # train and inspect leave what is not given to --config and RunConfig.
