@@ -87,7 +87,7 @@ def run(args) -> int:
     start_devices()
     from triax.models import config
     from triax.planner import hardware
-    from triax.planner.decide import plan
+    from triax.planner.recommend import plan
     from triax.planner.plan_table import text_report
     from triax.planner.workload import Workload
 

@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
-from triax.planner.memory import FP32, local_elements, tensor_local, local_param_elements, \
-    param_leaves, pipelined_fsdp
+from triax.planner.activations import tensor_local
+from triax.planner.memory import pipelined_fsdp
+from triax.planner.param_layout import local_elements, local_param_elements, param_leaves
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
-from triax.planner.workload import Layout, Workload, ceil_div
+from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.sharding.context_costs import order_collective, scheme_collectives
 from triax.sharding.rules import get_strategy
 
@@ -102,7 +103,8 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     once (``fsdp_gathers_table``: not where the table itself is gathered)."""
     cfg = w.cfg
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
-    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor)
+    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor,
+                      get_strategy(lay.strategy).rules)
     forward_again = 2 if w.remat != "none" else 1
     size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
     for kind, elements, fwd, bwd, dtype in scheme_collectives(

@@ -101,7 +101,8 @@ def test_command_defaults():
             plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers,
             plan.max_seq_len) == (8, 2048, None, None, "none", None, "auto", 1, None, None)
     gen = p.parse_args(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "1"])
-    assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == (0, "", "all-gather", None)
+    assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == \
+        (0, "", "all-gather", None)
     # train and inspect leave what is not given to --config and RunConfig.
     train = p.parse_args(["train"])
     assert train.seq_len is None and train.mesh is None and train.seed is None

@@ -12,7 +12,7 @@ from triax.models import config
 from triax.pipeline import ScheduleError, ScheduleKind, build
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.planner import hardware
-from triax.planner.decide import plan
+from triax.planner.recommend import plan
 from triax.planner.memory import estimate, min_devices_for_weights
 from triax.planner.pipeline_math import microbatch_constraint, peak_in_flight
 from triax.planner.search import layouts, long_sequence_loss_chunks, loss_chunks_keep_the_split

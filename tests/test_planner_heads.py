@@ -5,7 +5,8 @@ import pytest
 
 from triax.models import config
 from triax.planner.comm import traffic
-from triax.planner.memory import estimate, layer_activation_elements, tensor_local
+from triax.planner.activations import layer_activation_elements, tensor_local
+from triax.planner.memory import estimate
 from triax.planner.verify import compile_figures, run_config
 from triax.planner.workload import Layout, Workload
 from triax.sharding.rules import ShardingError
