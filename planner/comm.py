@@ -143,14 +143,22 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
                  passes: int) -> None:
     """Megatron: per block, forward all-reduces the attention and MLP outputs; backward
     all-reduces the input gradients of q, k and v (three buffers: the projections are
-    separate weights) and of the MLP input (one buffer: gate/up are fused). An MoE block's
+    separate weights; k's and v's at their own width when KV heads are replicated) and of
+    the MLP input (one buffer: gate/up are fused). An MoE block's
     expert FFN does the same on its capacity buffers (gate and up separate: two backward).
     Plus the vocab-parallel embedding (forward) and the head's input gradient (backward)."""
     train = 1 if w.train else 0
+    # KV heads that tensor does not divide are replicated: each rank's k and v gradients are
+    # partial sums over its own query heads, all-reduced at their own width (tokens·K·H)
+    # before the replicated projections' backward, not at the residual's (tokens·D).
+    K, H = w.cfg.num_kv_heads, w.cfg.head_dim
+    replicated = tensor_local("act_kv_heads", K, lay.tensor, get_strategy(lay.strategy).rules) == K
+    kv = act * K * H / w.cfg.embed_dim if replicated else act
+    t.add("all-reduce", kv, 2 * train * layers)   # the input gradients of k and v
     if w.cfg.moe is None:
-        t.add("all-reduce", act, (2 + 4 * train) * layers + passes)
+        t.add("all-reduce", act, (2 + 2 * train) * layers + passes)
         return
-    t.add("all-reduce", act, (1 + 3 * train) * layers + passes)
+    t.add("all-reduce", act, (1 + train) * layers + passes)
     t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
 
 
