@@ -67,8 +67,8 @@ def log_sum_exp(part: Partial) -> jax.Array:
 def fold_blocks(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int,
                 skip_masked: bool = True) -> Partial:
     """``part`` with the keys ``k``/``v`` folded in ``block`` keys at a time (a scan of
-    :func:`accumulate`), so scores held at once are ``[B, N, T, block]``. ``skip_masked``:
-    a block no query sees (causal: every block after the queries) is skipped by a
+    :func:`~triax.models.online_softmax.accumulate`), so scores held at once are
+    ``[B, N, T, block]``. ``skip_masked``: a block no query sees (causal: every block after the queries) is skipped by a
     data-dependent ``lax.cond``; off, every block is computed (its mask still applied)."""
     ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
 
@@ -165,7 +165,8 @@ def _blockwise_fwd(q_BTNH, k_BSKH, v_BSKH, vis, block):
 
 
 def no_grad(vis: Visibility):
-    """The cotangent of a :class:`Visibility` (integer arrays: float0 zeros)."""
+    """The cotangent of a :class:`~triax.models.visibility.Visibility` (integer arrays:
+    float0 zeros)."""
     return jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), vis)
 
 
