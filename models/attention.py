@@ -68,8 +68,9 @@ def fold_blocks(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: i
                 skip_masked: bool = True) -> Partial:
     """``part`` with the keys ``k``/``v`` folded in ``block`` keys at a time (a scan of
     :func:`~triax.models.online_softmax.accumulate`), so scores held at once are
-    ``[B, N, T, block]``. ``skip_masked``: a block no query sees (causal: every block after the queries) is skipped by a
-    data-dependent ``lax.cond``; off, every block is computed (its mask still applied)."""
+    ``[B, N, T, block]``. ``skip_masked``: a block no query sees (causal: every block after
+    the queries) is skipped by a data-dependent ``lax.cond``; off, every block is computed
+    (its mask still applied)."""
     ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
 
     def step(part, blk):
