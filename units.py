@@ -1,13 +1,19 @@
-"""How triax prints sizes: the one byte formatter every report, summary and bench uses.
+"""How triax prints sizes: one binary formatter (``human_bytes``: reports, summaries,
+benches, what ``memory_analysis`` measures) and one decimal (``decimal_bytes``: the planner,
+whose devices' memory is sold in GB).
 
     >>> human_bytes(3 * 2**20)
     '3.0 MiB'
     >>> human_bytes(512)
     '512 B'
+    >>> decimal_bytes(81e9, ".0f"), decimal_bytes(1.26e9), decimal_bytes(160.4e9, None)
+    ('81 GB', '1.3 GB', '160 GB')
     >>> parse_bytes("5GB"), parse_bytes("2MiB"), parse_bytes("1000")
     (5000000000, 2097152, 1000)
 """
 from __future__ import annotations
+
+from typing import Optional
 
 
 def human_bytes(n: float) -> str:
@@ -17,6 +23,17 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+GB = 1e9   # a decimal gigabyte, the conservative reading of a device's "80 GB"
+
+
+def decimal_bytes(n: float, spec: Optional[str] = ".1f") -> str:
+    """Decimal gigabytes, the number formatted by ``spec`` (None: three significant
+    figures, whole gigabytes from 10 GB)."""
+    if spec is None:
+        spec = ",.0f" if n >= 10 * GB else ".3g"
+    return f"{n / GB:{spec}} GB"
 
 
 def mib(n: float) -> float:

@@ -15,7 +15,7 @@ import argparse
 import json
 
 from triax.cli.common import start_devices
-from triax.cli.run_flags import FIELDS, add_run_flags
+from triax.cli.run_flags import add_run_flags
 
 
 def add_parser(sub) -> None:
@@ -24,16 +24,17 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")
-    src.add_argument("--model", help="preset name for a seeded random init (e.g. tiny)")
+    add_run_flags(src, ["model"], {"model": None}, notes={"model": "for a seeded random init"},
+                  fill=True)
     src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
                      "(config.json, safetensors, tokenizer.json)")
-    p.add_argument("--seed", type=int, default=0, help="init seed (with --model) and sampling seed")
-    add_run_flags(p, ["num_layers"])
+    # The flags a run shares, from RunConfig's fields; generate reads ``args`` directly.
+    add_run_flags(p, ["seed", "num_layers"], fill=True,
+                  notes={"seed": "here the init's (with --model) and the sampling's (default: 0)"})
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")
-    p.add_argument("--tokenizer", metavar="DIR|FILE", help="Hugging Face tokenizer: a directory "
-                   "holding tokenizer.json, or the file (default: bytes)")
+    add_run_flags(p, ["tokenizer"], fill=True)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -41,10 +42,11 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--stop-token", type=int, action="append", default=[],
                    help="token id that ends a sequence (repeatable; 257 is EOS)")
-    p.add_argument("--mesh", default="", help="one replica's mesh, e.g. tensor=2, "
-                   "pipe=2,tensor=2 or context=2,tensor=4 (axes left out are 1; default: "
-                   "tensor over all of a replica's devices)")
-    add_run_flags(p, ["context_attention"])   # the prefill's, on a mesh with a context axis
+    # --context-attention is the prefill's, on a mesh with a context axis.
+    add_run_flags(p, ["mesh", "context_attention"], fill=True,
+                  notes={"mesh": "here one replica's, e.g. tensor=2, pipe=2,tensor=2 or "
+                                 "context=2,tensor=4; axes left out are 1 (default: tensor "
+                                 "over all of a replica's devices)"})
     p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
     p.add_argument("--skip-memory-check", action="store_true",
@@ -85,8 +87,7 @@ def run(args) -> int:
                           args.replicas, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers, model_dir=args.model_dir,
                           check_memory=not args.skip_memory_check,
-                          context_attention=(args.context_attention
-                                             or FIELDS["context_attention"].default))
+                          context_attention=args.context_attention)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

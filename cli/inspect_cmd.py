@@ -14,7 +14,7 @@ from triax.training.config import RunConfig
 
 # The run fields that change the compiled step, and inspect's own defaults for some of them
 # (a small batch, all devices on `data`).
-FIELDS = ("model", "num_layers", "mesh", "strategy", "context_attention", "batch_size",
+FIELDS = ("model", "num_layers", "max_seq_len", "mesh", "strategy", "context_attention", "batch_size",
           "seq_len", "precision", "remat", "attention", "loss_chunks", "schedule", "microbatches",
           "virtual")
 DEFAULTS = {"mesh": "data=-1", "batch_size": 8, "seq_len": 64}

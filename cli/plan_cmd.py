@@ -14,13 +14,24 @@ from triax import choices
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags
 from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
-from triax.training.config import RunConfig
+
+RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "max_seq_len", "mesh", "strategy", "remat",
+             "loss_chunks", "context_attention", "attention")
+PLAN_DEFAULTS = {"batch_size": 8, "seq_len": 2048, "mesh": None, "strategy": None,
+                 "context_attention": None}
+PLAN_NOTES = {
+    "mesh": "here the mesh to evaluate, axes left out are 1 and no -1 (default: search)",
+    "strategy": "the strategy for --mesh",
+    "loss_chunks": "for --mesh, or tried beside the search's own choice for long sequences",
+    "context_attention": "the scheme for --mesh with context > 1; without --mesh, the only "
+                         "scheme searched (default: both)",
+}
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="recommend a mesh and strategy; memory, comm and time")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--model", help="preset name (see triax.models.config.PRESETS)")
+    add_run_flags(what, ["model"], {"model": None}, fill=True)
     what.add_argument("--params", type=float, help="parameter count for a quick estimate")
     what.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory (its "
                       "config.json; no weights are read)")
@@ -31,25 +42,14 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu", required=True, help="device kind, e.g. h100-80gb")
     p.add_argument("--gpus-per-node", type=int, required=True)
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=2048)
-    add_run_flags(p, ["num_layers"])
-    p.add_argument("--mesh", help="evaluate this mesh, e.g. data=2,tensor=4 (axes left out=1)")
-    p.add_argument("--strategy", choices=choices.STRATEGIES, help="strategy for --mesh")
+    # The flags a run shares, from RunConfig's fields (one help, one set of choices); a
+    # plan's defaults: a search over meshes and strategies, at a longer sequence.
+    add_run_flags(p, RUN_FLAGS, PLAN_DEFAULTS, notes=PLAN_NOTES, fill=True)
+    # Not RunConfig's: a plan may be for inference (forward-only), and its micro-batches
+    # default to 1 where a run's 0 means 2 × pipe.
     p.add_argument("--schedule", choices=tuple(k.value for k in ScheduleKind),
                    help="pipeline schedule for --mesh with pipe > 1")
     p.add_argument("--microbatches", type=int, help="micro-batches for --mesh with pipe > 1")
-    p.add_argument("--remat", choices=choices.REMAT_POLICIES, default="none",
-                   help="activation checkpointing for --mesh")
-    p.add_argument("--loss-chunks", type=int, default=1,
-                   help=RunConfig.__dataclass_fields__["loss_chunks"].metadata["help"]
-                   + "; for --mesh, or tried beside the search's own choice for long sequences")
-    p.add_argument("--context-attention", choices=choices.CONTEXT_SCHEMES,
-                   help="attention across the context axis: the scheme for --mesh with "
-                   "context > 1; without --mesh, the only scheme searched (default: both)")
-    p.add_argument("--attention", default="auto", choices=choices.ATTENTION_CHOICES,
-                   help="attention implementation the step runs (auto: cuDNN's flash kernel "
-                   "on GPU where it applies)")
     p.add_argument("--top", type=int, default=3)
     p.add_argument("--verify", action="store_true",
                    help="compile the top plans on simulated CPU devices and compare")
@@ -87,7 +87,7 @@ def run(args) -> int:
     start_devices()
     from triax.models import config
     from triax.planner import hardware
-    from triax.planner.decide import plan
+    from triax.planner.recommend import plan
     from triax.planner.plan_table import text_report
     from triax.planner.workload import Workload
 
@@ -98,6 +98,8 @@ def run(args) -> int:
         from triax.hf.load import read_model_config
         cfg = read_model_config(args.model_dir)
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
+    if cfg is not None and args.max_seq_len is not None:
+        cfg = cfg.replace(max_seq_len=args.max_seq_len)
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)

@@ -32,30 +32,42 @@ def _scalar(annotation) -> type:
 
 
 def add_run_flags(p: argparse.ArgumentParser, names: Optional[Iterable[str]] = None,
-                  defaults: Optional[dict] = None) -> None:
-    """Add a flag per ``RunConfig`` field in ``names`` (all when None). ``defaults`` are what
-    the command uses where it differs from ``RunConfig`` (shown in the help; a field's
-    ``default_help`` metadata describes a default that is not a plain value)."""
-    defaults = defaults or {}
+                  defaults: Optional[dict] = None, notes: Optional[dict] = None,
+                  fill: bool = False) -> None:
+    """Add a flag per ``RunConfig`` field in ``names`` (all when None), with the field's help
+    and choices, so a flag several commands share is written once.
+
+    ``defaults``: the command's own default where it differs from ``RunConfig``'s (shown in
+    the help; a field's ``default_help`` metadata describes a default that is not a plain
+    value). ``notes``: a clause the command adds to a field's help, in place of the shown
+    default (what the flag does there, and its default when that is not a plain value).
+    ``fill``: the parsed value is the command's default when the flag is left out, for
+    commands that read ``args`` directly; otherwise None, so a ``--config`` file and
+    ``RunConfig`` fill it (see ``run_values``)."""
+    defaults, notes = defaults or {}, notes or {}
     for name in (FIELDS if names is None else names):
         f = FIELDS[name]
         typ = _scalar(_HINTS[name])
         default = defaults.get(name, f.default)
         help_ = f.metadata["help"].replace("%", "%%")
         flag = "--" + name.replace("_", "-")
+        parsed = default if fill else None
         if typ is bool:
             if default:
                 p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false",
-                               default=None, help=f"no {help_}")
+                               default=parsed, help=f"no {help_}")
             else:
-                p.add_argument(flag, action="store_true", default=None, help=help_)
+                p.add_argument(flag, action="store_true", default=parsed, help=help_)
             continue
-        shown = f.metadata.get("default_help") if default == f.default else None
-        if shown is None and default not in (None, ""):
-            shown = default
-        if shown is not None:
-            help_ += f" (default: {shown})"
-        p.add_argument(flag, type=typ, default=None, choices=f.metadata.get("choices"),
+        if name in notes:
+            help_ += "; " + notes[name].replace("%", "%%")
+        else:
+            shown = f.metadata.get("default_help") if default == f.default else None
+            if shown is None and default not in (None, ""):
+                shown = default
+            if shown is not None:
+                help_ += f" (default: {shown})"
+        p.add_argument(flag, type=typ, default=parsed, choices=f.metadata.get("choices"),
                        help=help_)
 
 

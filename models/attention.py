@@ -1,19 +1,7 @@
-"""Attention: one entry point, masks described rather than stored, and the online-softmax
-pieces that blockwise and ring attention are built from.
-
-**Who sees whom** (:class:`Visibility`): a query sees a key when the key's *order* (its
-index in the causal stream) is at or before the query's, and, for packed documents, both
-carry the same segment id (padding is segment 0). Self-attention uses one order and one
-segment array for both sides; decode against a KV cache uses the queries' cache positions
-and the slot indices. No ``[B, T, S]`` mask exists until an implementation asks for one
-(:meth:`Visibility.mask`, for any block of queries and keys).
-
-**Online softmax** (:func:`empty_partial`, :func:`accumulate`, :func:`finish`; partials over
-disjoint keys combine by :func:`merge`, or across devices by :func:`combine`): attention
-over keys seen one block at a time, carrying an unnormalised output with the running max
-and sum of every query row, so a kernel never holds more than one block's scores. Blockwise
-attention scans these over key blocks; ring attention (context parallelism) applies them to
-the K/V blocks passed around the ring.
+"""Attention: one entry point and its kernels (the reference einsum, blockwise, XLA's or
+cuDNN's ``dot_product_attention``), built from who sees whom (:mod:`.visibility`) and the
+online-softmax pieces (:mod:`.online_softmax`) that blockwise and ring attention share; both
+are re-exported here, where the model and the sharding layer import them.
 
 **Hook**: context parallelism replaces the whole function while a step is traced
 (:func:`using_attention`, installed by the sharding layer), as ``models.axes.constrain`` does
@@ -29,88 +17,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from triax import choices
-from triax.models.axes import constrain
-
-# Masked scores: the most negative finite float, so a row never meets inf - inf.
-_MASKED = float(jnp.finfo(jnp.float32).min)
-
-
-@jax.tree_util.register_dataclass
-@dataclass(frozen=True)
-class Visibility:
-    """Which keys each query sees: ``k_order <= q_order`` and equal segments (when given)."""
-
-    q_order_BT: jax.Array
-    k_order_BS: jax.Array
-    q_segment_BT: Optional[jax.Array] = None
-    k_segment_BS: Optional[jax.Array] = None
-    # Static: both orders are 0..T-1 and there are no segments, so the mask is the lower
-    # triangle and a fused kernel may use its own causal mask (``is_causal``). Set only by
-    # :meth:`causal`; a Visibility built or sliced any other way must leave it False.
-    plain_causal: bool = field(default=False, metadata=dict(static=True))
-
-    @classmethod
-    def causal(cls, B: int, T: int) -> "Visibility":
-        order_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        return cls(order_BT, order_BT, plain_causal=True)
-
-    @classmethod
-    def self_attention(cls, order_BT, segment_BT=None) -> "Visibility":
-        """Queries and keys are the same tokens (training, prefill without a cache)."""
-        return cls(order_BT, order_BT, segment_BT, segment_BT)
-
-    @classmethod
-    def cache(cls, positions_BT, length: int) -> "Visibility":
-        """Queries at their cache positions against every slot ``0..length-1``."""
-        slots_BS = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32),
-                                    (positions_BT.shape[0], length))
-        return cls(positions_BT, slots_BS)
-
-    def mask(self) -> jax.Array:
-        """``bool[B, T, S]``: True where a query may see a key."""
-        m = self.k_order_BS[:, None, :] <= self.q_order_BT[:, :, None]
-        if self.q_segment_BT is not None:
-            m = m & (self.q_segment_BT[:, :, None] == self.k_segment_BS[:, None, :])
-        return m
-
-    def keys(self, k_order_BS, k_segment_BS=None) -> "Visibility":
-        """The same queries against another block of keys (blockwise and ring attention)."""
-        return Visibility(self.q_order_BT, k_order_BS, self.q_segment_BT, k_segment_BS)
-
-
-def packed_visibility(segment_ids_BT, order_BT=None) -> Optional[Visibility]:
-    """Causal attention inside each packed document (``triax.training.packing``), in the
-    causal order ``order_BT`` when the tokens are permuted (context parallelism's zigzag
-    layout) or else 0…T−1; None (plain causal) when the batch packs and permutes nothing."""
-    if order_BT is not None:
-        return Visibility.self_attention(order_BT, segment_ids_BT)
-    if segment_ids_BT is None:
-        return None
-    B, T = segment_ids_BT.shape
-    return Visibility.self_attention(Visibility.causal(B, T).q_order_BT, segment_ids_BT)
-
-
-def repeat_kv(x_BSKH, num_heads: int):
-    """KV heads repeated to the query heads (query head ``n`` reads KV head ``n // G``), local
-    on every tensor rank whether KV heads are sharded or replicated."""
-    G = num_heads // x_BSKH.shape[2]
-    x_BSNH = jnp.repeat(x_BSKH, G, axis=2)
-    return constrain(x_BSNH, ("batch", "kv_seq", "act_heads", "act_head_dim"))
-
-
-def _scores(q_BTNH, k_BSNH, visible_BTS):
-    scale = 1.0 / math.sqrt(q_BTNH.shape[-1])
-    s_BNTS = jnp.einsum("BTNH,BSNH->BNTS", q_BTNH, k_BSNH).astype(jnp.float32) * scale
-    return jnp.where(visible_BTS[:, None, :, :], s_BNTS, _MASKED)
+from triax.models.online_softmax import (  # noqa: F401 (re-exported: the importers' home)
+    _MASKED, Partial, _scores, accumulate, combine, empty_partial, finish, merge, repeat_kv)
+from triax.models.visibility import Visibility, packed_visibility  # noqa: F401
 
 
 def reference(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
@@ -119,65 +36,6 @@ def reference(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):
     k_BSNH, v_BSNH = repeat_kv(k_BSKH, N), repeat_kv(v_BSKH, N)
     p_BNTS = jax.nn.softmax(_scores(q_BTNH, k_BSNH, vis.mask()), axis=-1).astype(v_BSNH.dtype)
     return jnp.einsum("BNTS,BSNH->BTNH", p_BNTS, v_BSNH)
-
-
-class Partial(NamedTuple):
-    """Attention over the keys seen so far: unnormalised output, running row max and sum."""
-
-    o_BTNH: jax.Array   # float32, sum over seen keys of exp(s - m) v
-    m_BNT: jax.Array    # running max of visible scores (_MASKED while none is visible)
-    l_BNT: jax.Array    # running sum of exp(s - m) over visible keys
-
-
-def empty_partial(q_BTNH) -> Partial:
-    """The partial of queries ``q_BTNH`` that have seen no key yet. Built ``_like`` q, so
-    inside a ``shard_map`` it varies over the same manual axes (a scan carry must)."""
-    B, T, N, H = q_BTNH.shape
-    return Partial(jnp.zeros_like(q_BTNH, jnp.float32),
-                   jnp.full_like(q_BTNH, _MASKED, jnp.float32, shape=(B, N, T)),
-                   jnp.zeros_like(q_BTNH, jnp.float32, shape=(B, N, T)))
-
-
-def accumulate(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility) -> Partial:
-    """Fold one block of keys/values (``vis`` names their order/segments) into ``part``."""
-    N = q_BTNH.shape[2]
-    k_BSNH, v_BSNH = repeat_kv(k_BSKH, N), repeat_kv(v_BSKH, N)
-    visible_BTS = vis.mask()
-    s_BNTS = _scores(q_BTNH, k_BSNH, visible_BTS)
-    m_BNT = jnp.maximum(part.m_BNT, s_BNTS.max(axis=-1))
-    # Masked entries add nothing, also while a row has seen no visible key yet (m = _MASKED).
-    p_BNTS = jnp.where(visible_BTS[:, None], jnp.exp(s_BNTS - m_BNT[..., None]), 0.0)
-    correction_BNT = jnp.exp(part.m_BNT - m_BNT)
-    l_BNT = part.l_BNT * correction_BNT + p_BNTS.sum(axis=-1)
-    pv_BTNH = jnp.einsum("BNTS,BSNH->BTNH", p_BNTS.astype(v_BSNH.dtype), v_BSNH)
-    o_BTNH = part.o_BTNH * correction_BNT.transpose(0, 2, 1)[..., None] + pv_BTNH
-    return Partial(o_BTNH, m_BNT, l_BNT)
-
-
-def combine(parts: Partial, reduce_max: Callable, reduce_sum: Callable) -> Partial:
-    """Partials over disjoint key sets combined into one over their union; the sets lie
-    along whatever ``reduce_max``/``reduce_sum`` reduce: a stacked leading axis
-    (:func:`merge`), or a mesh axis (``lax.pmax``/``lax.psum``, one set per device)."""
-    m_BNT = reduce_max(parts.m_BNT)
-    c_BNT = jnp.exp(parts.m_BNT - m_BNT)   # each set rescaled to the common max
-    o_BTNH = reduce_sum(parts.o_BTNH * jnp.swapaxes(c_BNT, -1, -2)[..., None])
-    return Partial(o_BTNH, m_BNT, reduce_sum(parts.l_BNT * c_BNT))
-
-
-def merge(a: Partial, b: Partial) -> Partial:
-    """Two partials over disjoint key sets combined into one over their union."""
-    both = jax.tree.map(lambda x, y: jnp.stack([x, y]), a, b)
-    out = combine(both, lambda x: x.max(axis=0, keepdims=True),
-                  lambda x: x.sum(axis=0, keepdims=True))
-    return jax.tree.map(lambda x: x[0], out)
-
-
-def finish(part: Partial, dtype) -> jax.Array:
-    """``o_BTNH`` normalised; a row that saw no key at all is zero (never met in self- or
-    cache attention, where a query always sees itself)."""
-    l_BTN = part.l_BNT.transpose(0, 2, 1)
-    safe = jnp.where(l_BTN > 0, l_BTN, 1.0)
-    return (part.o_BTNH / safe[..., None]).astype(dtype)
 
 
 # ---- blockwise (flash-style) attention -------------------------------------------------
@@ -209,9 +67,10 @@ def log_sum_exp(part: Partial) -> jax.Array:
 def fold_blocks(part: Partial, q_BTNH, k_BSKH, v_BSKH, vis: Visibility, block: int,
                 skip_masked: bool = True) -> Partial:
     """``part`` with the keys ``k``/``v`` folded in ``block`` keys at a time (a scan of
-    :func:`accumulate`), so scores held at once are ``[B, N, T, block]``. ``skip_masked``:
-    a block no query sees (causal: every block after the queries) is skipped by a
-    data-dependent ``lax.cond``; off, every block is computed (its mask still applied)."""
+    :func:`~triax.models.online_softmax.accumulate`), so scores held at once are
+    ``[B, N, T, block]``. ``skip_masked``: a block no query sees (causal: every block after
+    the queries) is skipped by a data-dependent ``lax.cond``; off, every block is computed
+    (its mask still applied)."""
     ks, vs, orders, segs = _key_blocks(k_BSKH, v_BSKH, vis, block)
 
     def step(part, blk):
@@ -307,7 +166,8 @@ def _blockwise_fwd(q_BTNH, k_BSKH, v_BSKH, vis, block):
 
 
 def no_grad(vis: Visibility):
-    """The cotangent of a :class:`Visibility` (integer arrays: float0 zeros)."""
+    """The cotangent of a :class:`~triax.models.visibility.Visibility` (integer arrays:
+    float0 zeros)."""
     return jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0), vis)
 
 

@@ -10,7 +10,7 @@
 See docs/planner.md for the formulas and assumptions.
 """
 from triax.pipeline import ScheduleKind   # a pipelined Layout's schedule
-from triax.planner.decide import Recommendation, plan
+from triax.planner.recommend import Recommendation, plan
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Catalog, Cluster, Device, Link, cluster, load_catalog
 from triax.planner.memory import Assumptions, Memory, estimate, min_devices_for_weights

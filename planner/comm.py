@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
-from triax.planner.memory import FP32, local_elements, tensor_local, local_param_elements, \
-    param_leaves, pipelined_fsdp
+from triax.planner.activations import tensor_local
+from triax.planner.memory import pipelined_fsdp
+from triax.planner.param_layout import local_elements, local_param_elements, param_leaves
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
-from triax.planner.workload import Layout, Workload, ceil_div
+from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.sharding.context_costs import order_collective, scheme_collectives
 from triax.sharding.rules import get_strategy
 
@@ -102,7 +103,8 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     once (``fsdp_gathers_table``: not where the table itself is gathered)."""
     cfg = w.cfg
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
-    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor)
+    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor,
+                      get_strategy(lay.strategy).rules)
     forward_again = 2 if w.remat != "none" else 1
     size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
     for kind, elements, fwd, bwd, dtype in scheme_collectives(
@@ -141,14 +143,22 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
                  passes: int) -> None:
     """Megatron: per block, forward all-reduces the attention and MLP outputs; backward
     all-reduces the input gradients of q, k and v (three buffers: the projections are
-    separate weights) and of the MLP input (one buffer: gate/up are fused). An MoE block's
+    separate weights; k's and v's at their own width when KV heads are replicated) and of
+    the MLP input (one buffer: gate/up are fused). An MoE block's
     expert FFN does the same on its capacity buffers (gate and up separate: two backward).
     Plus the vocab-parallel embedding (forward) and the head's input gradient (backward)."""
     train = 1 if w.train else 0
+    # KV heads that tensor does not divide are replicated: each rank's k and v gradients are
+    # partial sums over its own query heads, all-reduced at their own width (tokens·K·H)
+    # before the replicated projections' backward, not at the residual's (tokens·D).
+    K, H = w.cfg.num_kv_heads, w.cfg.head_dim
+    replicated = tensor_local("act_kv_heads", K, lay.tensor, get_strategy(lay.strategy).rules) == K
+    kv = act * K * H / w.cfg.embed_dim if replicated else act
+    t.add("all-reduce", kv, 2 * train * layers)   # the input gradients of k and v
     if w.cfg.moe is None:
-        t.add("all-reduce", act, (2 + 4 * train) * layers + passes)
+        t.add("all-reduce", act, (2 + 2 * train) * layers + passes)
         return
-    t.add("all-reduce", act, (1 + 3 * train) * layers + passes)
+    t.add("all-reduce", act, (1 + train) * layers + passes)
     t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
 
 

@@ -23,10 +23,7 @@ plans' own figures.
 from __future__ import annotations
 
 from triax.planner.evaluate import PlanResult
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:.1f} GB"
+from triax.units import decimal_bytes
 
 
 def _plan(p: PlanResult) -> str:
@@ -47,7 +44,7 @@ def _scheme_sentence(best: PlanResult, plans: list[PlanResult]) -> str:
     if not other:
         return f"Scheme {lay.context_attention}: {what}."
     o = other[0]
-    alt = (f"{o.step_time_s * 1e3:.1f} ms per step, {_gb(o.memory.total)} per device"
+    alt = (f"{o.step_time_s * 1e3:.1f} ms per step, {decimal_bytes(o.memory.total)} per device"
            if o.fits else f"does not fit: {o.overflow}")
     return (f"Scheme {lay.context_attention}: {what}; {o.layout.context_attention} on the "
             f"same mesh {alt}.")
@@ -65,7 +62,7 @@ def context_reasoning(w, res, best: PlanResult) -> list[str]:
         C = best.layout.context
         s = (f"Context parallelism: each {w.seq:,}-token sequence is split over "
              f"context={C}, so a device keeps the activations of {w.seq // C:,} tokens of "
-             f"it ({_gb(best.memory.activations)})")
+             f"it ({decimal_bytes(best.memory.activations)})")
         if flat:
             alt = flat[0]
             s += (f"; the best plan without it, {_plan(alt)}, takes "

@@ -19,6 +19,7 @@ from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions, Memory, estimate
 from triax.planner.pipeline_math import bubble_fraction, work_factor
 from triax.planner.workload import Layout, Workload, ceil_div
+from triax.units import decimal_bytes
 
 
 @dataclass(frozen=True)
@@ -45,9 +46,9 @@ class PlanResult:
         m, cap = self.memory, self.device_memory
         terms = {k: v for k, v in m.as_dict().items() if k != "total"}
         big = max(terms, key=terms.get)
-        return (f"needs {m.total / 1e9:.1f} GB per device but a device has {cap / 1e9:.1f} GB "
-                f"(over by {(m.total - cap) / 1e9:.1f} GB; largest term: {big} "
-                f"{terms[big] / 1e9:.1f} GB)")
+        return (f"needs {decimal_bytes(m.total)} per device but a device has "
+                f"{decimal_bytes(cap)} (over by {decimal_bytes(m.total - cap)}; largest term: "
+                f"{big} {decimal_bytes(terms[big])})")
 
     def to_json(self) -> dict:
         lay = self.layout

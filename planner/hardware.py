@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
-GB = 1e9
+from triax.units import GB   # device memory and link bandwidth are decimal
+
 TFLOPS = 1e12
 
 

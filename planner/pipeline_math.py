@@ -3,8 +3,8 @@
 ``triax.pipeline``'s validated schedule tables give the figures (peak in-flight, and the
 bubble weighted by the op costs measured on the compiled executor: :mod:`.op_costs`), and its generators say which (S, M, v) a schedule can run
 (:func:`microbatch_constraint`). A request no table is built for falls back to the closed
-forms the tables reproduce (GPipe and 1F1B: (S−1)/(M+S−1); interleaved: (S−1)/(v·M+S−1);
-ZB-H1 about a third of 1F1B's). ``None`` is an unpipelined layout.
+forms the tables reproduce (``triax.pipeline.closed_form_bubble``; ZB-H1 about a third of
+1F1B's). ``None`` is an unpipelined layout.
 
     >>> from triax.pipeline import ScheduleKind
     >>> round(bubble_fraction(ScheduleKind.ONE_F_ONE_B, stages=4, microbatches=12), 6)
@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build
+from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build, closed_form_bubble
 from triax.planner.op_costs import op_costs_for
 
 
@@ -44,12 +44,13 @@ def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches:
     if table is not None:
         costs = op_costs_for(schedule, remat).as_dict()
         return float(table.bubble_fraction(costs=costs))
-    if schedule is ScheduleKind.INTERLEAVED:
-        return (S - 1) / (v * M + S - 1)
-    one_f_one_b = (S - 1) / (M + S - 1)
-    if schedule is ScheduleKind.ZB_H1:
-        return one_f_one_b / 3
-    return one_f_one_b     # GPipe, 1F1B, forward-only
+    closed = closed_form_bubble(schedule, S, M, v)
+    if closed is not None:
+        return closed
+    # The zero-bubble schedules have no closed form: ZB-H1's tables run about a third of
+    # 1F1B's bubble; ZB-V is priced as 1F1B (a bound, where no table is built).
+    one_f_one_b = closed_form_bubble(ScheduleKind.ONE_F_ONE_B, S, M)
+    return one_f_one_b / 3 if schedule is ScheduleKind.ZB_H1 else one_f_one_b
 
 
 def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:

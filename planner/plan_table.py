@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from triax.planner.decide import Recommendation
+from triax.planner.recommend import Recommendation
 from triax.units import human_bytes
 
 _COLUMNS = ("per dev", "params", "grads", "optim", "acts", "kv")

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from triax import choices
 from triax.choices import PRECISION_BYTES
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
@@ -29,6 +30,7 @@ from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import get_strategy
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
+FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,8 @@ class Layout:
     def unsharded_over_data(self) -> "Layout":
         """The same layout with the parameters not split over ``data`` (what a gather
         yields): the memory model's per-block working set and the traffic model's gathers."""
-        name = {"fsdp": "dp", "fsdp_tp": "tp", "fsdp_tp_sp": "tp_sp",
-                "zero1": "dp"}.get(self.strategy, self.strategy)
+        # ZeRO-1 splits only the optimizer over data: its parameters are already dp's.
+        name = {**choices.FSDP_BASE, "zero1": "dp"}.get(self.strategy, self.strategy)
         return dataclasses.replace(self, data=1, strategy=name)
 
     def describe(self) -> str:

@@ -7,6 +7,7 @@ import pytest
 from triax import choices
 from triax.cli.main import build_parser
 from triax.pipeline.schedules import ScheduleKind
+from triax.cli.run_flags import FIELDS as RUN_FIELDS
 from triax.training.config import TRAIN_SCHEDULES
 
 COMMANDS = ("train", "inspect", "plan", "generate")
@@ -65,3 +66,44 @@ def test_flags_accept_every_named_choice(flags, flag, names):
 def test_precision_names(flags):
     assert flags["train"]["--precision"] == tuple(choices.PRECISIONS)
     assert flags["plan"]["--dtype"] == tuple(choices.PRECISIONS)
+
+
+# Flags a command keeps as its own because they mean something else there: a plan may be
+# for inference (forward-only schedules) and its micro-batches default to 1, not 2 × pipe;
+# generate checks weights and KV cache against memory, not a compiled step.
+OWN = {("plan", "--schedule"), ("plan", "--microbatches"),
+       ("generate", "--skip-memory-check")}
+
+
+def test_shared_run_flags_are_run_config_fields(flags):
+    """A flag named after a RunConfig field carries the field's help in every command that
+    has it (written once, by ``add_run_flags``), not a restated one."""
+    subs = _subparsers(build_parser())
+    for cmd in COMMANDS:
+        for a in subs[cmd]._actions:
+            for s in a.option_strings:
+                name = s[2:].replace("-", "_")
+                if (cmd, s) in OWN or name not in RUN_FIELDS or not s.startswith("--"):
+                    continue
+                assert a.help.startswith(RUN_FIELDS[name].metadata["help"].replace("%", "%%")), \
+                    f"triax {cmd} {s}: {a.help!r}"
+
+
+PLAN_ARGS = ["plan", "--model", "tiny", "--train", "--gpu", "h100-80gb", "--gpus-per-node", "8",
+             "--nodes", "1"]
+
+
+def test_command_defaults():
+    """Each command keeps its own defaults for the flags it shares with ``triax train``."""
+    p = build_parser()
+    plan = p.parse_args(PLAN_ARGS)
+    assert (plan.batch_size, plan.seq_len, plan.mesh, plan.strategy, plan.remat,
+            plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers,
+            plan.max_seq_len) == (8, 2048, None, None, "none", None, "auto", 1, None, None)
+    gen = p.parse_args(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "1"])
+    assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == \
+        (0, "", "all-gather", None)
+    # train and inspect leave what is not given to --config and RunConfig.
+    train = p.parse_args(["train"])
+    assert train.seq_len is None and train.mesh is None and train.seed is None
+    assert p.parse_args(["inspect"]).seq_len is None

@@ -36,7 +36,7 @@ MODULES = _modules_with_examples()
 
 
 def test_examples_are_found():
-    assert "triax.units" in MODULES and "triax.planner.decide" in MODULES, MODULES
+    assert "triax.units" in MODULES and "triax.planner.recommend" in MODULES, MODULES
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -6,10 +6,13 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from hf_fixtures import fixture
 from triax.cli.main import main
 from triax.hf import Checkpoint, read_model_config
+from triax.training.config import RunConfig, RunConfigWarning
+from triax.training.init_from import init_from_config
 
 
 def test_init_from_then_export_gives_the_fixture_back(tmp_path, capsys, devices):
@@ -39,3 +42,18 @@ def test_plan_model_dir(capsys):
     out = json.loads(capsys.readouterr().out)
     cfg = read_model_config(fixture("mixtral"))
     assert json.dumps(out).count(cfg.name) >= 1
+
+
+def test_init_from_past_its_context_warns_and_lengthens_it():
+    """A pretrained model run past the context it was trained on (the fixture's 256) warns,
+    naming the model, its directory and both lengths, and runs: RoPE needs no table."""
+    d = fixture("llama")
+    trained = read_model_config(d)
+    with pytest.warns(RunConfigWarning) as got:
+        cfg = init_from_config(RunConfig(init_from=d, seq_len=2 * trained.max_seq_len))
+    msg = str(got[0].message)
+    for part in (f"--seq-len {2 * trained.max_seq_len}", trained.name, repr(d),
+                 f"max_seq_len {trained.max_seq_len}"):
+        assert part in msg, (part, msg)
+    assert cfg.max_seq_len == 2 * trained.max_seq_len
+    RunConfig(init_from=d, seq_len=2 * trained.max_seq_len).check_model(cfg)   # not refused

@@ -12,7 +12,7 @@ from triax.models import config
 from triax.pipeline import ScheduleError, ScheduleKind, build
 from triax.pipeline.runner import Pipeline, PipelineConfig
 from triax.planner import hardware
-from triax.planner.decide import plan
+from triax.planner.recommend import plan
 from triax.planner.memory import estimate, min_devices_for_weights
 from triax.planner.pipeline_math import microbatch_constraint, peak_in_flight
 from triax.planner.search import layouts, long_sequence_loss_chunks, loss_chunks_keep_the_split
@@ -301,6 +301,13 @@ def test_cli_context_mesh(capsys):
     p = json.loads(out)["plans"][0]
     assert rc == 0 and p["mesh"] == "data=8,context=4"
     assert p["comm_payload_bytes_per_device"]["context"] > 0
+    assert "--max-seq-len 131072 to lengthen" in " ".join(json.loads(out)["reasoning"])
+    # --max-seq-len lengthens the model's context as `triax train` would: no note.
+    rc, out, _ = _cli(capsys, "--model", "llama3-8b", "--train", "--gpu", "h100-80gb",
+                      "--gpus-per-node", "8", "--nodes", "4", "--seq-len", "131072",
+                      "--max-seq-len", "131072", "--mesh", "data=8,context=4", "--strategy",
+                      "fsdp", "--remat", "full", "--context-attention", "ring", "--json")
+    assert rc == 0 and "longer than" not in " ".join(json.loads(out)["reasoning"])
 
 
 @pytest.mark.parametrize("args,msg", [

@@ -25,8 +25,9 @@ from triax.models import config
 from triax.models.config import MoEConfig
 from triax.models.moe import MoE
 from triax.pipeline.runner import Pipeline, PipelineConfig
-from triax.planner.memory import (_expert_weight_copies, _fresh_grad_elements,
-                                  layer_activation_elements, moe_residual_elements)
+from triax.planner.activations import (_expert_weight_copies, layer_activation_elements,
+                                       moe_residual_elements)
+from triax.planner.memory import _fresh_grad_elements
 from triax.planner.workload import Layout, Workload
 from triax.sharding.introspect.hlo_text import compiled_text, parse_module
 from triax.training.step import Trainer

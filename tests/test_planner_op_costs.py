@@ -13,7 +13,7 @@ import pytest
 from triax.models import config
 from triax.pipeline import DEFAULT_COSTS, OpKind, ScheduleKind, build
 from triax.planner import hardware
-from triax.planner.decide import evaluate, plan
+from triax.planner.recommend import evaluate, plan
 from triax.planner.op_costs import op_costs_for
 from triax.planner.workload import Layout, Workload
 
@@ -74,7 +74,7 @@ def test_without_two_cpu_devices_the_unit_costs_are_said():
         from triax.models import config
         from triax.pipeline import DEFAULT_COSTS, ScheduleKind, build
         from triax.planner import hardware
-        from triax.planner.decide import plan
+        from triax.planner.recommend import plan
         from triax.planner.workload import Layout, Workload
         w = Workload.of(config.get("tiny"), train=True, batch=32, seq=128)
         rec = plan(w, hardware.cluster("h100-80gb", 8, 1), layout=Layout(

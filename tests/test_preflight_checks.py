@@ -61,6 +61,19 @@ def test_a_sequence_past_the_context_is_refused_up_front(capsys):
     err = capsys.readouterr().err
     assert "--seq-len 100000 is longer than tiny's context (max_seq_len 256)" in err
     assert "use --seq-len 256 or less" in err
+    assert "or --max-seq-len 100000 to lengthen the context" in err   # the fix, named
+
+
+def test_max_seq_len_lengthens_a_presets_context(capsys):
+    """``--max-seq-len`` lengthens tiny's 256 tokens (RoPE needs no table): a sequence the
+    preset refuses runs, split over the context axis."""
+    long = ["train", "--model", "tiny", "--num-layers", "1", "--seq-len", "512", "--mesh",
+            "context=8", "--strategy", "dp", "--batch-size", "2", "--steps", "2", "--data",
+            "markov", "--eval-batches", "0", "--no-save", "--no-progress"]
+    assert main(long) == 2
+    assert "--max-seq-len 512" in capsys.readouterr().err
+    assert main([*long, "--max-seq-len", "512"]) == 0
+    assert RunConfig(max_seq_len=512).model_config().max_seq_len == 512
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,8 @@ class RunConfig:
 
     model: str = _f("tiny", "model preset (tiny, small, llama3-1b, …)")
     num_layers: Optional[int] = _f(None, "override the preset's layer count")
+    max_seq_len: Optional[int] = _f(None, "override the model's context (its max_seq_len), "
+                                          "e.g. to lengthen a preset's: RoPE needs no table")
     init_from: Optional[str] = _f(None, "Hugging Face model directory to fine-tune: the model "
                                         "from its config.json (no --model), the weights from "
                                         "its safetensors")
@@ -125,7 +127,7 @@ class RunConfig:
         # fail before anything is built (``--lr -1`` would otherwise ascend the gradient).
         for name, (must, ok, fix) in _BOUNDS.items():
             value = getattr(self, name)
-            if not ok(value):
+            if value is not None and not ok(value):   # None: not set (Optional fields)
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
         if self.steps and self.lr_warmup_steps > self.steps:
             warnings.warn(f"--lr-warmup-steps {self.lr_warmup_steps} is longer than the run "
@@ -141,7 +143,8 @@ class RunConfig:
             from triax.training.init_from import init_from_config  # loads JAX
             return init_from_config(self)
         from triax.models import config as model_config  # loads JAX: see the imports
-        return model_config.get(self.model, self.num_layers)
+        cfg = model_config.get(self.model, self.num_layers)
+        return cfg if self.max_seq_len is None else cfg.replace(max_seq_len=self.max_seq_len)
 
     def optim_config(self) -> "OptimConfig":
         """The optimizer, resolved against ``steps`` (warmup and decay filled in)."""
@@ -153,15 +156,39 @@ class RunConfig:
     def exec_config(self) -> "ExecConfig":
         # The names were checked in __post_init__; these load JAX: see the imports.
         from triax.models.layers import ExecConfig
-        from triax.models.attention import resolve
-        resolve(self.attention)  # a clear error for an unknown name, before anything is built
         from triax.models.loss import check_loss_chunks
         check_loss_chunks(self.loss_chunks, self.seq_len)
         return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
                           attention=self.attention, loss_chunks=self.loss_chunks)
 
+    # The checks that need what the fields alone do not say (the model, the mesh): called by
+    # ``training.setup.build_run`` before anything compiles, beside ``__post_init__``'s.
+    def check_model(self, cfg: "ModelConfig") -> None:
+        """A sequence past the model's context is refused (``--init-from`` lengthens a
+        pretrained model's with a warning instead: ``training.init_from``)."""
+        if self.seq_len > cfg.max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} is longer than {cfg.name}'s context "
+                             f"(max_seq_len {cfg.max_seq_len}); "
+                             f"{context_fix(self.seq_len, cfg.max_seq_len)}")
+
+    def check_batch(self, data: int, microbatches: int = 1) -> None:
+        """The global batch must split into ``data`` shards × accumulation × pipeline
+        ``microbatches``."""
+        micro = self.grad_accum * microbatches
+        unit = data * micro
+        if self.batch_size % unit or self.batch_size <= 0:
+            valid = max(unit, round(self.batch_size / unit) * unit)
+            raise ValueError(f"--batch-size {self.batch_size} is not divisible by data ({data}) "
+                             f"× micro-batches ({micro}) = {unit}; use e.g. --batch-size {valid}")
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def context_fix(seq_len: int, max_seq_len: int) -> str:
+    """What to do about a sequence longer than the context (the planner says it too)."""
+    return (f"use --seq-len {max_seq_len} or less, or --max-seq-len {seq_len} to lengthen "
+            f"the context (RoPE needs no table)")
 
 
 class RunConfigWarning(UserWarning):
@@ -178,6 +205,7 @@ _BOUNDS = {
     "lr_warmup_steps": (*_GE0, "use 0 for 10% of --steps"),
     "lr_decay_steps": (*_GE0, "use 0 for --steps"),
     "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
+    "max_seq_len": (*_GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
     "grad_accum": (*_GE1, "use 1 for no accumulation"),
 }
 

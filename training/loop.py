@@ -34,7 +34,7 @@ from triax.training.checkpoint import open_checkpoints, restore_step
 from triax.training.config import RunConfig
 from triax.training.data import process_rows
 from triax.training.data_source import DataSource, gather_states, open_data, restore_state
-from triax.training.faults import (MAX_ROLLBACKS, NONFINITE_MODES, NonFiniteLoss, Rollback,
+from triax.training.faults import (MAX_ROLLBACKS, NonFiniteLoss, Rollback,
                                    SaveFailed, nonfinite_message)
 from triax.training.init_from import initial_state
 from triax.training.memory_check import check_train_memory
@@ -99,9 +99,6 @@ def train(run: RunConfig, note=print) -> TrainResult:
     t0 = time.perf_counter()
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
-    if run.on_nonfinite not in NONFINITE_MODES:
-        raise ValueError(f"on_nonfinite {run.on_nonfinite!r}: choose one of "
-                         f"{', '.join(NONFINITE_MODES)}")
     built = build_run(run)
     # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
     source = open_data(run.data, get_tokenizer(run.tokenizer or run.init_from),

@@ -59,7 +59,7 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     """
     cfg = run.model_config() if cfg is None else cfg
     exe = run.exec_config()  # checks --precision and --remat before anything is built
-    check_seq_len(run, cfg)
+    run.check_model(cfg)
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
@@ -69,14 +69,6 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
                                  skip_nonfinite=run.on_nonfinite == "skip"),
                             run.batch_size, run.seq_len, batch_keys(run.data))
     return Run(run, cfg, mesh, pipeline, compiled)
-
-
-def check_seq_len(run: RunConfig, cfg: ModelConfig) -> None:
-    """A sequence longer than the model's context is refused before anything compiles."""
-    if run.seq_len > cfg.max_seq_len:
-        raise ValueError(f"--seq-len {run.seq_len} is longer than {cfg.name}'s context "
-                         f"(max_seq_len {cfg.max_seq_len}); use --seq-len {cfg.max_seq_len} or "
-                         f"less, or a model with a longer context")
 
 
 def run_strategy(run: RunConfig) -> Strategy:
@@ -117,11 +109,5 @@ def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[Pipel
 def check_batch(run: RunConfig, mesh: Mesh, pipeline: Optional[PipelineConfig] = None) -> None:
     """The global batch must split into data shards × accumulation × pipeline micro-batches."""
     sizes = mesh_sizes(mesh)
-    data = sizes["data"]
-    micro = run.grad_accum * (1 if pipeline is None
-                              else pipeline.num_microbatches(sizes.get("pipe", 1)))
-    unit = data * micro
-    if run.batch_size % unit or run.batch_size <= 0:
-        valid = max(unit, round(run.batch_size / unit) * unit)
-        raise ValueError(f"--batch-size {run.batch_size} is not divisible by data ({data}) × "
-                         f"micro-batches ({micro}) = {unit}; use e.g. --batch-size {valid}")
+    run.check_batch(sizes["data"], 1 if pipeline is None
+                    else pipeline.num_microbatches(sizes.get("pipe", 1)))

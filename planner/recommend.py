@@ -28,15 +28,17 @@ from triax.pipeline.runner import default_microbatches, unpipelinable_mesh_reaso
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
-from triax.planner.memory import (ADAM_MOMENTS, FP32, Assumptions, logits_bytes, loss_tokens,
-                                  min_devices_for_weights)
+from triax.planner.activations import logits_bytes, loss_tokens
+from triax.planner.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
 from triax.planner.op_costs import op_costs_for
 from triax.planner.pipeline_math import microbatch_constraint
 from triax.planner.context_reasoning import context_reasoning
 from triax.planner.search import context_reason, search
-from triax.planner.workload import Layout, Workload
+from triax.planner.workload import FP32, Layout, Workload
 from triax.sharding.context import SCHEMES
 from triax.sharding.rules import get_strategy
+from triax.training.config import context_fix
+from triax.units import decimal_bytes
 
 SLOW_LINK_MAX_TP = 2
 
@@ -89,9 +91,10 @@ def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
         if piped:
             ranked = piped + [p for p in ranked if p not in piped]
             why.append(f"The {'training state' if w.train else 'weights'} "
-                       f"({_gb(state_bytes(w))} GB) exceed{'s' if w.train else ''} one node "
-                       f"({node_bytes / 1e9:.0f} GB), so pipeline stages go across nodes "
-                       f"with tensor parallelism inside each node.")
+                       f"({decimal_bytes(state_bytes(w), None)}) "
+                       f"exceed{'s' if w.train else ''} one node "
+                       f"({decimal_bytes(node_bytes, '.0f')}), so pipeline stages go across "
+                       f"nodes with tensor parallelism inside each node.")
     if w.cfg is not None and w.cfg.moe is not None:
         ep = [p for p in ranked if p.layout.expert > 1]
         if ep:
@@ -104,24 +107,20 @@ def _apply_rules(w: Workload, cluster: Cluster, fitting: list[PlanResult],
         if low and len(low) < len(ranked):
             ranked = low + [p for p in ranked if p not in low]
             why.append(f"Links inside a node are {cluster.intra.name} "
-                       f"({cluster.intra.bandwidth / 1e9:.0f} GB/s): tensor parallelism is "
-                       f"kept at {SLOW_LINK_MAX_TP} at most and pipeline stages are preferred.")
+                       f"({decimal_bytes(cluster.intra.bandwidth, '.0f')}/s): tensor "
+                       f"parallelism is kept at {SLOW_LINK_MAX_TP} at most and pipeline stages "
+                       f"are preferred.")
     return ranked
-
-
-def _gb(x: float) -> str:
-    return f"{x / 1e9:,.0f}" if x >= 1e10 else f"{x / 1e9:.3g}"
 
 
 def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     dev = cluster.device
-    why = [f"{w.name}: {w.params:,} parameters, {_gb(w.weight_bytes)} GB of "
-           f"{w.dtype} weights; one {dev.name} holds {dev.memory / 1e9:.0f} GB."]
-    if w.cfg is not None and w.seq > w.cfg.max_seq_len:   # as training.setup.check_seq_len
+    why = [f"{w.name}: {w.params:,} parameters, {decimal_bytes(w.weight_bytes, None)} of "
+           f"{w.dtype} weights; one {dev.name} holds {decimal_bytes(dev.memory, '.0f')}."]
+    if w.cfg is not None and w.seq > w.cfg.max_seq_len:   # as RunConfig.check_model refuses
         why.append(f"Note: {w.seq:,} tokens is longer than {w.name}'s context (max_seq_len "
                    f"{w.cfg.max_seq_len:,}); the plan sizes the run, but `triax train` refuses "
-                   f"it with this model: use a model with a longer context (e.g. its RoPE "
-                   f"scaled), or --seq-len {w.cfg.max_seq_len:,} or less.")
+                   f"it with this model: {context_fix(w.seq, w.cfg.max_seq_len)}.")
     if min_dev == 1:
         why.append("The weights fit on one device" + (
             ", so data parallelism over the others adds throughput." if w.train
@@ -131,7 +130,7 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
                    f"plan is considered.")
     if w.train:
         master = "; the fp32 weights are the master copy" if w.mixed else ""
-        why.append(f"Training keeps {_gb(state_bytes(w))} GB of state (weights, fp32 "
+        why.append(f"Training keeps {decimal_bytes(state_bytes(w), None)} of state (weights, fp32 "
                    f"gradients, AdamW moments{master}); DP, ZeRO-1 or FSDP go on top of TP/PP.")
     need = state_bytes(w)
     if min_dev > 1 and need <= dev.memory * cluster.gpus_per_node:
@@ -154,7 +153,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
         return _explicit(w, cluster, layout, min_dev, why, assume)
     if cluster.devices < min_dev:
         raise ValueError(f"{w.name} needs at least {min_dev} {cluster.device.name} devices "
-                         f"just for its weights ({w.weight_bytes / 1e9:.1f} GB), but the "
+                         f"just for its weights ({decimal_bytes(w.weight_bytes)}), but the "
                          f"cluster has {cluster.devices}; use --nodes/--gpus-per-node for "
                          f"≥ {min_dev} devices")
     res = search(w, cluster, assume, schemes=schemes)
@@ -172,7 +171,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
                f"{best.layout.describe()}"
                + (f" ({best.workload.run_label}), " if w.train else ", ") +
                f"{best.step_time_s * 1e3:.1f} ms per step, MFU {best.mfu:.0%}, "
-               f"{best.memory.total / 1e9:.1f} GB per device.")
+               f"{decimal_bytes(best.memory.total)} per device.")
     if best.bubble > 0:
         why.append(f"Its pipeline bubble is {best.bubble:.1%} of the step.")
     if any(best.comm_time_by_axis.values()):
@@ -194,7 +193,7 @@ def loss_chunk_reasoning(res, best: PlanResult) -> list[str]:
     extra = chunk_recompute_flops(w.cfg.embed_dim, w.cfg.vocab_size, w.loss_chunks)
     s = (f"Loss in {w.loss_chunks} chunks: the fp32 logits, log-probabilities and their "
          f"gradient of a device's {tokens:,.0f} tokens (vocab {w.cfg.vocab_size:,}) would "
-         f"take {whole / 1e9:.1f} GB at once, {logits_bytes(w, lay) / 1e9:.1f} GB in slices "
+         f"take {decimal_bytes(whole)} at once, {decimal_bytes(logits_bytes(w, lay))} in slices "
          f"of {tokens / w.loss_chunks:,.0f}; the backward reruns the head's forward for it "
          f"(+{extra / w.cfg.flops_per_token(w.seq):.1%} compute)")
     same = [p for p in res.fitting + res.overflowing if p.layout == lay

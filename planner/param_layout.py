@@ -1,0 +1,74 @@
+"""Where the parameters live: the model's real parameter tree (``sharding.partition.
+abstract_model``: shapes and logical axes, no allocation), each leaf resolved through the
+strategy's rules for the given mesh sizes, as ``param_shardings`` does, without needing that
+many devices. A ``--params N`` estimate (no config) shards the whole count over the axes
+that would hold it.
+
+    >>> from triax.models import config
+    >>> from triax.planner.workload import Layout, Workload
+    >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
+    >>> local_param_elements(w, Layout(data=8)) == config.get("tiny").num_params
+    True
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from triax.models.config import ModelConfig
+from triax.pipeline.stage_layers import pipeline_strategy
+from triax.planner.workload import Layout, Workload, ceil_div, prod
+from triax.sharding.partition import abstract_model, path_str
+from triax.sharding.rules import Rules, get_strategy
+
+Leaf = tuple[str, tuple[int, ...], tuple]   # (path, shape, logical axes)
+
+
+@functools.lru_cache(maxsize=32)
+def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
+    """(path, shape, logical axes) for every parameter of the real model."""
+    am = abstract_model(cfg)
+    flat = jax.tree_util.tree_flatten_with_path(am.shapes)[0]
+    logical = jax.tree.leaves(am.logical, is_leaf=lambda x: isinstance(x, tuple))
+    return tuple((path_str(p), tuple(s.shape), tuple(l)) for (p, s), l in zip(flat, logical))
+
+
+def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
+    """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
+    it on a mesh of ``sizes`` (the placement the step compiles with)."""
+    return _local_elements(tuple(shape), tuple(logical), rules, tuple(sorted(sizes.items())))
+
+
+@functools.lru_cache(maxsize=1 << 16)   # the search asks the same leaf on the same mesh often
+def _local_elements(shape, logical, rules: Rules, items) -> int:
+    sizes = dict(items)
+    spec = rules.spec(logical, shape, sizes)
+    n = 1
+    for i, dim in enumerate(shape):
+        e = spec[i] if i < len(spec) else None
+        n *= dim // prod(sizes[a] for a in ((e,) if isinstance(e, str) else e or ()))
+    return n
+
+
+def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
+    """The rules the step places parameters with: the strategy's, as the pipeline adapts
+    them for ``pipe`` (``pipeline_strategy``: an uneven layer count keeps every layer on
+    every stage)."""
+    st = get_strategy(lay.strategy)
+    if lay.pipe > 1 and w.cfg is not None:
+        st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe)
+    return st.optimizer_rules if optimizer else st.rules
+
+
+def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> int:
+    """Per-device parameter elements under the strategy's (or optimizer's) rules."""
+    rules = layout_rules(w, lay, optimizer)
+    if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
+        shards = lay.pipe
+        if "tensor" in rules.mesh_axes("mlp"):
+            shards *= lay.tensor
+        if "data" in rules.mesh_axes("embed"):
+            shards *= lay.data
+        return ceil_div(w.params, shards)
+    return sum(local_elements(s, l, rules, lay.sizes) for _, s, l in param_leaves(w.cfg))
