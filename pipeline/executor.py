@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from triax.pipeline.buffers import put, take
 from triax.pipeline.permute_parity import gated
 from triax.pipeline.split_backward import StageBackward, pick_layout
 from triax.pipeline.schedules import OpKind, Schedule
@@ -70,14 +71,6 @@ class TickResult(NamedTuple):
     grads: dict      # {"blocks": [v, Lc, ...], "pieces": ...} summed over micro-batches
 
 
-def _take(buf, i):
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _put(buf, x, i):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-
-
 def _state_starts(a, j, mb, axis):
     zero = jnp.zeros((), jnp.int32)
     starts = [zero] * a.ndim
@@ -85,7 +78,7 @@ def _state_starts(a, j, mb, axis):
     return starts
 
 
-def _state_take(a, j, mb, axis):
+def _statetake(a, j, mb, axis):
     """The (chunk j, micro-batch mb) slice of a state leaf ``[v, ..., M, ...]``."""
     sizes = list(a.shape)
     sizes[0] = sizes[axis + 1] = 1
@@ -93,7 +86,7 @@ def _state_take(a, j, mb, axis):
     return out.squeeze((0, axis + 1))
 
 
-def _state_put(a, x, j, mb, axis):
+def _stateput(a, x, j, mb, axis):
     x = jnp.expand_dims(x.astype(a.dtype), (0, axis + 1))
     return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
 
@@ -169,7 +162,7 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     chunk0 = jax.tree.map(lambda a: a[0], blocks)
     inputs0 = jax.tree.map(lambda a: a[0], inputs)
     extras0 = (inputs0, consts, jnp.bool_(True), jnp.bool_(True))
-    state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
+    state0 = jax.tree.map(lambda a: _statetake(a, 0, 0, ax), state)
     x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
@@ -194,23 +187,23 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
         return jnp.zeros((n + 1,) + tuple(sd.shape), sd.dtype)
 
     def tick(c, xs):
-        row, flag = jax.tree.map(lambda a: _take(a, stage), xs)
+        row, flag = jax.tree.map(lambda a: take(a, stage), xs)
         j, mb, last = row.chunk, row.mb, row.last > 0
-        c = dict(c, fin=_put(c["fin"], c["recv_f"], row.fwd_in_w))
+        c = dict(c, fin=put(c["fin"], c["recv_f"], row.fwd_in_w))
         if backward:
-            c["bin"] = _put(c["bin"], c["recv_b"], row.bwd_in_w)
+            c["bin"] = put(c["bin"], c["recv_b"], row.bwd_in_w)
         for buf, msg, field in filings:
-            c[buf] = _put(c[buf], c[msg], getattr(row, field))
+            c[buf] = put(c[buf], c[msg], getattr(row, field))
         # Read-only views, computed inside whichever op reads them.
-        chunk = lambda: jax.tree.map(lambda a: _take(a, j), blocks)  # noqa: E731
-        extras = lambda: (jax.tree.map(lambda a: _take(a, mb), inputs), consts,  # noqa: E731
+        chunk = lambda: jax.tree.map(lambda a: take(a, j), blocks)  # noqa: E731
+        extras = lambda: (jax.tree.map(lambda a: take(a, mb), inputs), consts,  # noqa: E731
                           row.first > 0, last)
         # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
         # chunk that is not the last has a constant zero loss). The loss may be a dict.
         dloss = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), loss_sd)
 
         def dy():  # the last chunk has no incoming gradient
-            d = _take(c["bin"], row.bwd_in_r)
+            d = take(c["bin"], row.bwd_in_r)
             return jnp.where(last, jnp.zeros_like(d), d)
 
         def add_blocks(acc, d_chunk):
@@ -220,13 +213,13 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
             return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
 
         def fwd(w):
-            x_in = _take(c["fin"], row.fwd_in_r)
+            x_in = take(c["fin"], row.fwd_in_r)
             if sb is None:
-                st = jax.tree.map(lambda a: _state_take(a, j, mb, ax), w["state"])
+                st = jax.tree.map(lambda a: _statetake(a, j, mb, ax), w["state"])
                 y, loss, out, st = apply(chunk(), pieces, x_in, extras(), st)
-                w = dict(w, state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax),
+                w = dict(w, state=jax.tree.map(lambda a, x: _stateput(a, x, j, mb, ax),
                                                w["state"], st),
-                         out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
+                         out=jax.tree.map(lambda b, x: put(b, x, row.out_w), w["out"], out))
             else:
                 (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
                 w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w, last))

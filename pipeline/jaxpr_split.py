@@ -35,10 +35,11 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
 from jax.extend.core import ClosedJaxpr, Literal, Var, jaxprs_in_params
 from jax.extend.core import primitives as P
+
+from triax.pipeline.buffers import nbytes
 
 _CALLS = {P.jit_p: "jaxpr", P.remat_p: "jaxpr", P.closed_call_p: "call_jaxpr",
           P.custom_jvp_call_p: "call_jaxpr", P.custom_vjp_call_p: "call_jaxpr"}
@@ -208,10 +209,6 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
 MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 
 
-def _nbytes(v) -> int:
-    return int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
-
-
 def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     """W's cheap ops to run in B instead, greedily in program order: those whose inputs B has
     and whose move does not grow the cut (what they free of it ≥ what they add)."""
@@ -230,7 +227,7 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
         uses = Counter(v for v in e.invars if isinstance(v, Var))
         freed = [v for v in uses if v in in_cut and readers[v] == uses[v]]
         added = [o for o in e.outvars if readers[o]]
-        if sum(map(_nbytes, freed)) < sum(map(_nbytes, added)):
+        if sum(nbytes(v.aval) for v in freed) < sum(nbytes(v.aval) for v in added):
             continue
         chosen.add(i)
         ok.update(e.outvars)

@@ -46,7 +46,8 @@ from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, jaxprs_in_params
 
 from triax.pipeline import jaxpr_split
 from triax.pipeline.stage import Residuals, _param_index
-from triax.pipeline.stash_layout import StashLayout, nbytes
+from triax.pipeline.buffers import nbytes
+from triax.pipeline.stash_layout import StashLayout
 
 
 def _sds(t):
