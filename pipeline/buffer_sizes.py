@@ -24,9 +24,10 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.buffers import nbytes
 from triax.pipeline.executor import loss_only, slot_buffer_bytes
-from triax.pipeline.split_backward import SlotInputs, StageBackward, slot_layouts
-from triax.pipeline.jaxpr_split import reads
-from triax.pipeline.stage import Residuals, Stage
+from triax.pipeline.split_backward import Residuals, SlotInputs, StageBackward, slot_layouts
+from triax.pipeline.jaxpr_inline import reads
+from triax.pipeline.stage import Stage
+from triax.pipeline.stage_inputs import StageInputs
 from triax.pipeline.stage_layers import StageLayers
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import abstract_model
@@ -154,7 +155,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
     tokens = sd((rows, seq_len), jnp.int32)
     inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
     consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
-    extras = (inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
+    extras = StageInputs(inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):

@@ -44,3 +44,25 @@ def nbytes(x) -> int:
 def tree_bytes(tree) -> int:
     """Bytes of every leaf of ``tree``."""
     return sum(nbytes(x) for x in jax.tree.leaves(tree))
+
+
+def _state_starts(a, j, mb, axis):
+    zero = jnp.zeros((), jnp.int32)
+    starts = [zero] * a.ndim
+    starts[0], starts[axis + 1] = j, mb
+    return starts
+
+
+def take_state(a, j, mb, axis: int):
+    """The (chunk ``j``, micro-batch ``mb``) slice of a per-stage state leaf ``[v, ..., M,
+    ...]`` (the micro-batch axis ``axis`` places after the chunk axis)."""
+    sizes = list(a.shape)
+    sizes[0] = sizes[axis + 1] = 1
+    out = jax.lax.dynamic_slice(a, _state_starts(a, j, mb, axis), sizes)
+    return out.squeeze((0, axis + 1))
+
+
+def put_state(a, x, j, mb, axis: int):
+    """``a`` with its (chunk ``j``, micro-batch ``mb``) slice set to ``x``, in place."""
+    x = jnp.expand_dims(x.astype(a.dtype), (0, axis + 1))
+    return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
