@@ -32,20 +32,22 @@ PIPE, DATA = "pipe", "data"
 class Carry:
     """What the tick loop carries from tick to tick on one stage. A field left None carries
     nothing (None is an empty pytree): the backward's under a forward-only schedule, and, in
-    a kernel's partial carry, the buffers that kernel does not write."""
+    a kernel's partial carry, the buffers that kernel does not write. The fields are in the
+    order the tick loop's buffers flatten in (its conditionals' operands, the scan's carry),
+    as the compiled program's buffer assignment was measured with."""
 
-    fwd_inbox: Any = None     # [fwd_slots + 1, *x]: activations waiting for their F; scratch last
-    recv_f: Any = None        # what arrived on the up channel (s-1 → s) last tick
-    send_f: Any = None        # F's output activation
-    loss: Any = None          # this stage's summed loss (a scalar, or the loss dict)
-    state: Any = None         # per-stage state [v, ..., M, ...] ({} for none)
-    out: Any = None           # per-micro-batch outputs [M + 1, ...]
-    bwd_inbox: Any = None     # [bwd_slots + 1, *x]: gradients waiting for their B / B_in
-    recv_b: Any = None        # what arrived on the down channel (s+1 → s) last tick
-    send_b: Any = None        # B's / B_in's input gradient
-    stash: Any = None         # the stash slots' cell buffers (StashLayout.buffers)
     acc_blocks: Any = None    # the chunks' weight gradients [v, Lc, ...], summed
     acc_pieces: Any = None    # the pre/post-stack's gradients, summed
+    bwd_inbox: Any = None     # [bwd_slots + 1, *x]: gradients waiting for their B / B_in
+    fwd_inbox: Any = None     # [fwd_slots + 1, *x]: activations waiting for their F; scratch last
+    loss: Any = None          # this stage's summed loss (a scalar, or the loss dict)
+    out: Any = None           # per-micro-batch outputs [M + 1, ...]
+    recv_b: Any = None        # what arrived on the down channel (s+1 → s) last tick
+    recv_f: Any = None        # what arrived on the up channel (s-1 → s) last tick
+    send_b: Any = None        # B's / B_in's input gradient
+    send_f: Any = None        # F's output activation
+    stash: Any = None         # the stash slots' cell buffers (StashLayout.buffers)
+    state: Any = None         # per-stage state [v, ..., M, ...] ({} for none)
 
     def merge(self, part: "Carry") -> "Carry":
         """This carry with ``part``'s fields that are set."""
@@ -108,11 +110,8 @@ class Tick:
     step: Step
     row: Any                  # the Ticks fields at (tick, stage), traced int32 scalars
     on: dict                  # {OpKind: 1 where that op runs this tick}
+    last: Any                 # bool: the chunk is the model's last (once per tick, not per op)
     dloss: Any                # the loss seed (ones): every chunk's loss is differentiated
-
-    @property
-    def last(self):
-        return self.row.last > 0
 
     def chunk(self):
         """This op's chunk of the stage's layers (read inside the op that needs it)."""
@@ -263,8 +262,9 @@ def send(s: Step, c: Carry, row) -> Carry:
 def tick(s: Step, stage, c: Carry, xs) -> Carry:
     """One tick on this stage (``stage``: its index on ``pipe``): file, run, send."""
     row, on = jax.tree.map(lambda a: take(a, stage), xs)
+    last = row.last > 0
     c = file_arrivals(s, c, row)
     # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
     # chunk that is not the last has a constant zero loss). The loss may be a dict.
     dloss = jax.tree.map(lambda sd: jnp.ones(sd.shape, sd.dtype), s.loss_sd)
-    return send(s, run_ops(Tick(s, row, on, dloss), c), row)
+    return send(s, run_ops(Tick(s, row, on, last, dloss), c), row)
