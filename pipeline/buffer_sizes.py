@@ -18,16 +18,16 @@ from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
+from triax.pipeline.buffers import nbytes
 from triax.pipeline.executor import loss_only, slot_buffer_bytes
-from triax.pipeline.split_backward import SlotInputs, StageBackward, slot_layouts
-from triax.pipeline.jaxpr_split import reads
-from triax.pipeline.stage import Residuals, Stage
-from triax.pipeline.stash_layout import nbytes
+from triax.pipeline.split_backward import Residuals, SlotInputs, StageBackward, slot_layouts
+from triax.pipeline.jaxpr_inline import reads
+from triax.pipeline.stage import Stage
+from triax.pipeline.stage_inputs import StageInputs
 from triax.pipeline.stage_layers import StageLayers
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import abstract_model
@@ -155,7 +155,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
     tokens = sd((rows, seq_len), jnp.int32)
     inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
     consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
-    extras = (inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
+    extras = StageInputs(inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):
@@ -196,5 +196,4 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
         cts = jax.eval_shape(blocks, chunk, pieces, x, ())
         read = reads(lambda stored, c, p, ct: res.pullback(stored, c, p)(ct),
                      list(res.shapes), chunk, pieces, cts)
-    return sum(int(np.prod(s.shape)) * jnp.dtype(s.dtype).itemsize
-               for s, r in zip(res.shapes, read) if r)
+    return sum(nbytes(s) for s, r in zip(res.shapes, read) if r)

@@ -1,5 +1,5 @@
 """One executor for every schedule: ``shard_map`` over ``pipe`` (and ``data``), one ``lax.scan``
-over the tick program, one gated op per op kind, ``ppermute`` between stages.
+over the tick program, one run-or-skip conditional per op kind, ``ppermute`` between stages.
 
 Per tick, every stage (1) files the messages that arrived into its inbox slots, (2) runs its
 op from the program — idle, F, B, B_in or W — and (3) sends the forward activation to the
@@ -10,7 +10,8 @@ to the accumulator and frees the slot (ZB-H1, ZB-V: B_in writes its cut for W in
 slot, over the residuals only B_in reads, ``pipeline.stash_layout``; W frees it). ZB-V's V sends
 some activations down and some gradients up, and files a message on its own stage at the
 turn; the program says which (``tick_program.Ticks``), so the V runs on the same two
-channels.
+channels. The tick itself — its typed carry, its context, one kernel per op kind — is
+``pipeline.tick_kernels``; this module sets it up, scans it, and prices its buffers.
 
 **No per-tick tax.** Each op kind is its own two-branch conditional, "skip" or "run",
 carrying only the buffers that op writes (F: the stash, the outgoing activation, the loss,
@@ -34,22 +35,24 @@ evaluation and pipeline decode run the same tick loop.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from triax.pipeline.permute_parity import gated
+from triax.pipeline.buffers import take_state
 from triax.pipeline.split_backward import StageBackward, pick_layout
 from triax.pipeline.schedules import OpKind, Schedule
+from triax.pipeline.stage_inputs import StageInputs
 from triax.pipeline.stash_layout import StashLayout
+from triax.pipeline.tick_kernels import DATA, PIPE, Arrivals, Carry, Step, tick
 from triax.pipeline.tick_program import TickProgram, Ticks, compile_program
 from triax.pipeline.timeline import LABELS
-from triax.sharding.introspect.branch_costs import OP_SCOPE, ORDERED_SCOPE
 
-PIPE, DATA = "pipe", "data"
+__all__ = ["DATA", "PIPE", "RunResult", "StepSpec", "TickResult", "branch_kinds", "loss_only",
+           "run_ticks", "slot_buffer_bytes", "stash_layout"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,32 +73,14 @@ class TickResult(NamedTuple):
     grads: dict      # {"blocks": [v, Lc, ...], "pieces": ...} summed over micro-batches
 
 
-def _take(buf, i):
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
+class RunResult(NamedTuple):
+    """What one pipelined run returns (``runner.Pipeline._run``), outside ``shard_map``."""
 
-
-def _put(buf, x, i):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)
-
-
-def _state_starts(a, j, mb, axis):
-    zero = jnp.zeros((), jnp.int32)
-    starts = [zero] * a.ndim
-    starts[0], starts[axis + 1] = j, mb
-    return starts
-
-
-def _state_take(a, j, mb, axis):
-    """The (chunk j, micro-batch mb) slice of a state leaf ``[v, ..., M, ...]``."""
-    sizes = list(a.shape)
-    sizes[0] = sizes[axis + 1] = 1
-    out = jax.lax.dynamic_slice(a, _state_starts(a, j, mb, axis), sizes)
-    return out.squeeze((0, axis + 1))
-
-
-def _state_put(a, x, j, mb, axis):
-    x = jnp.expand_dims(x.astype(a.dtype), (0, axis + 1))
-    return jax.lax.dynamic_update_slice(a, x, _state_starts(a, j, mb, axis))
+    loss: Any         # summed over stages and data shards
+    outputs: Any      # per-micro-batch outputs, leaves [S, B, ...] (the last stage's: the model's)
+    state: Any        # the per-stage state in storage layout ({} for none)
+    grad_blocks: Any  # the stack's gradients in storage layout ({} forward-only)
+    grad_pieces: Any  # the pre/post-stack's gradients ({} forward-only)
 
 
 def _perms(S: int, circular: bool):
@@ -159,149 +144,56 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     chunk axis), ``{}`` for none — forward-only schedules only.
     """
     prog = spec.program
-    backward = prog.schedule.has_backward
-    if backward and jax.tree.leaves(state):
+    if prog.schedule.has_backward and jax.tree.leaves(state):
         raise ValueError("per-stage state is carried by forward-only schedules only; "
                          f"{prog.schedule.kind.value} has a backward")
+    step, x0, out_sd = _trace_step(spec, blocks, pieces, inputs, consts, state)
+    flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in step.kinds}
     stage = jax.lax.axis_index(PIPE)
-    ax = spec.state_mb_axis
+    out, _ = jax.lax.scan(lambda c, xs: (tick(step, stage, c, xs), None),
+                          _initial_carry(step, prog, x0, out_sd, state),
+                          jax.tree.map(jnp.asarray, (prog.ticks, flags)))
+    M = prog.out_slots
+    grads = ({"blocks": out.acc_blocks, "pieces": out.acc_pieces} if step.backward
+             else {"blocks": {}, "pieces": {}})
+    return TickResult(out.loss, jax.tree.map(lambda a: a[:M], out.out), out.state, grads)
+
+
+def _trace_step(spec: StepSpec, blocks, pieces, inputs, consts, state):
+    """The step's fixed facts (``tick_kernels.Step``), the activation's zeros and the
+    outputs' shapes, from one trace of the stage on chunk 0 and micro-batch 0."""
+    prog = spec.program
     apply, loss_apply = spec.apply, loss_only(spec.apply)
     chunk0 = jax.tree.map(lambda a: a[0], blocks)
     inputs0 = jax.tree.map(lambda a: a[0], inputs)
-    extras0 = (inputs0, consts, jnp.bool_(True), jnp.bool_(True))
-    state0 = jax.tree.map(lambda a: _state_take(a, 0, 0, ax), state)
+    extras0 = StageInputs(inputs0, consts, jnp.bool_(True), jnp.bool_(True))
+    state0 = jax.tree.map(lambda a: take_state(a, 0, 0, spec.state_mb_axis), state)
     x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
-    sb = StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0) if backward else None
-    layout = stash_layout(prog, sb) if backward else None
-    kinds = _used_kinds(prog.ticks)
-    flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in kinds}
-    fperm, bperm = _perms(spec.stages, prog.schedule.wraps)
-    M = prog.out_slots
-    # ZB-V's extra ways in (the second leg's activations from above, its gradients from
-    # below, both at the turn from the stage itself): only the ones the program uses.
-    scratch = {"fin": prog.fwd_slots, "bin": prog.bwd_slots}
-    filings = [(buf, msg, field) for buf, msg, field in (
-        ("fin", "recv_b", "fwd_in_down_w"), ("fin", "send_f", "fwd_in_turn_w"),
-        ("bin", "recv_f", "bwd_in_up_w"), ("bin", "send_b", "bwd_in_turn_w"))
-        if (getattr(prog.ticks, field) != scratch[buf]).any()]
-    mixed_up, mixed_down = prog.ticks.up_b.any(), prog.ticks.down_f.any()
+    sb = (StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0)
+          if prog.schedule.has_backward else None)
+    step = Step(apply, loss_apply, sb, stash_layout(prog, sb) if sb else None, blocks, pieces,
+                inputs, consts, loss_sd, spec.dtype, spec.stages, spec.state_mb_axis,
+                tuple(_used_kinds(prog.ticks)), Arrivals.of(prog),
+                _perms(spec.stages, prog.schedule.wraps))
+    return step, x0, out_sd
 
+
+def _initial_carry(step: Step, prog: TickProgram, x0, out_sd, state) -> Carry:
     def slots(n, sd):
         """n live slots +1 scratch (the inboxes, written every tick; the stash is written
         only inside F's and B_in's conditionals, always to a live slot: no scratch)."""
         return jnp.zeros((n + 1,) + tuple(sd.shape), sd.dtype)
-
-    def tick(c, xs):
-        row, flag = jax.tree.map(lambda a: _take(a, stage), xs)
-        j, mb, last = row.chunk, row.mb, row.last > 0
-        c = dict(c, fin=_put(c["fin"], c["recv_f"], row.fwd_in_w))
-        if backward:
-            c["bin"] = _put(c["bin"], c["recv_b"], row.bwd_in_w)
-        for buf, msg, field in filings:
-            c[buf] = _put(c[buf], c[msg], getattr(row, field))
-        # Read-only views, computed inside whichever op reads them.
-        chunk = lambda: jax.tree.map(lambda a: _take(a, j), blocks)  # noqa: E731
-        extras = lambda: (jax.tree.map(lambda a: _take(a, mb), inputs), consts,  # noqa: E731
-                          row.first > 0, last)
-        # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
-        # chunk that is not the last has a constant zero loss). The loss may be a dict.
-        dloss = jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), loss_sd)
-
-        def dy():  # the last chunk has no incoming gradient
-            d = _take(c["bin"], row.bwd_in_r)
-            return jnp.where(last, jnp.zeros_like(d), d)
-
-        def add_blocks(acc, d_chunk):
-            return jax.tree.map(lambda a, d: a.at[j].add(d.astype(a.dtype)), acc, d_chunk)
-
-        def add_pieces(acc, d_pieces):
-            return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
-
-        def fwd(w):
-            x_in = _take(c["fin"], row.fwd_in_r)
-            if sb is None:
-                st = jax.tree.map(lambda a: _state_take(a, j, mb, ax), w["state"])
-                y, loss, out, st = apply(chunk(), pieces, x_in, extras(), st)
-                w = dict(w, state=jax.tree.map(lambda a, x: _state_put(a, x, j, mb, ax),
-                                               w["state"], st),
-                         out=jax.tree.map(lambda b, x: _put(b, x, row.out_w), w["out"], out))
-            else:
-                (y, loss), res = sb.forward(loss_apply, chunk(), pieces, x_in, extras())
-                w = dict(w, stash=layout.write(w["stash"], res, row.stash_w, row.head_w, last))
-            return dict(w, send_f=y.astype(spec.dtype),
-                        loss=jax.tree.map(jnp.add, w["loss"], loss))
-
-        def bwd(w):
-            stored = layout.read(c["stash"], row.stash_r, row.head_r)
-            d_chunk, d_pieces, dx = sb.backward(stored, chunk(), pieces, extras(), dy(), dloss)
-            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk),
-                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
-                    "send_b": dx.astype(spec.dtype)}
-
-        def bwd_in(w):
-            def run(stash):
-                stored = layout.read(stash, row.stash_r, row.head_r)
-                return sb.backward_input(stored, chunk(), pieces, extras(), dy(), dloss)
-            # The cut overwrites cells B_in reads, so every read must come first: B_in runs as
-            # one conditional (on a flag true here) whose outputs are written after it. A
-            # barrier does not hold on XLA:CPU: fusion moves a read past the write, and XLA
-            # then copies the whole cell buffer each tick to keep the read valid.
-            with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as B_in's own
-                d_pieces, dx, cut = jax.lax.cond(flag[OpKind.B_IN] > 0, run,
-                                       lambda _: jax.tree.map(jnp.zeros_like,
-                                                              jax.eval_shape(run, w["stash"])),
-                                       w["stash"])
-            return {"stash": layout.write_cut(w["stash"], cut, row.stash_r, row.head_r,
-                                              last),
-                    "acc_pieces": add_pieces(w["acc_pieces"], d_pieces),
-                    "send_b": dx.astype(spec.dtype)}
-
-        def wgt(w):
-            stored = layout.read(c["stash"], row.stash_r, row.head_r)
-            cut = layout.read_cut(c["stash"], row.stash_r, row.head_r)
-            d_chunk = sb.backward_weight(stored, cut, chunk(), pieces, extras())
-            return {"acc_blocks": add_blocks(w["acc_blocks"], d_chunk)}
-
-        # Each op: what it runs, and the buffers it writes. Writers run before readers (F
-        # writes the stash B, B_in and W read; B_in reads it and writes the cut W reads): a
-        # buffer read by one conditional and then written in place by a later one is copied
-        # whole first. One op runs per tick, so the order changes nothing else.
-        ops = {OpKind.F: (fwd, ("stash", "send_f", "loss", "out", "state")),
-               OpKind.B_IN: (bwd_in, ("stash", "acc_pieces", "send_b")),
-               OpKind.W: (wgt, ("acc_blocks",)),
-               OpKind.B: (bwd, ("acc_blocks", "acc_pieces", "send_b"))}
-        for k in (OpKind.F, OpKind.B_IN, OpKind.W, OpKind.B):
-            if k in kinds:
-                run, writes = ops[k]
-                with jax.named_scope(OP_SCOPE + LABELS[k]):
-                    c.update(gated(flag[k], run, {n: c[n] for n in writes if n in c}, PIPE,
-                                    spec.stages))
-        # Up carries the activation, down the gradient, except where a V sends them the
-        # other way (one op per tick: a stage sends at most one message).
-        up = jnp.where(row.up_b > 0, c["send_b"], c["send_f"]) if mixed_up else c["send_f"]
-        c["recv_f"] = jax.lax.ppermute(up, PIPE, fperm)
-        if backward:
-            down = (jnp.where(row.down_f > 0, c["send_f"], c["send_b"]) if mixed_down
-                    else c["send_b"])
-            c["recv_b"] = jax.lax.ppermute(down, PIPE, bperm)
-        return c, None
-
-    carry = {"fin": slots(prog.fwd_slots, x0), "recv_f": x0, "send_f": x0,
-             "loss": jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), loss_sd),
-             "state": state,
-             "out": jax.tree.map(lambda s: slots(M, s), out_sd)}
-    if backward:
-        carry.update(bin=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
-                     stash=layout.buffers(prog.stash_slots, prog.head_slots),
-                     acc_blocks=jax.tree.map(jnp.zeros_like, blocks),
-                     acc_pieces=jax.tree.map(jnp.zeros_like, pieces))
-    xs = jax.tree.map(jnp.asarray, (prog.ticks, flags))
-    out, _ = jax.lax.scan(tick, carry, xs)
-    acc = ({"blocks": out["acc_blocks"], "pieces": out["acc_pieces"]} if backward
-           else {"blocks": {}, "pieces": {}})
-    return TickResult(out["loss"], jax.tree.map(lambda a: a[:M], out["out"]), out["state"], acc)
+    carry = Carry(fwd_inbox=slots(prog.fwd_slots, x0), recv_f=x0, send_f=x0,
+                  loss=jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), step.loss_sd),
+                  state=state, out=jax.tree.map(lambda s: slots(prog.out_slots, s), out_sd))
+    if not step.backward:
+        return carry
+    return replace(carry, bwd_inbox=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
+                   stash=step.layout.buffers(prog.stash_slots, prog.head_slots),
+                   acc_blocks=jax.tree.map(jnp.zeros_like, step.blocks),
+                   acc_pieces=jax.tree.map(jnp.zeros_like, step.pieces))
 
 
 def loss_only(apply):

@@ -9,9 +9,9 @@ of both parts). A ``scan`` (a stack of layers) is split in its body: B's scan em
 cut as stacked outputs, W's scan takes them as extra ``xs``; a carry that W reads but B owns
 (the cotangent flowing down the stack) is cut per iteration. A ``cond`` is split per branch,
 both parts switching on the same index; branches share cut slots of equal shape, and a branch
-fills the slots it does not produce with zeros. Calls (``jit``, ``remat``, custom derivatives)
-are inlined first, so their insides split too. Other primitives with inner jaxprs run whole
-in B.
+fills the slots it does not produce with zeros (``jaxpr_split_run``). Calls (``jit``, ``remat``,
+custom derivatives) are inlined first (``jaxpr_inline``), so their insides split too. Other
+primitives with inner jaxprs run whole in B.
 
     >>> import jax, jax.numpy as jnp
     >>> f = lambda w, x: jnp.tanh(x @ w)
@@ -30,81 +30,18 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
-from jax.extend.core import ClosedJaxpr, Literal, Var, jaxprs_in_params
+from jax.extend.core import Literal, Var
 from jax.extend.core import primitives as P
 
-_CALLS = {P.jit_p: "jaxpr", P.remat_p: "jaxpr", P.closed_call_p: "call_jaxpr",
-          P.custom_jvp_call_p: "call_jaxpr", P.custom_vjp_call_p: "call_jaxpr"}
+from triax.pipeline.buffers import nbytes
+from triax.pipeline.jaxpr_inline import has_inner, inline, reads
+from triax.pipeline.jaxpr_split_run import CondNode, ScanNode, Slot, run_b, run_w
 
-
-def _sds(aval) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type)
-
-
-def _has_inner(eqn) -> bool:
-    return any(True for _ in jaxprs_in_params(eqn.params))
-
-
-def _read(env, v):
-    return v.val if isinstance(v, Literal) else env[v]
-
-
-def _bind(eqn, invals, params=None):
-    out = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params or eqn.params))
-    return out if eqn.primitive.multiple_results else [out]
-
-
-def _eval_inlined(jaxpr, consts, *args):
-    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
-    for eqn in jaxpr.eqns:
-        ins = [_read(env, v) for v in eqn.invars]
-        key = _CALLS.get(eqn.primitive)
-        if key:
-            inner = eqn.params[key]
-            inner = inner if isinstance(inner, ClosedJaxpr) else ClosedJaxpr(inner, ())
-            outs = _eval_inlined(inner.jaxpr, inner.consts, *ins)
-        elif eqn.primitive is P.scan_p:
-            outs = _bind(eqn, ins, dict(eqn.params, jaxpr=inline(eqn.params["jaxpr"])))
-        elif eqn.primitive is P.cond_p:
-            branches = tuple(inline(b) for b in eqn.params["branches"])
-            outs = _bind(eqn, ins, dict(eqn.params, branches=branches))
-        else:
-            outs = _bind(eqn, ins)
-        env.update(zip(eqn.outvars, outs))
-    return [_read(env, v) for v in jaxpr.outvars]
-
-
-def inline(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` retraced with every call inlined, in scan and cond bodies too."""
-    fn = partial(_eval_inlined, closed.jaxpr, closed.consts)
-    return jax.make_jaxpr(fn)(*[_sds(a) for a in closed.in_avals])
-
-
-def reads(fn, *args) -> list[bool]:
-    """Per leaf of ``args`` (flattened, in order): whether ``fn``'s results depend on it, by
-    dead-code elimination of its jaxpr (what XLA does with a value nothing reads).
-
-    >>> reads(lambda a, b: a * 2, jnp.ones(3), jnp.ones(3))
-    [True, False]
-    """
-    closed = jax.make_jaxpr(fn)(*args)
-    _, used = pe.dce_jaxpr(closed.jaxpr, [True] * len(closed.jaxpr.outvars))
-    return list(used)
-
-
-class Slot:
-    """A cut value that is no variable of the jaxpr: a split scan's stacked per-iteration
-    cut, or a split cond's cut slot."""
-
-    def __init__(self, aval):
-        self.aval = aval
+# The split's whole interface: plan it, run its parts (and the plumbing they stand on).
+__all__ = ["MATMULS", "Split", "inline", "plan", "reads", "run_b", "run_w"]
 
 
 @dataclass
@@ -125,7 +62,7 @@ class Split:
         ``index_inputs`` (positions in the invars): it carries a value only where that
         input selects the branch producing it."""
         at = {v: i for i, v in enumerate(self.jaxpr.invars)}
-        slots = {id(k) for n in self.b_nodes if isinstance(n, _CondNode)
+        slots = {id(k) for n in self.b_nodes if isinstance(n, CondNode)
                  and at.get(n.eqn.invars[0]) in index_inputs for k in n.slots}
         return [id(k) in slots for k in self.cut]
 
@@ -146,7 +83,7 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
         used = [v in live for v in e.outvars]
         if not any(used) and not pe.has_effects(e):
             continue
-        if e.primitive in (P.scan_p, P.cond_p) or not _has_inner(e):
+        if e.primitive in (P.scan_p, P.cond_p) or not has_inner(e):
             used_ins, new = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(used, e)
         else:                     # an opaque inner jaxpr (shard_map, while, ...): B runs it all
             used_ins, new = [True] * len(e.invars), e
@@ -177,8 +114,8 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
             if not any(want) or i in hoisted:
                 continue
             if i in b_eqn:        # B runs this eqn but not all W needs of it: split its body
-                kind = _ScanNode if e.primitive is P.scan_p else _CondNode
-                nodes[i] = w_node[i] = kind.build(e, b_eqn[i], want, b_ok)
+                kind = ScanNode if e.primitive is P.scan_p else CondNode
+                nodes[i] = w_node[i] = kind.build(e, b_eqn[i], want, b_ok, plan)
                 for v in nodes[i].w_inputs():
                     need(v)
                 continue
@@ -208,10 +145,6 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
 MATMULS = {"dot_general", "conv_general_dilated", "ragged_dot", "ragged_dot_general"}
 
 
-def _nbytes(v) -> int:
-    return int(np.prod(v.aval.shape)) * np.dtype(v.aval.dtype).itemsize
-
-
 def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     """W's cheap ops to run in B instead, greedily in program order: those whose inputs B has
     and whose move does not grow the cut (what they free of it ≥ what they add)."""
@@ -223,14 +156,14 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     ok, in_cut, chosen = set(b_ok), set(cut), set()
     for i in sorted(w_node):
         e = w_node[i]
-        if i in nodes or e.primitive.name in MATMULS or _has_inner(e) \
+        if i in nodes or e.primitive.name in MATMULS or has_inner(e) \
                 or pe.has_effects(e) \
                 or not all(isinstance(v, Literal) or v in ok for v in e.invars):
             continue
         uses = Counter(v for v in e.invars if isinstance(v, Var))
         freed = [v for v in uses if v in in_cut and readers[v] == uses[v]]
         added = [o for o in e.outvars if readers[o]]
-        if sum(map(_nbytes, freed)) < sum(map(_nbytes, added)):
+        if sum(nbytes(v.aval) for v in freed) < sum(nbytes(v.aval) for v in added):
             continue
         chosen.add(i)
         ok.update(e.outvars)
@@ -238,200 +171,3 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
         in_cut.update(added)
         readers.subtract(uses)
     return chosen
-
-
-def run_b(s: Split, consts, args) -> tuple[list, list]:
-    """B: ``(b outputs, cut)`` from the inputs B reads (``s.b_reads``), in order."""
-    env = _run(s, dict(zip(s.jaxpr.constvars, consts)), s.b_reads, args, s.b_nodes, "run_b")
-    return [_read(env, v) for v in s.b_outs], [env[k] for k in s.cut]
-
-
-def run_w(s: Split, consts, args, cut) -> list:
-    """W: the ``w`` outputs from the inputs W reads (``s.w_reads``), in order, and the cut."""
-    env = dict(zip(s.jaxpr.constvars, consts)) | dict(zip(s.cut, cut))
-    env = _run(s, env, s.w_reads, args, s.w_nodes, "run_w")
-    return [_read(env, v) for v in s.w_outs]
-
-
-def _run(s: Split, env: dict, reads, args, nodes, part: str) -> dict:
-    """Evaluate one part's nodes in order (split scan/cond nodes run their ``part``)."""
-    env.update(zip([v for v, r in zip(s.jaxpr.invars, reads) if r], args))
-    for node in nodes:
-        if isinstance(node, (_ScanNode, _CondNode)):
-            getattr(node, part)(env)
-        else:
-            env.update(zip(node.outvars, _bind(node, [_read(env, v) for v in node.invars])))
-    return env
-
-
-def _set(env, outvars, used, vals):
-    vals = iter(vals)
-    for v, u in zip(outvars, used):
-        if u:
-            env[v] = next(vals)
-
-
-@dataclass(eq=False)
-class _ScanNode:
-    eqn: Any
-    inner: Split                  # the body, split
-    b_out: list                   # per scan output: B produces it (carries: B owns them)
-    w_out: list                   # per scan output: W produces it
-    slots: list                   # the body's cut, stacked over iterations
-
-    @classmethod
-    def build(cls, e, b_new, want, b_ok):
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
-        body = e.params["jaxpr"].jaxpr
-        kept = set(b_new.outvars)
-        b_out = [v in kept for v in e.outvars]
-        w_out = [w and not b for w, b in zip(want, b_out)]
-        while True:               # W's carries: those it reads that B does not own
-            avail = [True] * nc + w_out[:nk] + [True] * (len(body.invars) - nc - nk)
-            free = [b_ok(v) for v in e.invars[:nc]] + b_out[:nk] \
-                + [b_ok(v) for v in e.invars[nc + nk:]]
-            inner = plan(body, b_out, w_out, avail, free)
-            more = [j for j, v in enumerate(body.invars[nc:nc + nk])
-                    if v in inner.cut and not b_out[j] and not w_out[j]]
-            if not more:
-                break
-            for j in more:
-                w_out[j] = True
-        n = e.params["length"]
-        slots = [Slot(jax.ShapeDtypeStruct((n,) + tuple(k.aval.shape), k.aval.dtype))
-                 for k in inner.cut]
-        return cls(e, inner, b_out, w_out, slots)
-
-    def _feed(self, env, reads, owned):
-        """Carry inits, xs, and ``args(carry, xs)``: the body inputs a part reads."""
-        e = self.eqn
-        nc, nk, n = e.params["num_consts"], e.params["num_carry"], len(e.invars)
-        consts = {i: _read(env, e.invars[i]) for i in range(nc) if reads[i]}
-        carry_idx = [nc + j for j in range(nk) if owned[j]]
-        assert all(i in carry_idx for i in range(nc, nc + nk) if reads[i]), "carry not owned"
-        x_idx = [i for i in range(nc + nk, n) if reads[i]]
-
-        def args(carry, xs):
-            vals = consts | dict(zip(carry_idx, carry)) | dict(zip(x_idx, xs))
-            return [vals[i] for i in range(n) if reads[i]]
-        return ([_read(env, e.invars[i]) for i in carry_idx],
-                [_read(env, e.invars[i]) for i in x_idx], args)
-
-    def _scan(self, fn, init, xs):
-        p = self.eqn.params
-        return jax.lax.scan(fn, init, xs, length=p["length"], reverse=p["reverse"],
-                            unroll=p["unroll"])
-
-    def run_b(self, env):
-        nk, consts = self.eqn.params["num_carry"], self.eqn.params["jaxpr"].consts
-        init, xs, args = self._feed(env, self.inner.b_reads, self.b_out[:nk])
-
-        def fn(carry, x):
-            outs, cut = run_b(self.inner, consts, args(carry, x))
-            return outs[:len(carry)], (outs[len(carry):], cut)
-        carry, (ys, stacked) = self._scan(fn, init, xs)
-        _set(env, self.eqn.outvars, self.b_out, carry + ys)
-        env.update(zip(self.slots, stacked))
-
-    def run_w(self, env):
-        nk, consts = self.eqn.params["num_carry"], self.eqn.params["jaxpr"].consts
-        init, xs, args = self._feed(env, self.inner.w_reads, self.w_out[:nk])
-
-        def fn(carry, x):
-            outs = run_w(self.inner, consts, args(carry, x[0]), x[1])
-            return outs[:len(carry)], outs[len(carry):]
-        carry, ys = self._scan(fn, init, (xs, [env[s] for s in self.slots]))
-        _set(env, self.eqn.outvars, self.w_out, carry + ys)
-
-    def _inputs(self, reads, owned):
-        e = self.eqn
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
-        carries = [e.invars[nc + j] for j in range(nk) if owned[j]]
-        return [v for i, v in enumerate(e.invars) if reads[i] and not nc <= i < nc + nk] \
-            + carries
-
-    def w_inputs(self):
-        return self._inputs(self.inner.w_reads, self.w_out) + self.slots
-
-    def b_inputs(self):
-        return self._inputs(self.inner.b_reads, self.b_out)
-
-
-@dataclass(eq=False)
-class _CondNode:
-    eqn: Any
-    inners: list                  # per branch, split
-    b_out: list
-    w_out: list
-    slots: list                   # cut slots shared by the branches
-    assign: list                  # per branch: the slot of each of its cut values
-
-    @classmethod
-    def build(cls, e, b_new, want, b_ok):
-        kept = set(b_new.outvars)
-        b_out = [v in kept for v in e.outvars]
-        w_out = [w and not b for w, b in zip(want, b_out)]
-        free = [b_ok(v) for v in e.invars[1:]]
-        inners = [plan(br.jaxpr, b_out, w_out, [True] * len(br.jaxpr.invars), free)
-                  for br in e.params["branches"]]
-        slots, assign = [], []
-        for inner in inners:      # branches share a slot where shapes match
-            taken = []
-            for k in inner.cut:
-                free = [j for j, s in enumerate(slots) if j not in taken
-                        and (s.aval.shape, s.aval.dtype) == (k.aval.shape, k.aval.dtype)]
-                if not free:
-                    slots.append(Slot(k.aval))
-                    free = [len(slots) - 1]
-                taken.append(free[0])
-            assign.append(taken)
-        return cls(e, inners, b_out, w_out, slots, assign)
-
-    def _ops(self, which):
-        return [any(getattr(s, which)[i] for s in self.inners)
-                for i in range(len(self.eqn.invars) - 1)]
-
-    def run_b(self, env):
-        used = self._ops("b_reads")
-        ops = [_read(env, v) for v, u in zip(self.eqn.invars[1:], used) if u]
-
-        def branch(k, br):
-            def fn(ops):
-                args = dict(zip([i for i, u in enumerate(used) if u], ops))
-                outs, cut = run_b(self.inners[k], br.consts,
-                                  [args[i] for i, r in enumerate(self.inners[k].b_reads) if r])
-                full = [jnp.zeros(s.aval.shape, s.aval.dtype) for s in self.slots]
-                for j, c in zip(self.assign[k], cut):
-                    full[j] = c
-                return outs, full
-            return fn
-        outs, full = jax.lax.switch(_read(env, self.eqn.invars[0]),
-                                    [branch(k, br) for k, br in
-                                     enumerate(self.eqn.params["branches"])], ops)
-        _set(env, self.eqn.outvars, self.b_out, outs)
-        env.update(zip(self.slots, full))
-
-    def run_w(self, env):
-        used = self._ops("w_reads")
-        ops = [_read(env, v) for v, u in zip(self.eqn.invars[1:], used) if u]
-
-        def branch(k, br):
-            def fn(ops, full):
-                args = dict(zip([i for i, u in enumerate(used) if u], ops))
-                return run_w(self.inners[k], br.consts,
-                             [args[i] for i, r in enumerate(self.inners[k].w_reads) if r],
-                             [full[j] for j in self.assign[k]])
-            return fn
-        outs = jax.lax.switch(_read(env, self.eqn.invars[0]),
-                              [branch(k, br) for k, br in enumerate(self.eqn.params["branches"])],
-                              ops, [env[s] for s in self.slots])
-        _set(env, self.eqn.outvars, self.w_out, outs)
-
-    def w_inputs(self):
-        used = self._ops("w_reads")
-        return [self.eqn.invars[0]] + [v for v, u in zip(self.eqn.invars[1:], used) if u] \
-            + self.slots
-
-    def b_inputs(self):
-        used = self._ops("b_reads")
-        return [self.eqn.invars[0]] + [v for v, u in zip(self.eqn.invars[1:], used) if u]

@@ -11,9 +11,9 @@ reads stage 0's K/V block as its activation (a different size: garbage, NaN). Wi
 to meet it, the permute waits for ever (the reproducer in docs/long_context.md).
 
 The fix is an invariant: **between two stage-to-stage sends every device runs the same
-number of collective-permutes.** :func:`gated` counts the permutes of an op's run branch in
-its jaxpr and gives the skip branch as many identity permutes (each device sends a scalar to
-itself). A permute over ``context`` then only ever meets permutes that stay inside each
+number of collective-permutes.** :func:`run_or_skip` counts the permutes of an op's run
+branch in its jaxpr and gives the skip branch as many identity permutes (each device sends a
+scalar to itself). A permute over ``context`` then only ever meets permutes that stay inside each
 device's own context group or on the device itself, whatever other stages run, so the data
 is right; and no rendezvous waits for a device that never comes.
 
@@ -55,10 +55,11 @@ def permutes(jaxpr) -> int:
     return n
 
 
-def gated(flag, run, live: dict, axis: str, size: int) -> dict:
-    """``run(live)`` where ``flag`` is 1, else ``live`` untouched, as a two-branch
-    conditional; the skip branch runs as many identity collective-permutes over ``axis``
-    (of ``size``, manual here) as ``run`` does, on ``live``'s smallest leaf."""
+def run_or_skip(flag, run, live, axis: str, size: int):
+    """One op's two-branch conditional: ``run(live)`` where ``flag`` is 1, else ``live``
+    untouched (the op skipped); the skip branch runs as many identity collective-permutes
+    over ``axis`` (of ``size``, manual here) as ``run`` does, on ``live``'s smallest leaf.
+    ``live`` is any pytree: the buffers the op writes."""
     closed, out_shape = jax.make_jaxpr(run, return_shape=True)(live)
     n = permutes(closed.jaxpr)
     out_tree = jax.tree.structure(out_shape)

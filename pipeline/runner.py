@@ -33,7 +33,7 @@ from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
-from triax.pipeline.executor import DATA, PIPE, StepSpec, branch_kinds, run_ticks
+from triax.pipeline.executor import DATA, PIPE, RunResult, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
@@ -190,14 +190,14 @@ class Pipeline:
         return build(ScheduleKind.FORWARD_ONLY, self.stages, self.schedule.microbatches, v)
 
     def _run(self, schedule: Schedule, stage: Stage, params, inputs: dict, consts: dict,
-             state=None):
+             state=None) -> RunResult:
         """Split params into stage layout and run the ticks in one ``shard_map`` (manual over
         pipe and data), then reduce once.
 
         ``inputs``: ``{name: [B, ...]}``, rows split over data shards, then into micro-batches;
         ``consts``: replicated values every op sees; ``state``: None, or per-layer, per-row
         arrays ``[L, B, ...]`` (a KV cache), split over stages like the blocks and over rows
-        like the batch. Returns ``(loss, outputs, state, g_blocks, g_pieces)``: outputs are
+        like the batch. Returns a :class:`~triax.pipeline.executor.RunResult`: outputs are
         ``[S, B, ...]`` per stage (the last stage's are the model's), grads ``{}`` for a
         forward-only schedule.
         """
@@ -256,15 +256,15 @@ class Pipeline:
         loss, outputs, state, g_blocks, g_pieces = fn(blocks, pieces, inputs, consts, state)
         if state:
             state = lay.leave(state)
-        return loss, outputs, state, g_blocks, g_pieces
+        return RunResult(loss, outputs, state, g_blocks, g_pieces)
 
     def _loss_run(self, schedule: Schedule, params, batch):
         if self.cfg is None:
             model = nnx.merge(self.abstract.graphdef, params)
             consts = {"inv_total_weight": 1.0 / loss_weight(model, batch)}
-            loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                       self._data_major(dict(batch)), consts)
-            return loss, g_blocks, g_pieces
+            r = self._run(schedule, self._stages["loss"], params,
+                          self._data_major(dict(batch)), consts)
+            return r.loss, r.grad_blocks, r.grad_pieces
         weights = batch.get("weights")
         if weights is None:
             weights = jnp.ones(batch["inputs"].shape, jnp.float32)
@@ -275,9 +275,8 @@ class Pipeline:
                   **{k: batch[k] for k in ("segment_ids", "positions", "order") if k in batch}}
         consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
                   "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
-        loss, _, _, g_blocks, g_pieces = self._run(schedule, self._stages["loss"], params,
-                                                   self._data_major(inputs), consts)
-        return loss, g_blocks, g_pieces
+        r = self._run(schedule, self._stages["loss"], params, self._data_major(inputs), consts)
+        return r.loss, r.grad_blocks, r.grad_pieces
 
     def _data_major(self, tree):
         """Reorder the batch rows so that `data` is their major split. The batch is stored
@@ -327,9 +326,9 @@ class Pipeline:
         the forward-only schedule; each stage reads and writes its own layers' KV cache
         (``triax.models.decode``), micro-batch by micro-batch."""
         inputs = {"tokens": tokens_BT, "positions": positions_BT}
-        _, logits, cache, _, _ = self._run(self._forward_schedule(), self._stages["logits"],
-                                           params, inputs, {}, cache)
-        return logits[-1], cache
+        r = self._run(self._forward_schedule(), self._stages["logits"], params, inputs, {},
+                      cache)
+        return r.outputs[-1], r.state
 
 
 def _stats_over_data(inner):

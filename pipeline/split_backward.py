@@ -1,7 +1,7 @@
 """One chunk's backward, split in two for zero-bubble schedules: B_in (the input gradient, on
 the critical path) and W (the weight gradients, deferred to fill bubbles).
 
-The forward stashes its pullback's residuals (``pipeline.stage.Residuals``: parameters left
+The forward stashes its pullback's residuals (:class:`Residuals`: parameters left
 out), and of those only what the backward cannot get otherwise: a leaf the pullback never
 reads is dropped, and one computed without the stage's input activation, from parameters,
 the micro-batch's inputs and flags alone (weights cast to the compute dtype, the tied head's
@@ -20,11 +20,13 @@ and nothing else.
     >>> from triax.sharding.partition import abstract_model
     >>> from triax.pipeline.executor import loss_only
     >>> from triax.pipeline.stage import Stage
+    >>> from triax.pipeline.stage_inputs import StageInputs
     >>> am = abstract_model(config.TINY.replace(num_layers=1))
     >>> pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     >>> ints = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    >>> extras = ({"tokens": ints, "targets": ints, "weights": jax.ShapeDtypeStruct((2, 8),
-    ...            jnp.float32)}, {"inv_total_weight": jnp.float32(1)}, True, True)
+    >>> extras = StageInputs({"tokens": ints, "targets": ints,
+    ...                       "weights": jax.ShapeDtypeStruct((2, 8), jnp.float32)},
+    ...                      {"inv_total_weight": jnp.float32(1)}, True, True)
     >>> x = jax.ShapeDtypeStruct((2, 8, 64), jnp.float32)
     >>> sb = StageBackward.trace(loss_only(Stage(am.graphdef)), am.shapes["blocks"], pieces,
     ...                          x, extras)
@@ -45,8 +47,9 @@ from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
 from jax.extend.core import ClosedJaxpr, jaxpr_as_fun, jaxprs_in_params
 
 from triax.pipeline import jaxpr_split
-from triax.pipeline.stage import Residuals, _param_index
-from triax.pipeline.stash_layout import StashLayout, nbytes
+from triax.pipeline.buffers import nbytes
+from triax.pipeline.stage_inputs import StageInputs, leaf_positions
+from triax.pipeline.stash_layout import StashLayout
 
 
 def _sds(t):
@@ -57,6 +60,50 @@ def _has_matmul(jaxpr) -> bool:
     return any(e.primitive.name in jaxpr_split.MATMULS
                or any(_has_matmul(getattr(j, "jaxpr", j)) for j in jaxprs_in_params(e.params))
                for e in jaxpr.eqns)
+
+
+@dataclass(frozen=True, eq=False)
+class Residuals:
+    """The stash layout of one forward's pullback: which leaves to store, their shapes.
+    ``jax.vjp``'s pullback as flat arrays, less the leaves that are the parameters
+    themselves (re-inserted at backward time, never copied).
+
+    ``apply(chunk, pieces, x, extras) -> (y, loss)`` is what is differentiated."""
+
+    treedef: Any
+    param_index: tuple            # per pullback leaf: index into the param leaves, or None
+    shapes: tuple                 # ShapeDtypeStruct of each stored leaf
+
+    @classmethod
+    def trace(cls, apply, chunk, pieces, x, extras) -> "Residuals":
+        info = {}
+
+        def f(chunk, pieces, x, extras):
+            _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
+            leaves, info["treedef"] = jax.tree.flatten(pullback)
+            info["index"] = _param_index(leaves, (chunk, pieces))
+            return [l for l, i in zip(leaves, info["index"]) if i is None]
+        shapes = jax.eval_shape(f, chunk, pieces, x, extras)
+        return cls(info["treedef"], tuple(info["index"]), tuple(shapes))
+
+    def forward(self, apply, chunk, pieces, x, extras):
+        """Run the forward; return its outputs and the leaves to stash."""
+        out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
+        leaves = jax.tree.leaves(pullback)
+        if tuple(_param_index(leaves, (chunk, pieces))) != self.param_index:
+            raise AssertionError("pullback structure changed between traces")
+        return out, [l for l, i in zip(leaves, self.param_index) if i is None]
+
+    def pullback(self, stored, chunk, pieces):
+        params = jax.tree.leaves((chunk, pieces))
+        it = iter(stored)
+        leaves = [next(it) if i is None else params[i] for i in self.param_index]
+        return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _param_index(leaves, params):
+    ids = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
+    return [ids.get(id(l)) for l in leaves]
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,9 +119,9 @@ class Rebuild:
     on_last: frozenset            # of the wanted leaves, those the last-chunk flag decides
 
     @classmethod
-    def trace(cls, apply, chunk, pieces, x, extras, wanted) -> "Rebuild":
-        """``wanted``: the residual leaves the backward reads. ``extras`` ends with the
-        last-chunk flag; the leaves that depend on it are the post-stack's (head, loss)."""
+    def trace(cls, apply, chunk, pieces, x, extras: StageInputs, wanted) -> "Rebuild":
+        """``wanted``: the residual leaves the backward reads. The leaves that depend on
+        ``extras.last`` (the last-chunk flag) are the post-stack's (head, loss)."""
         def stored(chunk, pieces, x, extras):
             _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
             leaves = jax.tree.leaves(pullback)
@@ -82,9 +129,8 @@ class Rebuild:
                     if i is None]
         closed = jax.make_jaxpr(stored)(*_sds((chunk, pieces, x, extras)))
         jaxpr, n = closed.jaxpr, len(closed.jaxpr.outvars)
-        lo = len(jax.tree.leaves((chunk, pieces)))
-        x_in = range(lo, lo + len(jax.tree.leaves(x)))
-        last_in = len(closed.jaxpr.invars) - 1
+        at = leaf_positions((chunk, pieces, x, extras))   # the jaxpr's invars, by name
+        x_in, last_in = jax.tree.leaves(at[2]), at[3].last
         leaves, on_last = [], set()
         for i in wanted:
             one, used = pe.dce_jaxpr(jaxpr, [k == i for k in range(n)])

@@ -12,9 +12,6 @@ normalised loss (training, evaluation) or the logits (decode, which also reads a
 chunk's KV cache). ``first``/``last`` are traced flags (the stage index is only known inside
 ``shard_map``), so every chunk has the same residual structure and shares one stash.
 
-``Residuals`` turns ``jax.vjp``'s pullback into flat arrays for the stash, leaving out the
-leaves that are the parameters themselves (re-inserted at backward time, never copied).
-
     >>> import jax, jax.numpy as jnp
     >>> from triax.models import config
     >>> from triax.sharding.partition import abstract_model
@@ -202,45 +199,3 @@ class ProtocolStage:
         def loss():
             return model.head_loss(y, inputs).astype(jnp.float32) * consts["inv_total_weight"]
         return y, jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32)), {}, state
-
-
-@dataclass(frozen=True, eq=False)
-class Residuals:
-    """The stash layout of one forward's pullback: which leaves to store, their shapes.
-
-    ``apply(chunk, pieces, x, extras) -> (y, loss)`` is what is differentiated."""
-
-    treedef: Any
-    param_index: tuple            # per pullback leaf: index into the param leaves, or None
-    shapes: tuple                 # ShapeDtypeStruct of each stored leaf
-
-    @classmethod
-    def trace(cls, apply, chunk, pieces, x, extras) -> "Residuals":
-        info = {}
-
-        def f(chunk, pieces, x, extras):
-            _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
-            leaves, info["treedef"] = jax.tree.flatten(pullback)
-            info["index"] = _param_index(leaves, (chunk, pieces))
-            return [l for l, i in zip(leaves, info["index"]) if i is None]
-        shapes = jax.eval_shape(f, chunk, pieces, x, extras)
-        return cls(info["treedef"], tuple(info["index"]), tuple(shapes))
-
-    def forward(self, apply, chunk, pieces, x, extras):
-        """Run the forward; return its outputs and the leaves to stash."""
-        out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
-        leaves = jax.tree.leaves(pullback)
-        if tuple(_param_index(leaves, (chunk, pieces))) != self.param_index:
-            raise AssertionError("pullback structure changed between traces")
-        return out, [l for l, i in zip(leaves, self.param_index) if i is None]
-
-    def pullback(self, stored, chunk, pieces):
-        params = jax.tree.leaves((chunk, pieces))
-        it = iter(stored)
-        leaves = [next(it) if i is None else params[i] for i in self.param_index]
-        return jax.tree.unflatten(self.treedef, leaves)
-
-
-def _param_index(leaves, params):
-    ids = {id(p): k for k, p in enumerate(jax.tree.leaves(params))}
-    return [ids.get(id(l)) for l in leaves]

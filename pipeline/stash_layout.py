@@ -40,11 +40,8 @@ from typing import Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-
-def nbytes(sd) -> int:
-    return int(np.prod(sd.shape)) * jnp.dtype(sd.dtype).itemsize
+from triax.pipeline.buffers import nbytes, put, take
 
 
 def _holds(cell_dtype, dtype) -> bool:
@@ -185,17 +182,17 @@ class StashLayout:
         out = list(bufs)
         for cell, x in updates:
             if not self._is_head(cell):
-                out[cell] = _put(out[cell], x, slot)
+                out[cell] = put(out[cell], x, slot)
                 continue
             x = jnp.where(last, x.astype(out[cell].dtype), self._get(out[cell], cell, slot,
                                                                      head_slot))
-            out[cell] = x if out[cell].shape == x.shape else _put(out[cell], x, head_slot)
+            out[cell] = x if out[cell].shape == x.shape else put(out[cell], x, head_slot)
         return out
 
     def _get(self, buf, cell: int, slot, head_slot):
         if not self._is_head(cell):
-            return _take(buf, slot)
-        return buf if buf.shape == tuple(self.cells[cell].shape) else _take(buf, head_slot)
+            return take(buf, slot)
+        return buf if buf.shape == tuple(self.cells[cell].shape) else take(buf, head_slot)
 
     def read_cut(self, bufs: list, slot, head_slot) -> list:
         """W: the cut of ``slot`` and ``head_slot``, as B_in's leaves."""
@@ -213,7 +210,7 @@ def _place(c, free: list, cells: list) -> CutPlace:
     find such cells, else a new cell."""
     shape, dtype = tuple(c.shape), jnp.dtype(c.dtype)
 
-    def take(want, k):
+    def claim(want, k):
         fits = sorted((i for i in free if _core(cells[i].shape) == _core(want)
                        and _holds(cells[i].dtype, dtype)),
                       key=lambda i: jnp.dtype(cells[i].dtype).itemsize)
@@ -222,20 +219,12 @@ def _place(c, free: list, cells: list) -> CutPlace:
         for i in fits[:k]:
             free.remove(i)
         return tuple(fits[:k])
-    one = take(shape, 1)
+    one = claim(shape, 1)
     if one:
         return CutPlace(one, shape, dtype)
     for axis, k in enumerate(shape):
-        pieces = take(shape[:axis] + shape[axis + 1:], k) if k > 1 else None
+        pieces = claim(shape[:axis] + shape[axis + 1:], k) if k > 1 else None
         if pieces:
             return CutPlace(pieces, shape, dtype, axis)
     cells.append(jax.ShapeDtypeStruct(shape, dtype))
     return CutPlace((len(cells) - 1,), shape, dtype)
-
-
-def _take(buf, i):
-    return jax.lax.dynamic_index_in_dim(buf, i, 0, keepdims=False)
-
-
-def _put(buf, x, i):
-    return jax.lax.dynamic_update_index_in_dim(buf, x.astype(buf.dtype), i, 0)

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from triax.mesh import make_mesh
-from triax.pipeline.permute_parity import gated, permutes
+from triax.pipeline.permute_parity import permutes, run_or_skip
 
 
 def test_permutes_counts_scans_and_conditionals():
@@ -41,7 +41,7 @@ def test_stage_conditional_permutes_keep_the_stages_sends_right(devices):
         def tick(t, x):
             def run(w):
                 return {"x": jax.lax.ppermute(w["x"], "context", [(0, 1), (1, 0)])}
-            x = gated((stage == t).astype(jnp.int32), run, {"x": x}, "pipe", 2)["x"]
+            x = run_or_skip((stage == t).astype(jnp.int32), run, {"x": x}, "pipe", 2)["x"]
             return jax.lax.ppermute(x, "pipe", [(0, 1), (1, 0)])
         return jax.lax.fori_loop(0, 2, tick, x)
 

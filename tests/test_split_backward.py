@@ -17,6 +17,7 @@ from triax.models.layers import ExecConfig
 from triax.pipeline.executor import loss_only
 from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.stage import ProtocolStage, Stage
+from triax.pipeline.stage_inputs import StageInputs
 
 B, T = 2, 8
 
@@ -24,11 +25,11 @@ B, T = 2, 8
 def _split_vs_full(apply, chunk, pieces, inputs, x):
     consts = {"inv_total_weight": jnp.float32(0.1), "aux_scale": jnp.float32(0.5)}
     sb = StageBackward.trace(apply, chunk, pieces, x,
-                             (inputs, consts, jnp.bool_(True), jnp.bool_(True)))
+                             StageInputs(inputs, consts, jnp.bool_(True), jnp.bool_(True)))
 
     @jax.jit
     def both(chunk, pieces, x, first, last, dy):
-        extras = (inputs, consts, first, last)
+        extras = StageInputs(inputs, consts, first, last)
         (_, loss), stored = sb.forward(apply, chunk, pieces, x, extras)
         # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
         dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)

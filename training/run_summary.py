@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import jax
-import numpy as np
 
 from triax.mesh import describe, mesh_sizes
+from triax.pipeline.buffers import shape_bytes, tree_bytes
 from triax.sharding.introspect.hlo import collectives_from_compiled, summarize
 from triax.training import metrics
 from triax.training.step_cache import Compiled
@@ -48,12 +48,12 @@ def _per_device_bytes(tree) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shard = x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shard)) * x.dtype.itemsize
+        total += shape_bytes(shard, x.dtype)
     return total
 
 
 def _total_bytes(tree) -> int:
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    return tree_bytes(tree)
 
 
 def summary(stats: RunStats, compiled: Compiled, state) -> dict:
