@@ -5,7 +5,7 @@ them. The planner asks this for every pipelined layout it weighs.
 
     >>> from triax.models import config
     >>> from triax.models.layers import ExecConfig
-    >>> from triax.pipeline.runner import PipelineConfig
+    >>> from triax.pipeline.pipelined import PipelineConfig
     >>> cfg = config.TINY.replace(num_layers=4)
     >>> b = activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), ExecConfig(), 2, 16)
     >>> sorted(b), b["stash"] > 0
@@ -33,7 +33,7 @@ from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import abstract_model
 
 if TYPE_CHECKING:
-    from triax.pipeline.runner import PipelineConfig
+    from triax.pipeline.pipelined import PipelineConfig
 
 
 def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig",

@@ -36,7 +36,7 @@ from triax.sharding.partition import abstract_model, path_str
 from triax.pipeline import ScheduleKind
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.jaxpr_split import reads
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.sharding.context_costs import scheme_memory
 from triax.sharding.experts import varying_weight_axes

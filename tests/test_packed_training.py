@@ -10,7 +10,7 @@ from triax.checkpoint import Checkpointer
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.attention import packed_visibility
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.text import ByteTokenizer
 from triax.training.config import RunConfig
 from triax.training.loop import train

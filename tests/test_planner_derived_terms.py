@@ -24,7 +24,7 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.config import MoEConfig
 from triax.models.moe import MoE
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.planner.memory import (_expert_weight_copies, _fresh_grad_elements,
                                   layer_activation_elements, moe_residual_elements)
 from triax.planner.workload import Layout, Workload

@@ -32,7 +32,7 @@ from triax.models.config import ModelConfig
 from triax.models.attention import packed_visibility
 from triax.models.layers import ExecConfig
 from triax.models.loss import head_nll_sum, loss_denominator
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.context import context_size, zigzag_batch
 from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
                                       batch_sharding, init_fn, param_shardings)
