@@ -2,8 +2,8 @@
 
 The cache is one pair of arrays per model, ``k_LBSKH`` and ``v_LBSKH`` (layers, batch rows,
 cache positions, KV heads, head dim), with logical axes ``CACHE_AXES``. The forward that uses
-it is the training forward: pass ``cache=`` to ``Transformer.__call__`` (or ``run_blocks``),
-and every block's attention writes the keys/values of its ``T`` new tokens at
+it is the training forward: pass ``cache=`` to ``Transformer.__call__`` (or to
+``models.protocol.run_stack``), and every block's attention writes the keys/values of its ``T`` new tokens at
 ``positions_BT`` and lets each query see every cache slot at or before its own position. Rows
 are independent, so a batch mixes prompts of different lengths (and, in serving, requests at
 different steps).

@@ -16,7 +16,7 @@ from triax.models import Transformer, config
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import loss_only
 from triax.pipeline.split_backward import StageBackward
-from triax.pipeline.stage import ProtocolStage, Stage
+from triax.pipeline.stage import Stage
 
 B, T = 2, 8
 
@@ -55,7 +55,7 @@ def _transformer(name, remat="none"):
     params = nnx.to_pure_dict(state)
     pieces = {k: v for k, v in params.items() if k != "blocks"}
     k = jax.random.split(jax.random.key(1), 3)
-    inputs = {"tokens": jax.random.randint(k[0], (B, T), 0, cfg.vocab_size),
+    inputs = {"inputs": jax.random.randint(k[0], (B, T), 0, cfg.vocab_size),
               "targets": jax.random.randint(k[1], (B, T), 0, cfg.vocab_size),
               "weights": jnp.ones((B, T), jnp.float32)}
     x = jax.random.normal(k[2], (B, T, cfg.embed_dim))
@@ -70,7 +70,7 @@ def test_split_equals_full_backward_transformer(name, remat):
         assert sb.cut_bytes < 0.5 * sb.stash_bytes
 
 
-def test_split_equals_full_backward_protocol_stage():
+def test_split_equals_full_backward_user_model_stage():
     c = VitConfig(layers=2)
     trainer = triax.Trainer.for_model(lambda rngs: ViT(c, rngs), vit_loss,
                                       make_mesh(devices=jax.devices()[:1]), "dp",
@@ -79,7 +79,7 @@ def test_split_equals_full_backward_protocol_stage():
     pieces = {k: v for k, v in params.items() if k != "blocks"}
     inputs = jax.tree.map(jnp.asarray, image_batch(c, B))
     x = jax.random.normal(jax.random.key(2), (B, c.patches, c.dim))
-    _split_vs_full(loss_only(ProtocolStage(gd)), params["blocks"], pieces, inputs, x)
+    _split_vs_full(loss_only(Stage(gd)), params["blocks"], pieces, inputs, x)
 
 
 def test_stash_holds_activations_only():
