@@ -223,7 +223,7 @@ def test_pipelined_moe_with_expert_and_tensor_still_aborts_xla(devices):
         from triax.pipeline import pipelined
         from triax.pipeline.pipelined import PipelineConfig
         from triax.training.step import Trainer
-        pipelined.unpipelinable_mesh_reason = lambda *a: None        # let it through
+        pipelined.experts_mesh_reason = lambda *a: None        # let it through
         t = Trainer(config.get("tiny-moe", num_layers=2), make_mesh(pipe=2, expert=2,
                     tensor=2), "tp", pipeline=PipelineConfig("1f1b", 2))
         t.lower(8, 16).compile()
