@@ -33,12 +33,12 @@ from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
+from triax.models.protocol import loss_metric, loss_weight, missing_protocol
 from triax.pipeline.executor import DATA, PIPE, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.models.protocol import loss_metric, loss_weight, missing_protocol
 from triax.pipeline.stage import Stage
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
@@ -63,7 +63,9 @@ def default_decode_microbatches(stages: int) -> int:
 def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
                               rules) -> Optional[str]:
     """Why the executor cannot pipeline ``cfg`` on a mesh of ``sizes`` under ``rules`` (None
-    when it can): the one home of that fact, which ``Pipeline`` raises and the planner asks.
+    when it can), as the planner asks it of a workload (a config, or None for a bare
+    parameter count); ``Pipeline`` asks :func:`experts_mesh_reason` of any model with an
+    expert stack, so both refuse the same meshes.
 
     An MoE stack with its experts split over ``expert`` and the expert FFN over ``tensor``
     makes XLA's SPMD partitioner abort the compile (``spmd_partitioner_util.cc`` "Check
@@ -77,7 +79,8 @@ def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
 
 
 def experts_mesh_reason(sizes: dict[str, int], rules) -> Optional[str]:
-    """:func:`unpipelinable_mesh_reason` for a model known to have an expert stack."""
+    """:func:`unpipelinable_mesh_reason` for a model with an expert stack: the one home of
+    the fact."""
     if sizes.get(PIPE, 1) < 2:
         return None
     if rules.split_size("experts", sizes) > 1 and rules.split_size("expert_mlp", sizes) > 1:

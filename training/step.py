@@ -18,8 +18,7 @@ layer stack is then stored split over ``pipe`` and XLA gathers each layer where 
 """
 from __future__ import annotations
 
-import functools
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Callable, Optional
 
 import jax
@@ -170,7 +169,7 @@ class Trainer:
         ``stack_loss`` (the built-in model, a user's without ``loss_fn``) or the user's."""
         fn = stack_loss if self.user_model is None else self.user_model.loss_fn
         if fn is stack_loss:
-            fn = functools.partial(stack_loss, exe=self.exe)
+            fn = partial(stack_loss, exe=self.exe)
         return user_loss(self.abstract, fn)
 
     def loss_and_grad(self, params, batch):
