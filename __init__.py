@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "make_mesh": "triax.mesh",
     "Trainer": "triax.training.step",
-    "PipelineConfig": "triax.pipeline.runner",
+    "PipelineConfig": "triax.pipeline.pipelined",
     "OptimConfig": "triax.training.optim",
     "ExecConfig": "triax.models.layers",
     "describe": "triax.mesh",

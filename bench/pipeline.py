@@ -31,9 +31,8 @@ from tables import BENCHMARKS_MD, write_section  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.axes import using_constraint  # noqa: E402
-from triax.models.attention import Visibility  # noqa: E402
 from triax.models.loss import cross_entropy  # noqa: E402
-from triax.models.transformer import scan_blocks  # noqa: E402
+from triax.models.protocol import run_stack  # noqa: E402
 from triax.pipeline import ScheduleKind, build, chunks_per_stage  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.pipeline.timeline import LABELS  # noqa: E402
@@ -61,14 +60,15 @@ def vmapped_gpipe(trainer: Trainer, M: int):
         model = nnx.merge(am.graphdef, params)
         B, T = batch["inputs"].shape
         b = B // M
-        x = model.embed_tokens(batch["inputs"]).reshape(b, M, T, -1).swapaxes(0, 1)
+        x = model.embed({"inputs": batch["inputs"]}).reshape(b, M, T, -1).swapaxes(0, 1)
         stages = jax.tree.map(lambda a: a[:, 0], layout.to_stages(params["blocks"]))
-        gd = nnx.graphdef(model.blocks)
-        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (b, T))
+        pieces = {k: v for k, v in params.items() if k != "blocks"}
+        shape_only = {"inputs": jnp.zeros((b, T), jnp.int32)}   # B, T for the causal mask
 
         def stage(p, h):
             with using_constraint(None):
-                return scan_blocks(gd, p, h, pos, Visibility.causal(b, T), cfg, trainer.exe)[0]
+                chunk = nnx.merge(am.graphdef, {**pieces, "blocks": p})
+                return run_stack(chunk, h, shape_only, trainer.exe)[0]
 
         def tick(carry, t):
             state, outs = carry

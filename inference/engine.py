@@ -36,7 +36,7 @@ from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, cache_shape
 from triax.models.layers import ExecConfig
 from triax.models.moe import inference_routing
-from triax.pipeline.runner import default_decode_microbatches
+from triax.pipeline.pipelined import default_decode_microbatches
 from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy

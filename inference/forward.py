@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from triax.mesh.build import mesh_sizes
 from triax.models.decode import CacheAttentionFn, using_cache_attention
 from triax.models.layers import ExecConfig
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.partition import AbstractModel, activation_sharding
 from triax.sharding.rules import ShardingError, Strategy

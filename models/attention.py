@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax import choices
-from triax.models.online_softmax import (  # noqa: F401 (re-exported: the importers' home)
-    _MASKED, Partial, _scores, accumulate, combine, empty_partial, finish, merge, repeat_kv)
-from triax.models.visibility import Visibility, packed_visibility  # noqa: F401
+from triax.models.online_softmax import (Partial, _scores, accumulate, empty_partial, finish,
+                                         repeat_kv)
+from triax.models.visibility import Visibility
 
 
 def reference(q_BTNH, k_BSKH, v_BSKH, vis: Visibility):

@@ -2,14 +2,14 @@
 
 The cache is one pair of arrays per model, ``k_LBSKH`` and ``v_LBSKH`` (layers, batch rows,
 cache positions, KV heads, head dim), with logical axes ``CACHE_AXES``. The forward that uses
-it is the training forward: pass ``cache=`` to ``Transformer.__call__`` (or ``run_blocks``),
-and every block's attention writes the keys/values of its ``T`` new tokens at
+it is the training forward: pass ``cache=`` to ``Transformer.__call__`` (or to
+``models.protocol.run_stack``), and every block's attention writes the keys/values of its ``T`` new tokens at
 ``positions_BT`` and lets each query see every cache slot at or before its own position. Rows
 are independent, so a batch mixes prompts of different lengths (and, in serving, requests at
 different steps).
 
 Slots after a row's current position may hold stale values from padding or an earlier
-request; the cache's visibility (``models.attention.Visibility.cache``) hides them, and they
+request; the cache's visibility (``models.visibility.Visibility.cache``) hides them, and they
 are overwritten before any query can see them (a position is always written in the same call
 that first attends to it).
 
@@ -39,7 +39,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from triax.models.attention import Visibility, attention
+from triax.models.attention import attention
+from triax.models.visibility import Visibility
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
 

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.attention import Visibility, attention
+from triax.models.attention import attention
+from triax.models.visibility import Visibility
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig, RopeScaling
 from triax.models.decode import Cache, cached_attention

@@ -1,4 +1,5 @@
-"""The Llama-style decoder: stacked blocks scanned over a leading ``layers`` axis.
+"""The Llama-style decoder: stacked blocks scanned over a leading ``layers`` axis, one user of
+the model protocol (``triax.models.protocol``) as a user's own model is.
 
 The stack is one NNX module whose parameters carry a leading ``layers`` axis (built with
 ``nnx.vmap``), so the pipeline can split it over stages and the forward compiles one block.
@@ -16,9 +17,8 @@ the cache (see ``triax.models.decode``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,16 +26,12 @@ from triax.models import moe
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
 from triax.models.decode import Cache
-from triax.models.attention import Visibility
+from triax.models.visibility import Visibility, packed_visibility
 from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
+from triax.models.loss import head_nll_sum, loss_denominator
+from triax.models.protocol import REMAT_POLICIES, current_exec, run_stack, using_exec
 
-REMAT_POLICIES: dict[str, Optional[Callable]] = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.checkpoint_dots,
-    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
-
+__all__ = ["REMAT_POLICIES", "Block", "TokenEmbed", "Transformer"]
 
 class Block(nnx.Module):
     """Pre-norm decoder block: x + attn(norm(x)); x + ffn(norm(x))."""
@@ -56,44 +52,29 @@ class Block(nnx.Module):
         return constrain(x_BTD + y_BTD, ("batch", "res_seq", "act_embed")), aux, cache
 
 
-def aux_zeros(cfg: ModelConfig) -> dict:
-    """The per-step auxiliary scalars a block stack accumulates (empty for dense models)."""
-    return {} if cfg.moe is None else moe.aux_zeros()
+class TokenEmbed(Embed):
+    """The token embedding as the protocol's pre-stack, ``embed(batch)``: the module stays at
+    ``embed`` (its parameter path, which checkpoints and the HF layout name)."""
 
-
-def scan_blocks(block_graphdef, stacked_state, x_BTD, positions_BT, vis, cfg: ModelConfig,
-                exe: ExecConfig, cache: Optional[Cache] = None):
-    """Run a stack of blocks (any leading layer count) with ``lax.scan``.
-
-    Pure function of the stacked state, so pipeline stages call it on their slice. ``cache``
-    (leaves ``[L, B, S, K, H]`` for the same ``L`` layers) is scanned alongside the
-    parameters. Returns ``(x_BTD, aux, cache)``: aux sums the blocks' auxiliary scalars,
-    cache is the updated cache (None without one).
-    """
-    def body(carry, layer):
-        x, aux = carry
-        layer_state, layer_cache = layer
-        y, a, layer_cache = nnx.merge(block_graphdef, layer_state)(x, positions_BT, vis, exe,
-                                                                   layer_cache)
-        return (y, jax.tree.map(jnp.add, aux, a)), layer_cache
-
-    if exe.remat != "none":
-        body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
-    (x_BTD, aux), cache = jax.lax.scan(body, (x_BTD, aux_zeros(cfg)), (stacked_state, cache))
-    return x_BTD, aux, cache
+    def __call__(self, batch):
+        return super().__call__(batch["inputs"], current_exec().dtype)
 
 
 class Transformer(nnx.Module):
     """Decoder-only transformer. ``__call__(tokens_BT) -> (logits_BTV, aux)``.
 
-    The pipeline runs it as three pieces (``triax.pipeline.stage.StackedModel``):
-    ``embed_tokens`` before the stack, ``run_blocks`` on each stage's slice of ``blocks``,
-    ``logits`` after it (the loss is ``triax.models.loss``).
+    It follows the one model protocol (``triax.models.protocol.PipelineModel``), so the
+    pipeline and the unpipelined loss run it as any model: ``embed`` (token embedding of
+    ``batch["inputs"]``), ``block`` on each layer of ``blocks``, and ``head_loss`` (the summed
+    next-token loss, ``triax.models.loss``) or, decoding, ``head_logits`` with the KV cache
+    scanned alongside the blocks.
     """
+
+    loss_metric = "ce"
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed = Embed(cfg, rngs)
+        self.embed = TokenEmbed(cfg, rngs)
 
         @nnx.split_rngs(splits=cfg.num_layers)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -106,25 +87,43 @@ class Transformer(nnx.Module):
             self.head_DV = param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"),
                                  cfg.init_std)
 
-    def embed_tokens(self, tokens_BT, exe: ExecConfig = ExecConfig()):
-        return self.embed(tokens_BT, exe.dtype)
+    # ---- the protocol ----------------------------------------------------------------------
+    def aux_zeros(self) -> dict:
+        """The per-step auxiliary scalars the stack accumulates (empty for dense models)."""
+        return {} if self.cfg.moe is None else moe.aux_zeros()
 
-    def run_blocks(self, x_BTD, positions_BT=None, vis: Optional[Visibility] = None,
-                   exe: ExecConfig = ExecConfig(), cache: Optional[Cache] = None):
-        """``(x_BTD, aux, cache)`` after every block. Positions default to ``0..T-1``; without
-        a cache, who sees whom defaults to causal (``triax.models.attention.Visibility``),
-        with one it comes from the cache positions."""
-        B, T = x_BTD.shape[:2]
+    def block_batch(self, batch, decoding: bool):
+        """Positions (default ``0..T-1``; a KV cache needs them) and who sees whom (causal,
+        or within packed documents; from the cache positions when decoding), once per stack."""
+        B, T = batch["inputs"].shape[:2]
+        positions_BT = batch.get("positions")
         if positions_BT is None:
-            if cache is not None:
-                raise ValueError("run_blocks with a KV cache needs positions_BT: the cache "
+            if decoding:
+                raise ValueError("decoding with a KV cache needs positions_BT: the cache "
                                  "position of every new token")
             positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if vis is None and cache is None:
+        vis = batch.get("vis", packed_visibility(batch.get("segment_ids"), batch.get("order")))
+        if vis is None and not decoding:
             vis = Visibility.causal(B, T)
-        gd, st = nnx.split(self.blocks)
-        return scan_blocks(gd, st, x_BTD, positions_BT, vis, self.cfg, exe, cache)
+        return {**batch, "positions": positions_BT, "vis": vis}
 
+    @staticmethod
+    def block(block: Block, x_BTD, batch, cache: Optional[Cache] = None):
+        return block(x_BTD, batch["positions"], batch["vis"], current_exec(), cache)
+
+    def head_loss(self, x_BTD, batch):
+        """``Σ weight · nll`` of the next tokens (``exe.loss_chunks`` slices at a time)."""
+        exe = current_exec()
+        return head_nll_sum(lambda y_BTD: self.logits(y_BTD, exe), x_BTD, batch["targets"],
+                            batch.get("weights"), exe.loss_chunks)
+
+    def loss_weight(self, batch):
+        return loss_denominator(batch["targets"], batch.get("weights"))
+
+    def head_logits(self, x_BTD, batch):
+        return self.logits(x_BTD, current_exec())
+
+    # ---- direct use ------------------------------------------------------------------------
     def logits(self, x_BTD, exe: ExecConfig = ExecConfig()):
         x_BTD = self.final_norm(x_BTD)
         if self.cfg.tie_embeddings:
@@ -137,7 +136,11 @@ class Transformer(nnx.Module):
                  exe: ExecConfig = ExecConfig(), cache: Optional[Cache] = None):
         """``(logits_BTV, aux)``; with a KV ``cache`` (``triax.models.decode``) the new
         tokens sit at ``positions_BT`` and ``(logits_BTV, aux, cache)`` is returned."""
-        x = self.embed_tokens(tokens_BT, exe)
-        x, aux, new_cache = self.run_blocks(x, positions_BT, vis, exe, cache)
+        batch = {"inputs": tokens_BT, **({} if positions_BT is None else
+                                          {"positions": positions_BT}),
+                 **({} if vis is None else {"vis": vis})}
+        with using_exec(exe):
+            x = self.embed(batch)
+        x, aux, new_cache = run_stack(self, x, batch, exe, cache)
         logits_BTV = self.logits(x, exe)
         return (logits_BTV, aux) if cache is None else (logits_BTV, aux, new_cache)

@@ -5,7 +5,7 @@ them. The planner asks this for every pipelined layout it weighs.
 
     >>> from triax.models import config
     >>> from triax.models.layers import ExecConfig
-    >>> from triax.pipeline.runner import PipelineConfig
+    >>> from triax.pipeline.pipelined import PipelineConfig
     >>> cfg = config.TINY.replace(num_layers=4)
     >>> b = activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), ExecConfig(), 2, 16)
     >>> sorted(b), b["stash"] > 0
@@ -23,6 +23,7 @@ from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.pipeline.buffers import nbytes
+from triax.models.protocol import run_stack
 from triax.pipeline.executor import loss_only, slot_buffer_bytes
 from triax.pipeline.split_backward import Residuals, SlotInputs, StageBackward, slot_layouts
 from triax.pipeline.jaxpr_inline import reads
@@ -33,7 +34,7 @@ from triax.pipeline.tick_program import compile_program
 from triax.sharding.partition import abstract_model
 
 if TYPE_CHECKING:
-    from triax.pipeline.runner import PipelineConfig
+    from triax.pipeline.pipelined import PipelineConfig
 
 
 def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig",
@@ -153,7 +154,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     tokens = sd((rows, seq_len), jnp.int32)
-    inputs = {"tokens": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
+    inputs = {"inputs": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
     consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
     extras = StageInputs(inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
     stage = Stage(am.graphdef, exe, "loss")
@@ -176,7 +177,7 @@ def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows
 @functools.lru_cache(maxsize=256)
 def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
                       seq_len: int) -> int:
-    """Bytes of the residuals one chunk's layer loop (``run_blocks``' scan) stacks for one
+    """Bytes of the residuals one chunk's layer loop (``run_stack``'s scan) stacks for one
     micro-batch: the stash's share that the loop itself emits (the embedding's and the
     head's residuals come from the stage's conditionals, outside it), those its pullback
     reads (XLA drops the rest from the loop). Traced abstractly."""
@@ -186,10 +187,10 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     stage = Stage(am.graphdef, exe, "loss")
     tokens = sd((rows, seq_len), jnp.int32)
-    x = sd(stage.activation(chunk, pieces, {"tokens": tokens}).shape, exe.dtype)
+    x = sd(stage.activation(chunk, pieces, {"inputs": tokens}).shape, exe.dtype)
 
     def blocks(chunk, pieces, x, extras):
-        y, aux, _ = stage.model(chunk, pieces).run_blocks(x, exe=exe)
+        y, aux, _ = run_stack(stage.model(chunk, pieces), x, {"inputs": tokens}, exe)
         return y, aux
     with using_constraint(None):
         res = Residuals.trace(blocks, chunk, pieces, x, ())

@@ -24,7 +24,7 @@ and nothing else.
     >>> am = abstract_model(config.TINY.replace(num_layers=1))
     >>> pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
     >>> ints = jax.ShapeDtypeStruct((2, 8), jnp.int32)
-    >>> extras = StageInputs({"tokens": ints, "targets": ints,
+    >>> extras = StageInputs({"inputs": ints, "targets": ints,
     ...                       "weights": jax.ShapeDtypeStruct((2, 8), jnp.float32)},
     ...                      {"inv_total_weight": jnp.float32(1)}, True, True)
     >>> x = jax.ShapeDtypeStruct((2, 8, 64), jnp.float32)

@@ -82,7 +82,7 @@ class Step:
     """What every tick of one step reads: the stage's parameters and inputs, the traced
     stage and its backward, and the program's static facts."""
 
-    apply: Any                # the stage (pipeline.stage.Stage, ProtocolStage)
+    apply: Any                # the stage (pipeline.stage.Stage)
     loss_apply: Any           # its stateless (chunk, pieces, x, extras) -> (y, loss)
     sb: Any                   # a split_backward.StageBackward; None without a backward
     layout: Any               # the stash slot's StashLayout; None without a backward

@@ -28,7 +28,7 @@ from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline import ScheduleKind
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.jaxpr_split import reads
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.context_costs import scheme_memory
 from triax.sharding.experts import varying_weight_axes
 from triax.sharding.rules import Rules, get_strategy

@@ -34,7 +34,7 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.layers import ExecConfig
 from triax.pipeline import DEFAULT_COSTS, OpKind, ScheduleKind
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.pipeline.timeline import LABELS
 from triax.sharding.introspect import op_costs
 from triax.training.step import Trainer

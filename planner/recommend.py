@@ -24,7 +24,7 @@ from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
 from triax.pipeline import ScheduleKind
-from triax.pipeline.runner import default_microbatches, unpipelinable_mesh_reason
+from triax.pipeline.pipelined import default_microbatches, unpipelinable_mesh_reason
 from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster

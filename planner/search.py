@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from triax.pipeline import ScheduleKind, chunks_per_stage
-from triax.pipeline.runner import unpipelinable_mesh_reason
+from triax.pipeline.pipelined import unpipelinable_mesh_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.memory import Assumptions

@@ -35,7 +35,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from triax import choices
 from triax.mesh.build import mesh_sizes
-from triax.models.attention import BLOCK_SIZE, AttentionFn, Visibility, kernel
+from triax.models.attention import BLOCK_SIZE, AttentionFn, kernel
+from triax.models.visibility import Visibility
 from triax.models.axes import using_constraint
 from triax.sharding.ring import LAYOUTS, RingSpec, ring_attention
 from triax.sharding.rules import Rules, ShardingError

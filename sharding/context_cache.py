@@ -38,7 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
-from triax.models.attention import Visibility, accumulate, combine, empty_partial, finish
+from triax.models.online_softmax import accumulate, combine, empty_partial, finish
+from triax.models.visibility import Visibility
 from triax.models.axes import constrain, using_constraint
 from triax.models.decode import CACHE_AXES, CacheAttentionFn
 from triax.sharding.context import check_scheme, context_attention, context_axes, context_size

@@ -44,9 +44,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from triax.models.attention import (BLOCK_SIZE, Partial, Visibility, empty_partial, finish,
-                                    fold_blocks, grad_blocks, log_sum_exp, no_grad,
+from triax.models.attention import (BLOCK_SIZE, fold_blocks, grad_blocks, log_sum_exp, no_grad,
                                     out_grad_dot, tie_to_queries)
+from triax.models.online_softmax import Partial, empty_partial, finish
+from triax.models.visibility import Visibility
 
 LAYOUTS = ("zigzag", "contiguous")   # the orders a caller may vouch for (None: any order)
 BRANCHES = {"zigzag": ("keys_head", "queries_tail"), "contiguous": ("skip", "full"),

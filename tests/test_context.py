@@ -141,7 +141,7 @@ def test_pipe2_context2_ring_matches(devices):
     device (loss, gradients, 3 steps), collective-permutes over ``context`` in the compiled
     program, and each op's skip branch running as many collective-permutes as its run
     branch (``pipeline.permute_parity``: without that, XLA:CPU mixes the stages' sends)."""
-    from triax.pipeline.runner import PipelineConfig
+    from triax.pipeline.pipelined import PipelineConfig
     from triax.sharding.introspect.branch_costs import op_conditionals
     cfg, rows = CFG.replace(num_layers=2), 4
     st = dataclasses.replace(get_strategy("dp"), context_attention="ring")
@@ -175,7 +175,7 @@ def test_pipe2_context2_ring_matches(devices):
 
 def visible_pairs_per_rank(order_T, C):
     """Unmasked (query, key) pairs each context rank's queries have, by the model's mask."""
-    from triax.models.attention import Visibility
+    from triax.models.visibility import Visibility
     order_BT = np.asarray(order_T)[None]
     visible_TS = np.asarray(Visibility.self_attention(order_BT).mask())[0]
     return visible_TS.reshape(C, -1, visible_TS.shape[1]).sum(axis=(1, 2))

@@ -6,7 +6,7 @@ import pytest
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.introspect import (bytes_over, collectives_from_compiled, op_costs,
                                        op_matmuls)
 from triax.sharding.partition import abstract_model

@@ -9,8 +9,8 @@ from data_helpers import make_tokenizer, sft_records, write_jsonl
 from triax.checkpoint import Checkpointer
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.models.attention import packed_visibility
-from triax.pipeline.runner import PipelineConfig
+from triax.models.visibility import packed_visibility
+from triax.pipeline.pipelined import PipelineConfig
 from triax.text import ByteTokenizer
 from triax.training.config import RunConfig
 from triax.training.loop import train

@@ -7,7 +7,7 @@ import pytest
 from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.training.step import Trainer
 
 CFG = config.TINY.replace(num_layers=2)

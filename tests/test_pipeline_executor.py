@@ -8,7 +8,7 @@ from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.pipeline import ScheduleError
-from triax.pipeline.runner import Pipeline, PipelineConfig, pipeline_forward
+from triax.pipeline.pipelined import Pipeline, PipelineConfig, pipeline_forward
 from triax.training.step import Trainer
 
 B, T = 8, 16

@@ -8,7 +8,7 @@ import pytest
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.introspect import collectives_from_compiled, memory_from_compiled
 
 CFG = config.TINY.replace(num_layers=2)

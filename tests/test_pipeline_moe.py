@@ -14,7 +14,7 @@ from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.loss import weighted_nll_sum
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.pipeline.schedules import ScheduleError
 from triax.sharding.introspect import collectives_from_compiled
 from triax.training.step import Trainer

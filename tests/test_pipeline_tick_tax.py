@@ -10,7 +10,7 @@ import pytest
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.introspect import memory_from_compiled
 from triax.sharding.introspect.loop_bytes import loop_bytes
 

@@ -9,7 +9,7 @@ import pytest
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.introspect.hlo import collectives_from_compiled
 from triax.training.step import Trainer
 

@@ -10,7 +10,7 @@ from triax.cli.main import main
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.pipeline import ScheduleError, ScheduleKind, build
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.planner import hardware
 from triax.planner.recommend import plan
 from triax.planner.memory import estimate, min_devices_for_weights
@@ -220,10 +220,10 @@ def test_pipelined_moe_with_expert_and_tensor_still_aborts_xla(devices):
         import jax
         from triax.mesh import make_mesh
         from triax.models import config
-        from triax.pipeline import runner
-        from triax.pipeline.runner import PipelineConfig
+        from triax.pipeline import pipelined
+        from triax.pipeline.pipelined import PipelineConfig
         from triax.training.step import Trainer
-        runner.unpipelinable_mesh_reason = lambda *a: None        # let it through
+        pipelined.experts_mesh_reason = lambda *a: None        # let it through
         t = Trainer(config.get("tiny-moe", num_layers=2), make_mesh(pipe=2, expert=2,
                     tensor=2), "tp", pipeline=PipelineConfig("1f1b", 2))
         t.lower(8, 16).compile()

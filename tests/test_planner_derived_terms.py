@@ -24,7 +24,7 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.config import MoEConfig
 from triax.models.moe import MoE
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.planner.activations import (_expert_weight_copies, layer_activation_elements,
                                        moe_residual_elements)
 from triax.planner.memory import _fresh_grad_elements

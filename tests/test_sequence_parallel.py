@@ -9,7 +9,7 @@ from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.planner.memory import estimate
 from triax.planner.verify import compile_figures
 from triax.planner.workload import Layout, Workload

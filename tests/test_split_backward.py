@@ -16,7 +16,7 @@ from triax.models import Transformer, config
 from triax.models.layers import ExecConfig
 from triax.pipeline.executor import loss_only
 from triax.pipeline.split_backward import StageBackward
-from triax.pipeline.stage import ProtocolStage, Stage
+from triax.pipeline.stage import Stage
 from triax.pipeline.stage_inputs import StageInputs
 
 B, T = 2, 8
@@ -56,7 +56,7 @@ def _transformer(name, remat="none"):
     params = nnx.to_pure_dict(state)
     pieces = {k: v for k, v in params.items() if k != "blocks"}
     k = jax.random.split(jax.random.key(1), 3)
-    inputs = {"tokens": jax.random.randint(k[0], (B, T), 0, cfg.vocab_size),
+    inputs = {"inputs": jax.random.randint(k[0], (B, T), 0, cfg.vocab_size),
               "targets": jax.random.randint(k[1], (B, T), 0, cfg.vocab_size),
               "weights": jnp.ones((B, T), jnp.float32)}
     x = jax.random.normal(k[2], (B, T, cfg.embed_dim))
@@ -71,7 +71,7 @@ def test_split_equals_full_backward_transformer(name, remat):
         assert sb.cut_bytes < 0.5 * sb.stash_bytes
 
 
-def test_split_equals_full_backward_protocol_stage():
+def test_split_equals_full_backward_user_model_stage():
     c = VitConfig(layers=2)
     trainer = triax.Trainer.for_model(lambda rngs: ViT(c, rngs), vit_loss,
                                       make_mesh(devices=jax.devices()[:1]), "dp",
@@ -80,7 +80,7 @@ def test_split_equals_full_backward_protocol_stage():
     pieces = {k: v for k, v in params.items() if k != "blocks"}
     inputs = jax.tree.map(jnp.asarray, image_batch(c, B))
     x = jax.random.normal(jax.random.key(2), (B, c.patches, c.dim))
-    _split_vs_full(loss_only(ProtocolStage(gd)), params["blocks"], pieces, inputs, x)
+    _split_vs_full(loss_only(Stage(gd)), params["blocks"], pieces, inputs, x)
 
 
 def test_stash_holds_activations_only():
@@ -89,7 +89,7 @@ def test_stash_holds_activations_only():
     head's transpose, rotary tables and masks are recomputed, and leaves the pullback never
     reads are dropped. What is left is activations, so the stash scales with the
     micro-batch's rows (up to a scalar or two of loss bookkeeping)."""
-    from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
+    from triax.pipeline.pipelined import PipelineConfig, activation_buffer_bytes
     cfg, exe = config.TINY.replace(num_layers=2), ExecConfig(compute_dtype="bfloat16")
     stash = [activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), exe, rows, 16)["stash"]
              for rows in (2, 4)]
@@ -102,7 +102,7 @@ def test_zero_bubble_schedules_hold_1f1b_activation_buffers():
     stages; the post-stack's residuals (final norm, head) sit in head cells with slots of
     their own, which only the last chunk's micro-batches take (ZB-V: two at once, 1F1B:
     one) instead of in every chunk's slot; B_in's cut lives in its micro-batch's slot."""
-    from triax.pipeline.runner import PipelineConfig, activation_buffer_bytes
+    from triax.pipeline.pipelined import PipelineConfig, activation_buffer_bytes
     cfg = config.TINY.replace(num_layers=8)
     total = {k: sum(activation_buffer_bytes(cfg, 4, PipelineConfig(k, 8), ExecConfig(), 2,
                                             16).values())

@@ -11,7 +11,7 @@ from user_models import (MIXER_RULES, Mixer, MixerConfig, ViT, VitConfig, image_
 
 import triax
 from triax.mesh import make_mesh
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding import ShardingError
 from triax.sharding.introspect import collectives_from_compiled, placement_table
 

@@ -6,7 +6,7 @@
 
 Many documents share one row: ``segment_ids`` (1, 2, … per document; 0 is padding) keep
 attention inside each document and ``positions`` restart at 0 for each, so a packed document
-sees exactly what it would see alone (``triax.models.attention.packed_visibility``). Padding and
+sees exactly what it would see alone (``triax.models.visibility.packed_visibility``). Padding and
 fine-tuning prompts have weight 0. Documents longer than a row are cut into row-sized pieces.
 
 Each process packs only its own records into the rows its devices hold; its Grain iterator

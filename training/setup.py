@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
-from triax.pipeline.runner import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig

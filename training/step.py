@@ -18,23 +18,21 @@ layer stack is then stored split over ``pipe`` and XLA gathers each layer where 
 """
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.models.config import ModelConfig
-from triax.models.attention import packed_visibility
 from triax.models.layers import ExecConfig
-from triax.models.loss import head_nll_sum, loss_denominator
-from triax.pipeline.runner import Pipeline, PipelineConfig
+from triax.models.protocol import stack_loss
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.context import context_size, zigzag_batch
-from triax.sharding.partition import (AbstractModel, abstract_model, activation_sharding,
+from triax.sharding.partition import (abstract_model, activation_sharding,
                                       batch_sharding, init_fn, param_shardings)
 from triax.sharding.introspect.placement import placement_table
 from triax.sharding.rules import Strategy, get_strategy
@@ -49,32 +47,12 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float3
                 "segment_ids": jnp.int32, "positions": jnp.int32}
 
 
-def packed_inputs(batch: Batch) -> tuple:
-    """``(positions_BT, vis)`` for the model: None, None (causal over ``0..T-1``) unless
-    the batch packs documents (``segment_ids``, ``positions``)."""
-    return batch.get("positions"), packed_visibility(batch.get("segment_ids"),
-                                                     batch.get("order"))
-
-
-def model_loss(am: AbstractModel, exe: ExecConfig):
-    """``loss(params, batch) -> (loss, aux)`` on the plain (unpipelined) model."""
-    def loss(params, batch):
-        model = nnx.merge(am.graphdef, params)
-        x_BTD, aux, _ = model.run_blocks(model.embed_tokens(batch["inputs"], exe),
-                                         *packed_inputs(batch), exe=exe)
-        ce = head_nll_sum(lambda y_BTD: model.logits(y_BTD, exe), x_BTD, batch["targets"],
-                          batch.get("weights"), exe.loss_chunks)
-        ce = ce / loss_denominator(batch["targets"], batch.get("weights"))
-        total = ce + sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
-        return total, {"ce": ce, **aux}
-    return loss
-
-
 class Trainer:
     """A model, a mesh and a strategy, compiled into ``init`` and ``step``.
 
     Internally it works from the abstract model (``self.abstract``: graph, shapes, logical
-    axes) and a loss function (``model_loss``). ``pipeline`` runs that loss through a
+    axes) and a loss function (``models.protocol.stack_loss`` unless a user's model brings
+    its own). ``pipeline`` runs that loss through a
     ``triax.pipeline`` schedule; ``loss_and_grad`` may replace it by any function with the
     signature ``(params, batch) -> ((loss, aux), grads)`` (the step stays the same).
     Every argument is hashable: ``triax.training.step_cache`` keys compiled steps on them.
@@ -121,7 +99,7 @@ class Trainer:
         """A Trainer for any Flax NNX model whose parameters carry logical axis names.
 
         ``make_model(rngs) -> nnx.Module``; ``loss_fn(model, batch) -> (loss, aux dict)``, or
-        None when the model follows ``triax.pipeline.stage.PipelineModel`` (its
+        None when the model follows ``triax.models.protocol.PipelineModel`` (its
         ``head_loss`` then defines the loss, pipelined or not); ``rules`` add the model's own
         logical names to the strategy preset (a value is mesh axes, a name the preset knows,
         or None); ``default="replicate"`` replicates parameters without names. Every other
@@ -187,10 +165,12 @@ class Trainer:
 
     # ---- step ------------------------------------------------------------------------------
     def loss_fn(self) -> Callable:
-        """``(params, batch) -> (loss, aux)`` of the model, unpipelined."""
-        if self.user_model is not None:
-            return user_loss(self.abstract, self.user_model.loss_fn)
-        return model_loss(self.abstract, self.exe)
+        """``(params, batch) -> (loss, aux)`` of the model, unpipelined: the protocol's
+        ``stack_loss`` (the built-in model, a user's without ``loss_fn``) or the user's."""
+        fn = stack_loss if self.user_model is None else self.user_model.loss_fn
+        if fn is stack_loss:
+            fn = partial(stack_loss, exe=self.exe)
+        return user_loss(self.abstract, fn)
 
     def loss_and_grad(self, params, batch):
         """``((loss, aux), grads)`` for one batch: the pipeline's, a custom one, or autodiff."""

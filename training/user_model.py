@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from flax import nnx
 
-from triax.pipeline.stage import missing_protocol, protocol_loss
+from triax.models.protocol import missing_protocol, stack_loss
 from triax.sharding.partition import AbstractModel, abstract_module
 
 
@@ -41,8 +41,8 @@ class UserModel:
     def of(cls, make_model, loss_fn=None, rules: Optional[Mapping[str, Any]] = None,
            default: Optional[str] = None) -> "UserModel":
         """``loss_fn=None``: the model's pipeline protocol defines the loss
-        (``head_loss`` of the stacked forward ÷ ``loss_weight``; see ``protocol_loss``)."""
-        loss_fn = protocol_loss if loss_fn is None else loss_fn
+        (``head_loss`` of the stacked forward ÷ ``loss_weight``; see ``stack_loss``)."""
+        loss_fn = stack_loss if loss_fn is None else loss_fn
         if not callable(make_model) or not callable(loss_fn):
             raise TypeError("Trainer.for_model(make_model, loss_fn, ...): both must be callables "
                             "(rngs -> nnx.Module, and (model, batch) -> (loss, aux))")
@@ -52,7 +52,7 @@ class UserModel:
     def abstract(self) -> AbstractModel:
         """The model described abstractly (``abstract_module``), checked against the protocol."""
         am = abstract_module(self.make_model, default=self.default)
-        if self.loss_fn is protocol_loss:
+        if self.loss_fn is stack_loss:
             with nnx.use_eager_sharding(False):
                 missing = missing_protocol(nnx.eval_shape(lambda: self.make_model(nnx.Rngs(0))))
             if missing:

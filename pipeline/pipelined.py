@@ -33,12 +33,13 @@ from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
+from triax.models.protocol import loss_metric, loss_weight, missing_protocol
 from triax.pipeline.executor import DATA, PIPE, RunResult, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
-from triax.pipeline.stage import ProtocolStage, Stage, loss_weight, missing_protocol
+from triax.pipeline.stage import Stage
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.pipeline.tick_program import compile_program
 from triax.sharding.experts import expert_parallel_size
@@ -62,7 +63,9 @@ def default_decode_microbatches(stages: int) -> int:
 def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
                               rules) -> Optional[str]:
     """Why the executor cannot pipeline ``cfg`` on a mesh of ``sizes`` under ``rules`` (None
-    when it can): the one home of that fact, which ``Pipeline`` raises and the planner asks.
+    when it can), as the planner asks it of a workload (a config, or None for a bare
+    parameter count); ``Pipeline`` asks :func:`experts_mesh_reason` of any model with an
+    expert stack, so both refuse the same meshes.
 
     An MoE stack with its experts split over ``expert`` and the expert FFN over ``tensor``
     makes XLA's SPMD partitioner abort the compile (``spmd_partitioner_util.cc`` "Check
@@ -70,7 +73,15 @@ def unpipelinable_mesh_reason(cfg: Optional[ModelConfig], sizes: dict[str, int],
     pipe=2 × expert=2 × tensor=2 with ``tp``: refused, with the way round, rather than
     killing the process (``tests/test_planner_decide.py`` keeps a reproducer).
     """
-    if cfg is None or cfg.moe is None or sizes.get(PIPE, 1) < 2:
+    if cfg is None or cfg.moe is None:   # the planner's workloads: a config or a size
+        return None
+    return experts_mesh_reason(sizes, rules)
+
+
+def experts_mesh_reason(sizes: dict[str, int], rules) -> Optional[str]:
+    """:func:`unpipelinable_mesh_reason` for a model with an expert stack: the one home of
+    the fact."""
+    if sizes.get(PIPE, 1) < 2:
         return None
     if rules.split_size("experts", sizes) > 1 and rules.split_size("expert_mlp", sizes) > 1:
         return ("a pipelined MoE stack with experts split over 'expert' and the expert FFN "
@@ -103,19 +114,23 @@ class Pipeline:
                  strategy: "str | Strategy" = "dp", config: PipelineConfig = PipelineConfig(),
                  exe: ExecConfig = ExecConfig()):
         """``model``: the built-in decoder's config, or any model's :class:`AbstractModel`
-        (``triax.sharding.abstract_module``) that follows ``stage.PipelineModel``."""
+        (``triax.sharding.abstract_module``): either follows ``models.protocol.PipelineModel``."""
         sizes = mesh_sizes(mesh)
         self.stages = sizes.get(PIPE, 1)
         if self.stages < 2:
             raise ScheduleError(f"a pipeline needs a mesh with pipe >= 2, got {sizes}")
         am = model if isinstance(model, AbstractModel) else abstract_model(model)
-        reason = None if am.cfg is not None else _protocol_problem(am)
+        reason = _protocol_problem(am)
         if reason is not None:
             raise ScheduleError(reason)
-        self.cfg, self.mesh, self.exe, self.config = am.cfg, mesh, exe, config
+        self.mesh, self.exe, self.config = mesh, exe, config
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
         self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
-        reason = unpipelinable_mesh_reason(am.cfg, sizes, self.strategy.rules)
+        # A stack of experts (a parameter named "experts", e.g. models.moe.MoE) routes its
+        # tokens with an all-to-all over the expert axis, whoever wrote the model.
+        self.experts = any("experts" in names for names in
+                           jax.tree.leaves(am.logical, is_leaf=lambda x: isinstance(x, tuple)))
+        reason = experts_mesh_reason(sizes, self.strategy.rules) if self.experts else None
         if reason is not None:
             raise ScheduleError(f"mesh {sizes}, strategy {self.strategy.name}: {reason}")
         self.schedule = config.build(self.stages)
@@ -130,11 +145,13 @@ class Pipeline:
 
     def activation_buffer_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
         """:func:`activation_buffer_bytes` of this pipeline's training step."""
-        if self.cfg is None:
-            raise ValueError("activation_buffer_bytes prices the built-in decoder; for a "
-                             "user's model read the compiled step's memory_analysis")
+        cfg = self.abstract.cfg
+        if cfg is None:   # the pricing traces a model from its config
+            raise ValueError("activation_buffer_bytes prices a model from its ModelConfig; "
+                             "for a model without one read the compiled step's "
+                             "memory_analysis")
         rows = self._check_batch(batch_size, self.schedule.microbatches)
-        return activation_buffer_bytes(self.cfg, self.stages, self.config, self.exe, rows,
+        return activation_buffer_bytes(cfg, self.stages, self.config, self.exe, rows,
                                        seq_len)
 
     @cached_property
@@ -167,8 +184,7 @@ class Pipeline:
                 f"batch {B} must split into {self.data} data shard(s) x {M} micro-batches; "
                 f"choose a batch size that is a multiple of {self.data * M}")
         micro = B // (self.data * M)
-        ep = 1 if self.cfg is None or self.cfg.moe is None else expert_parallel_size(
-            self.mesh, self.strategy.rules)
+        ep = expert_parallel_size(self.mesh, self.strategy.rules) if self.experts else 1
         if micro % ep:
             raise ScheduleError(
                 f"a micro-batch of {micro} rows per data shard must split over the expert "
@@ -177,9 +193,12 @@ class Pipeline:
         return micro
 
     @cached_property
+    def _model(self):
+        """The model, abstract (its attributes, e.g. the protocol's ``loss_metric``)."""
+        return nnx.merge(self.abstract.graphdef, self.abstract.shapes)
+
+    @cached_property
     def _stages(self) -> dict:
-        if self.cfg is None:   # a user's model: its own embed / block / head_loss
-            return {"loss": ProtocolStage(self.abstract.graphdef)}
         return {head: Stage(self.abstract.graphdef, self.exe, head) for head in ("loss", "logits")}
 
     def _forward_schedule(self) -> Schedule:
@@ -259,23 +278,13 @@ class Pipeline:
         return RunResult(loss, outputs, state, g_blocks, g_pieces)
 
     def _loss_run(self, schedule: Schedule, params, batch):
-        if self.cfg is None:
-            model = nnx.merge(self.abstract.graphdef, params)
-            consts = {"inv_total_weight": 1.0 / loss_weight(model, batch)}
-            r = self._run(schedule, self._stages["loss"], params,
-                          self._data_major(dict(batch)), consts)
-            return r.loss, r.grad_blocks, r.grad_pieces
-        weights = batch.get("weights")
-        if weights is None:
-            weights = jnp.ones(batch["inputs"].shape, jnp.float32)
-        weights = weights.astype(jnp.float32)
-        inputs = {"tokens": batch["inputs"], "targets": batch["targets"], "weights": weights,
-                  # packed documents: their boundaries travel with each micro-batch's tokens
-                  # and the zigzag layout's causal order (training.step.Trainer.balanced)
-                  **{k: batch[k] for k in ("segment_ids", "positions", "order") if k in batch}}
-        consts = {"inv_total_weight": 1.0 / jnp.maximum(jnp.sum(weights), 1.0),
+        model = nnx.merge(self.abstract.graphdef, params)
+        consts = {"inv_total_weight": 1.0 / loss_weight(model, batch),
                   "aux_scale": jnp.float32(1.0 / (schedule.microbatches * self.data))}
-        r = self._run(schedule, self._stages["loss"], params, self._data_major(inputs), consts)
+        # Every leaf of the batch travels with its rows (packed documents' boundaries, the
+        # zigzag layout's causal order: training.step.Trainer.balanced).
+        r = self._run(schedule, self._stages["loss"], params, self._data_major(dict(batch)),
+                      consts)
         return r.loss, r.grad_blocks, r.grad_pieces
 
     def _data_major(self, tree):
@@ -307,7 +316,8 @@ class Pipeline:
         """``(loss, aux)`` from the stages' summed loss (a dict with a MoE's aux losses)."""
         if isinstance(loss, dict):
             return loss["loss"], {k: v for k, v in loss.items() if k != "loss"}
-        return loss, {} if self.cfg is None else {"ce": loss}
+        metric = loss_metric(self._model)
+        return loss, {metric: loss} if metric else {}
 
     def loss_and_grad(self, params, batch):
         """``((loss, aux), grads)`` of the whole model; same contract as the train step's.
@@ -325,7 +335,7 @@ class Pipeline:
         """``(logits_BTV, cache)`` for ``T`` new tokens per row at ``positions_BT``, through
         the forward-only schedule; each stage reads and writes its own layers' KV cache
         (``triax.models.decode``), micro-batch by micro-batch."""
-        inputs = {"tokens": tokens_BT, "positions": positions_BT}
+        inputs = {"inputs": tokens_BT, "positions": positions_BT}
         r = self._run(self._forward_schedule(), self._stages["logits"], params, inputs, {},
                       cache)
         return r.outputs[-1], r.state
@@ -342,16 +352,19 @@ def _stats_over_data(inner):
 
 
 def _protocol_problem(am: AbstractModel) -> Optional[str]:
-    """Why a user's model cannot be pipelined (None when it follows the protocol)."""
+    """Why a model cannot be pipelined (None when it follows the protocol)."""
     with nnx.use_eager_sharding(False):
-        model = nnx.eval_shape(lambda: am.make(nnx.Rngs(0)))
-    missing = missing_protocol(model)
+        missing = missing_protocol(nnx.merge(am.graphdef, am.shapes))
     if missing or "blocks" not in am.shapes:
-        return (f"{type(model).__name__} cannot be pipelined: it lacks {missing or ['blocks']} "
-                f"of the protocol triax.pipeline.stage.PipelineModel (a stack of identical "
+        return (f"{_model_name(am)} cannot be pipelined: it lacks {missing or ['blocks']} "
+                f"of the protocol triax.models.protocol.PipelineModel (a stack of identical "
                 f"blocks named 'blocks', embed(batch), block(block, x, batch), "
                 f"head_loss(x, batch)); see docs/your_model.md")
     return None
+
+
+def _model_name(am: AbstractModel) -> str:
+    return type(nnx.merge(am.graphdef, am.shapes)).__name__
 
 
 def pipeline_forward(cfg: ModelConfig, mesh: Mesh, strategy="dp",

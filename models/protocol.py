@@ -1,0 +1,163 @@
+"""The one model protocol: pre-stack → a scanned stack of identical blocks → post-stack.
+
+Every model triax pipelines or trains from its protocol follows :class:`PipelineModel`: a
+user's ViT and the built-in ``Transformer`` alike. This module holds the one stack scan
+(:func:`run_stack`), the one loss (:func:`stack_loss`) and the one check
+(:func:`missing_protocol`); a pipeline stage runs the same pieces on its own chunk.
+
+How to run (compute dtype, remat, attention kernel, loss chunks) is not part of a model's
+signature: :func:`run_stack` and :func:`stack_loss` take an ``ExecConfig`` and install it for
+the model's methods (:func:`current_exec`), as ``models.axes`` installs the sharding hook.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from triax.models import Transformer, config
+    >>> model = Transformer(config.TINY, nnx.Rngs(0))
+    >>> missing_protocol(model)
+    []
+    >>> batch = {"inputs": jnp.zeros((2, 8), jnp.int32), "targets": jnp.zeros((2, 8), jnp.int32)}
+    >>> loss, aux = stack_loss(model, batch)
+    >>> sorted(aux)
+    ['ce']
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, Optional, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from triax.models.layers import ExecConfig
+
+REMAT_POLICIES: dict[str, Optional[Callable]] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+REQUIRED = ("blocks", "embed", "block", "head_loss")
+
+
+class PipelineModel(Protocol):
+    """What a model provides to be pipelined (and to get its loss from the protocol).
+
+    ``blocks`` is a stack of identical blocks with a leading layers axis (``nnx.vmap`` with
+    ``PARTITION_NAME: "layers"``); every other parameter belongs to the pre- or post-stack.
+    ``batch`` is the micro-batch (a dict of arrays, leading axis = rows).
+    """
+
+    blocks: Any
+
+    def embed(self, batch): ...                   # pre-stack (first stage): -> x
+
+    @staticmethod
+    def block(block, x, batch): ...               # one block (every stage): -> x or (x, aux)
+
+    def head_loss(self, x, batch): ...            # post-stack (last stage): summed loss
+
+    # Optional, each with a default (see the functions below):
+    #   loss_weight(batch): what the summed loss is divided by (default: the rows);
+    #   aux_zeros(): the zeroed aux dict ``block`` returns in ``(x, aux)``, summed over the
+    #     layers (default {}); a key ending in "_loss_weighted" is added to the loss;
+    #   loss_metric: the aux key the head's mean loss is also reported under (default none);
+    #   block_batch(batch, decoding): what every block reads, computed once before the
+    #     scan (default: the batch);
+    #   decoding: ``block(block, x, batch, cache) -> (x, aux, cache)`` with a per-layer
+    #     cache scanned alongside, and ``head_logits(x, batch)`` (the built-in decoder).
+
+
+def missing_protocol(model) -> list[str]:
+    """The :class:`PipelineModel` members ``model`` lacks (empty when it follows it)."""
+    return [name for name in REQUIRED if not hasattr(model, name)]
+
+
+def loss_weight(model, batch):
+    """The total a model's summed loss is divided by, for the whole batch."""
+    fn = getattr(model, "loss_weight", None)
+    if fn is not None:
+        return jnp.asarray(fn(batch), jnp.float32)
+    return jnp.float32(jax.tree.leaves(batch)[0].shape[0])
+
+
+def aux_zeros(model) -> dict:
+    """The auxiliary scalars ``model``'s blocks add up (empty unless it defines them)."""
+    fn = getattr(model, "aux_zeros", None)
+    return {} if fn is None else fn()
+
+
+def loss_metric(model) -> Optional[str]:
+    """The aux key the head's mean loss is reported under as well (None: not reported)."""
+    return getattr(model, "loss_metric", None)
+
+
+_EXEC: contextvars.ContextVar[ExecConfig] = contextvars.ContextVar("triax_exec",
+                                                                  default=ExecConfig())
+
+
+def current_exec() -> ExecConfig:
+    """How the protocol's caller runs the model (``ExecConfig()`` outside of one)."""
+    return _EXEC.get()
+
+
+@contextlib.contextmanager
+def using_exec(exe: ExecConfig):
+    token = _EXEC.set(exe)
+    try:
+        yield
+    finally:
+        _EXEC.reset(token)
+
+
+def _block_out(out):
+    """``block``'s result as ``(x, aux, cache)``: it may return x, (x, aux) or all three."""
+    if not isinstance(out, tuple):
+        return out, {}, None
+    return out if len(out) == 3 else (*out, None)
+
+
+def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[Any] = None):
+    """``(x, aux, cache)``: ``model.block`` scanned over the ``blocks`` stack (any leading
+    layer count, so a stage runs it on its own chunk), ``aux`` summed over the layers.
+
+    ``cache`` (leaves with the same leading layers axis) is scanned alongside the blocks and
+    returned updated (None without one); ``exe.remat`` checkpoints each layer."""
+    with using_exec(exe):
+        prepare = getattr(model, "block_batch", None)
+        batch = batch if prepare is None else prepare(batch, cache is not None)
+        graphdef, stack = nnx.split(model.blocks)
+        block = type(model).block
+
+        def body(carry, layer):
+            x, aux = carry
+            layer_state, layer_cache = layer
+            extra = () if layer_cache is None else (layer_cache,)
+            y, a, layer_cache = _block_out(block(nnx.merge(graphdef, layer_state), x, batch,
+                                                 *extra))
+            return (y.astype(x.dtype), jax.tree.map(jnp.add, aux, a)), layer_cache
+
+        if exe.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
+        (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)), (stack, cache))
+    return x, aux, cache
+
+
+def with_aux(loss, aux: dict, model):
+    """``(loss + Σ aux "_loss_weighted", {metric: loss, **aux})``: the total a model's
+    auxiliary terms add to, and what is reported (``loss_metric``)."""
+    metric = loss_metric(model)
+    total = loss + sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
+    return total, {**({metric: loss} if metric else {}), **aux}
+
+
+def stack_loss(model, batch, exe: ExecConfig = ExecConfig()):
+    """The unpipelined loss ``(head_loss / loss_weight + weighted aux, aux)`` — what
+    ``Trainer`` uses for the built-in model and for a user's model without a ``loss_fn``, so
+    pipelined and unpipelined runs share one definition of the loss."""
+    with using_exec(exe):
+        y, aux, _ = run_stack(model, model.embed(batch), batch, exe)
+        loss = model.head_loss(y, batch).astype(jnp.float32) / loss_weight(model, batch)
+    return with_aux(loss, aux, model)
