@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from tables import BENCHMARKS_MD, write_section  # (bench/ is the script's dir)
 
 from triax.models import attention as A
+from triax.models import visibility as V
 from triax.units import human_bytes
 
 HEADING = "## Attention implementations"
@@ -28,7 +29,7 @@ def measure(name: str, B: int, T: int, reps: int) -> tuple[float, int]:
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(kq, (B, T, N, H))
     k, v = jax.random.normal(kk, (B, T, K, H)), jax.random.normal(kv, (B, T, K, H))
-    vis = A.Visibility.causal(B, T)
+    vis = V.Visibility.causal(B, T)
     fn = A.IMPLEMENTATIONS[name]
     step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, vis) ** 2), argnums=(0, 1, 2)))
     compiled = step.lower(q, k, v).compile()

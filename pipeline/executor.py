@@ -74,7 +74,7 @@ class TickResult(NamedTuple):
 
 
 class RunResult(NamedTuple):
-    """What one pipelined run returns (``runner.Pipeline._run``), outside ``shard_map``."""
+    """What one pipelined run returns (``pipelined.Pipeline._run``), outside ``shard_map``."""
 
     loss: Any         # summed over stages and data shards
     outputs: Any      # per-micro-batch outputs, leaves [S, B, ...] (the last stage's: the model's)

@@ -53,6 +53,22 @@ def context_size(mesh: Mesh, rules: Rules) -> int:
     return rules.split_size("seq", mesh_sizes(mesh))
 
 
+def context_axis(mesh: Mesh, rules: Rules) -> Optional[str]:
+    """The one mesh axis the sequence is split over (None: not split); refused when the
+    rules split it over several, since context attention runs over one."""
+    axes = context_axes(mesh, rules)
+    if len(axes) > 1:
+        raise ShardingError(f"rules map 'seq' to {axes}; context parallelism runs over one "
+                            f"mesh axis (map 'seq' to 'context')")
+    return axes[0] if axes else None
+
+
+def split_batch_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    """The batch's mesh axes of size > 1."""
+    sizes = mesh_sizes(mesh)
+    return tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
+
+
 def check_scheme(scheme: str) -> str:
     if scheme not in SCHEMES:
         raise ShardingError(f"context attention scheme {scheme!r}: choose one of "
@@ -114,15 +130,10 @@ def context_attention(mesh: Mesh, rules: Rules, scheme: str = "all-gather",
     if layout is not None and layout not in LAYOUTS:
         raise ShardingError(f"context layout {layout!r}: choose one of {', '.join(LAYOUTS)} "
                             f"or None (any order)")
-    axes = context_axes(mesh, rules)
-    if not axes:
+    axis = context_axis(mesh, rules)
+    if axis is None:
         return None
-    if len(axes) > 1:
-        raise ShardingError(f"rules map 'seq' to {axes}; context parallelism runs over one "
-                            f"mesh axis (map 'seq' to 'context')")
-    axis, C = axes[0], context_size(mesh, rules)
-    sizes = mesh_sizes(mesh)
-    batch_axes = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
+    C, batch_axes = context_size(mesh, rules), split_batch_axes(mesh, rules)
 
     def hook(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str):
         T, S = q_BTNH.shape[1], k_BSKH.shape[1]

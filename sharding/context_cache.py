@@ -42,7 +42,8 @@ from triax.models.online_softmax import accumulate, combine, empty_partial, fini
 from triax.models.visibility import Visibility
 from triax.models.axes import constrain, using_constraint
 from triax.models.decode import CACHE_AXES, CacheAttentionFn
-from triax.sharding.context import check_scheme, context_attention, context_axes, context_size
+from triax.sharding.context import (check_scheme, context_attention, context_axis, context_size,
+                                    split_batch_axes)
 from triax.sharding.rules import Rules, ShardingError
 
 _SEQ = CACHE_AXES.index("kv_seq")   # the cache's positions dimension
@@ -192,12 +193,8 @@ def context_cache(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
                   ) -> Optional[ContextCache]:
     """The context-split KV cache of ``mesh`` (None without a context axis)."""
     check_scheme(scheme)
-    axes = context_axes(mesh, rules)
-    if not axes:
+    axis = context_axis(mesh, rules)
+    if axis is None:
         return None
-    if len(axes) > 1:
-        raise ShardingError(f"rules map 'seq' to {axes}; context parallelism runs over one "
-                            f"mesh axis (map 'seq' to 'context')")
-    sizes = mesh_sizes(mesh)
-    rows = tuple(a for a in rules.mesh_axes("batch") if sizes.get(a, 1) > 1)
-    return ContextCache(mesh, rules, scheme, axes[0], context_size(mesh, rules), rows)
+    return ContextCache(mesh, rules, scheme, axis, context_size(mesh, rules),
+                        split_batch_axes(mesh, rules))

@@ -5,6 +5,8 @@ import numpy as np
 import pytest
 
 from triax.models import attention as A
+from triax.models import online_softmax as OS
+from triax.models import visibility as V
 
 
 def _qkv(B=2, T=8, N=4, K=2, H=8, seed=0):
@@ -22,34 +24,34 @@ def _segments():
 def test_online_softmax_over_key_blocks_equals_reference(packed, blocks):
     q, k, v = _qkv()
     B, T = q.shape[:2]
-    vis = A.packed_visibility(_segments()) if packed else A.Visibility.causal(B, T)
+    vis = V.packed_visibility(_segments()) if packed else V.Visibility.causal(B, T)
     want = A.reference(q, k, v, vis)
-    part, S = A.empty_partial(q), T // blocks
+    part, S = OS.empty_partial(q), T // blocks
     for b in range(blocks):   # keys in reverse order: the result must not depend on it
         sl = slice(T - (b + 1) * S, T - b * S)
         kvis = vis.keys(vis.k_order_BS[:, sl],
                         None if vis.k_segment_BS is None else vis.k_segment_BS[:, sl])
-        part = A.accumulate(part, q, k[:, sl], v[:, sl], kvis)
-    np.testing.assert_allclose(A.finish(part, q.dtype), want, rtol=1e-5, atol=1e-6)
+        part = OS.accumulate(part, q, k[:, sl], v[:, sl], kvis)
+    np.testing.assert_allclose(OS.finish(part, q.dtype), want, rtol=1e-5, atol=1e-6)
 
 
 def test_merge_of_disjoint_partials_equals_reference():
     q, k, v = _qkv(seed=1)
-    vis = A.Visibility.causal(*q.shape[:2])
-    lo = A.accumulate(A.empty_partial(q), q, k[:, :3], v[:, :3], vis.keys(vis.k_order_BS[:, :3]))
-    hi = A.accumulate(A.empty_partial(q), q, k[:, 3:], v[:, 3:], vis.keys(vis.k_order_BS[:, 3:]))
-    np.testing.assert_allclose(A.finish(A.merge(hi, lo), q.dtype), A.reference(q, k, v, vis),
+    vis = V.Visibility.causal(*q.shape[:2])
+    lo = OS.accumulate(OS.empty_partial(q), q, k[:, :3], v[:, :3], vis.keys(vis.k_order_BS[:, :3]))
+    hi = OS.accumulate(OS.empty_partial(q), q, k[:, 3:], v[:, 3:], vis.keys(vis.k_order_BS[:, 3:]))
+    np.testing.assert_allclose(OS.finish(OS.merge(hi, lo), q.dtype), A.reference(q, k, v, vis),
                                rtol=1e-5, atol=1e-6)
 
 
 def test_cache_visibility_sees_slots_up_to_the_position():
-    m = A.Visibility.cache(jnp.array([[2], [0]]), 4).mask()
+    m = V.Visibility.cache(jnp.array([[2], [0]]), 4).mask()
     assert np.asarray(m)[:, 0].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
 
 
 def test_hook_replaces_attention_and_unknown_implementation_is_named():
     q, k, v = _qkv()
-    vis = A.Visibility.causal(*q.shape[:2])
+    vis = V.Visibility.causal(*q.shape[:2])
     with A.using_attention(lambda q, k, v, vis, impl: jnp.zeros_like(q)):
         assert float(jnp.abs(A.attention(q, k, v, vis)).sum()) == 0.0
     with pytest.raises(ValueError, match="'nope'.*reference"):
@@ -58,7 +60,7 @@ def test_hook_replaces_attention_and_unknown_implementation_is_named():
 
 def test_a_query_that_sees_no_key_gets_zeros():
     q, k, v = _qkv(T=4)
-    vis = A.Visibility.causal(*q.shape[:2])
+    vis = V.Visibility.causal(*q.shape[:2])
     later = vis.keys(vis.k_order_BS + 4)            # every key after every query
-    part = A.accumulate(A.empty_partial(q), q, k, v, later)
-    assert float(jnp.abs(A.finish(part, q.dtype)).max()) == 0.0
+    part = OS.accumulate(OS.empty_partial(q), q, k, v, later)
+    assert float(jnp.abs(OS.finish(part, q.dtype)).max()) == 0.0

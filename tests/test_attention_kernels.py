@@ -11,6 +11,7 @@ from flax import nnx
 from tests.tree_checks import assert_trees_close
 from triax.models import Transformer, config
 from triax.models import attention as A
+from triax.models import visibility as V
 from triax.models.layers import ExecConfig
 from triax.training.config import RunConfig
 
@@ -21,9 +22,9 @@ KERNELS = {"blockwise": partial(A.blockwise, block_size=BLOCK), "dot_product": A
 
 def _visibility(kind, B):
     if kind == "causal":
-        return A.Visibility.causal(B, T)
+        return V.Visibility.causal(B, T)
     segments = jnp.array([[1] * 5 + [2] * 6 + [0] * 2, [3] * 2 + [1] * 11])
-    return A.packed_visibility(segments)
+    return V.packed_visibility(segments)
 
 
 def _loss_and_grads(fn, q, k, v, vis):
@@ -78,7 +79,7 @@ def test_whole_model_loss_and_grads_blockwise_equal_reference(monkeypatch):
 def _temp_bytes(fn, T, B=1, N=4, K=2, H=16):
     q = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.float32)
-    step = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, A.Visibility.causal(B, T)) ** 2),
+    step = jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, V.Visibility.causal(B, T)) ** 2),
                     argnums=(0, 1, 2))
     return jax.jit(step).lower(q, kv, kv).compile().memory_analysis().temp_size_in_bytes
 
