@@ -145,11 +145,17 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
     return x, aux, cache
 
 
+def weighted_aux(aux: dict):
+    """What a model's auxiliary terms add to its loss: the sum of the keys ending in
+    ``_loss_weighted`` (0 when there are none)."""
+    return sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
+
+
 def with_aux(loss, aux: dict, model):
-    """``(loss + Σ aux "_loss_weighted", {metric: loss, **aux})``: the total a model's
+    """``(loss + weighted_aux(aux), {metric: loss, **aux})``: the total a model's
     auxiliary terms add to, and what is reported (``loss_metric``)."""
     metric = loss_metric(model)
-    total = loss + sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
+    total = loss + weighted_aux(aux)
     return total, {**({metric: loss} if metric else {}), **aux}
 
 

@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.models.layers import ExecConfig
-from triax.models.protocol import PipelineModel, loss_metric, run_stack, using_exec
+from triax.models.protocol import (PipelineModel, loss_metric, run_stack, using_exec,
+                                   weighted_aux)
 
 
 @dataclass(frozen=True, eq=False)
@@ -102,8 +103,7 @@ def _with_aux(ce, aux: dict, consts: dict, metric: Optional[str]):
     if not aux:
         return ce
     scale = consts["aux_scale"]
-    weighted = sum(v for k, v in aux.items() if k.endswith("_loss_weighted"))
-    return {"loss": ce + scale * weighted,
+    return {"loss": ce + scale * weighted_aux(aux),
             **({metric: jax.lax.stop_gradient(ce)} if metric else {}),
             **{k: jax.lax.stop_gradient(v) * scale for k, v in aux.items()}}
 

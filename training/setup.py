@@ -1,7 +1,8 @@
 """One path from a ``RunConfig`` to a runnable run: mesh, pipeline choice, batch check, trainer.
 
 ``triax train``, ``triax inspect``, ``triax.planner.verify`` and the run-level benches
-(``bench/train.py``, ``bench/pipeline.py``, ``bench/strategies.py``) start here, so whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
+(``bench/train.py``, ``bench/pipeline.py``, ``bench/strategies.py``) start here, so
+whether and how to pipeline is decided once (``pipeline_for``): a mesh with ``pipe > 1``
 runs ``triax.pipeline``'s schedule (every built-in model pipelines, MoE included). The
 schedule is built here, so a bad
 schedule / micro-batch combination fails before anything compiles.
