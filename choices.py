@@ -38,6 +38,11 @@ CONTEXT_SCHEMES = ("all-gather", "ring")
 PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
+# How a run's layout is chosen: as the flags say, or searched, compiled and checked against
+# the devices' memory (``triax.planner.auto``); and what the search ranks by.
+PLAN_MODES = ("flags", "auto")
+OBJECTIVES = ("throughput", "latency")
+
 # What a NaN/inf loss does (``triax.training.faults``).
 NONFINITE_MODES = ("stop", "skip", "rollback")
 

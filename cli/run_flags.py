@@ -72,5 +72,6 @@ def add_run_flags(p: argparse.ArgumentParser, names: Optional[Iterable[str]] = N
 
 
 def run_values(args: argparse.Namespace) -> dict:
-    """The ``RunConfig`` fields given on the command line."""
+    """The ``RunConfig`` fields given on the command line: every flag defaults to None, the
+    one sentinel that tells a given flag from a default (``--plan auto`` keeps these fixed)."""
     return {k: v for k, v in vars(args).items() if k in FIELDS and v is not None}

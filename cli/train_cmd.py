@@ -5,12 +5,15 @@
         --steps 100 --seed 0 --batch-size 16 --seq-len 128 --log-json run.jsonl \\
         --checkpoint-dir ckpt --checkpoint-every 50
     triax train --config run.toml --steps 300 --resume     # flags override the file
+    triax train --plan auto --device-memory 64MiB --dry-run  # choose the layout, print it
+    triax train --plan auto --strategy fsdp --steps 100      # fsdp fixed, the rest searched
 
 Every ``RunConfig`` field is a flag (``triax.cli.run_flags``).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from triax.cli.common import start_devices
@@ -25,6 +28,11 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="TOML or YAML file with the same keys; flags override it")
     add_run_flags(p)
+    # How the command reports, not part of the run: so not RunConfig's.
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --plan auto: print the choice and stop (nothing is allocated)")
+    p.add_argument("--json", action="store_true",
+                   help="with --plan auto: print the choice as one JSON object")
     g = p.add_argument_group("multi-process (default: auto-detect SLURM, Open MPI, Kubernetes)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int)
@@ -37,18 +45,26 @@ def add_parser(sub) -> None:
 
 def run_config_from_args(args) -> RunConfig:
     """RunConfig defaults < ``--config`` file < explicit flags."""
+    return run_config_and_given(args)[0]
+
+
+def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
+    """The run, and the fields the user gave (explicit flags and ``--config`` keys): what
+    ``--plan auto`` keeps fixed."""
     values = load_config_file(args.config) if args.config else {}
     values.update(run_values(args))
     if values.get("init_from") and "model" in values:
         raise ValueError(f"--model {values['model']!r} conflicts with --init-from "
                          f"{values['init_from']!r}: the model comes from its config.json; "
                          f"drop --model")
-    return RunConfig(**values)
+    return RunConfig(**values), frozenset(values)
 
 
 def run(args) -> int:
     start_devices()  # before JAX starts its backend
-    run_cfg = run_config_from_args(args)
+    run_cfg, given = run_config_and_given(args)
+    if (args.dry_run or args.json) and run_cfg.plan != "auto":
+        raise ValueError("--dry-run and --json report --plan auto's choice; add --plan auto")
     # Loaded only now: these modules start JAX.
     from triax.training import distributed
     from triax.training.loop import Interrupted, train
@@ -58,6 +74,15 @@ def run(args) -> int:
     main = distributed.is_main_process()
     if main and how != "single process":
         print(f"triax train: multi-process ({how})", file=sys.stderr)
+    if run_cfg.plan == "auto":
+        from triax.planner.auto import choose_train
+        choice = choose_train(run_cfg, given)
+        if main:
+            print(json.dumps(choice.to_json(), indent=2) if args.json else choice.describe(),
+                  file=sys.stdout if args.dry_run or args.json else sys.stderr)
+        if args.dry_run:
+            return 0
+        run_cfg = choice.run
     try:
         result = train(run_cfg, note=lambda m: print(m, file=sys.stderr))
     except Interrupted as e:

@@ -37,18 +37,27 @@ from triax.units import human_bytes
 # subprocess with JAX_NUM_CPU_DEVICES set; see _in_process_or_subprocess).
 
 
+def layout_fields(w: Workload, lay: Layout) -> dict:
+    """The ``RunConfig`` fields that say how a plan is laid out and run (mesh, strategy,
+    schedule, micro-batches, chunks, remat, loss chunks, context scheme): what ``--plan
+    auto`` fills in and ``run_config`` builds with."""
+    return dict(mesh=lay.mesh_str,
+                strategy=lay.strategy, remat=w.remat, loss_chunks=w.loss_chunks,
+                context_attention=lay.context_attention,
+                schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
+                microbatches=lay.microbatches, virtual=lay.virtual)
+
+
+LAYOUT_FIELDS = tuple(layout_fields(Workload(None, 1, True), Layout()))
+
+
 def run_config(w: Workload, lay: Layout) -> RunConfig:
     """The plan as a training run (what ``compile_figures`` builds through ``build_run``)."""
     if w.dtype not in PRECISIONS:
         raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
-    return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers,
-                     mesh=",".join(f"{a}={n}" for a, n in lay.sizes.items()),
-                     strategy=lay.strategy, batch_size=w.batch, seq_len=w.seq,
-                     precision=w.dtype, remat=w.remat, attention=w.attention,
-                     loss_chunks=w.loss_chunks,
-                     context_attention=lay.context_attention,
-                     schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
-                     microbatches=lay.microbatches, virtual=lay.virtual)
+    return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
+                     seq_len=w.seq, precision=w.dtype, attention=w.attention,
+                     **layout_fields(w, lay))
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:

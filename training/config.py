@@ -34,6 +34,7 @@ import yaml
 from triax import choices
 from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
 from triax.pipeline.schedules import ScheduleKind
+from triax.units import parse_bytes
 
 if TYPE_CHECKING:
     from triax.models.config import ModelConfig
@@ -113,6 +114,18 @@ class RunConfig:
     skip_memory_check: bool = _f(False, "start even when the compiled step's per-device peak "
                                         "exceeds a device's memory (checked before allocating; "
                                         "$TRIAX_DEVICE_MEMORY sets a device's bytes)")
+    # How the layout is chosen is part of the run (saved with it, so `--resume` keeps the
+    # chosen layout and a --config file can ask for a search), as is the memory it must fit.
+    plan: str = _f("flags", "how the layout is chosen: flags (as given) | auto (search the "
+                            "layouts the flags leave open, compile the best in turn, run the "
+                            "first that fits a device; see docs/planner.md)",
+                   choices=choices.PLAN_MODES)
+    objective: str = _f("throughput", "what --plan auto ranks by (training: throughput)",
+                        choices=choices.OBJECTIVES)
+    device_memory: Optional[str] = _f(None, "bytes one device may use, e.g. 40GiB (for --plan "
+                                            "auto and the memory check; simulated CPU "
+                                            "devices: else host memory ÷ devices)",
+                                      default_help="the device's own, or $TRIAX_DEVICE_MEMORY")
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")
@@ -129,11 +142,26 @@ class RunConfig:
             value = getattr(self, name)
             if value is not None and not ok(value):   # None: not set (Optional fields)
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
+        if self.device_memory is not None:
+            self.device_memory_bytes()   # a bad size fails here, naming the flag
         if self.steps and self.lr_warmup_steps > self.steps:
             warnings.warn(f"--lr-warmup-steps {self.lr_warmup_steps} is longer than the run "
                           f"(--steps {self.steps}): the learning rate never reaches --lr "
                           f"{self.lr:g}; lower --lr-warmup-steps (0: 10% of --steps)",
                           RunConfigWarning, stacklevel=3)
+
+    def device_memory_bytes(self) -> Optional[int]:
+        """``--device-memory`` in bytes (None: not given)."""
+        if self.device_memory is None:
+            return None
+        try:
+            n = parse_bytes(self.device_memory)
+        except ValueError as e:
+            raise ValueError(f"--device-memory: {e}") from None
+        if n <= 0:
+            raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
+                             f"--device-memory 40GiB")
+        return n
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)

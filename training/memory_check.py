@@ -48,8 +48,13 @@ class OutOfMemoryPredicted(ValueError):
     """The run needs more memory per device than a device has (found before allocating)."""
 
 
-def device_capacity() -> Optional[tuple[int, str]]:
-    """(bytes one local device can hold, where the figure comes from), or None: unknown."""
+def device_capacity(device_memory: Optional[str] = None) -> Optional[tuple[int, str]]:
+    """(bytes one local device can hold, where the figure comes from), or None: unknown.
+    ``device_memory`` (``--device-memory``, e.g. ``40GiB``) comes first, then
+    ``$TRIAX_DEVICE_MEMORY``, the accelerator's ``bytes_limit``, and on CPU the host's
+    available memory divided among the simulated devices."""
+    if device_memory is not None:
+        return parse_bytes(device_memory), f"--device-memory {device_memory}"
     given = os.environ.get(MEMORY_ENV)
     if given:
         return parse_bytes(given), f"{MEMORY_ENV}={given}"
@@ -158,5 +163,7 @@ def check_train_memory(built, capacity=None) -> MemoryReport:
                                               "strategy": built.trainer.strategy.name,
                                               "remat": run.remat})
 
+    if capacity is None and run.device_memory is not None:
+        capacity = device_capacity(run.device_memory)
     check_fits("the training step", train_terms(built, mem), capacity, suggest)
     return mem
