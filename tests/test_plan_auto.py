@@ -1,0 +1,104 @@
+"""``--plan auto`` for training: the planner's ranking proved by compiling, on 8 simulated
+devices (tiny, 1 layer, batch 8 × 16 tokens: every compile is one of the smallest steps, and
+with one layer the search has no pipelined plans, so no pipeline probe runs).
+The search runs once per process (``planner.auto._searched``) and the compiled steps are
+shared through ``training.step_cache``, so later tests reuse the earlier ones' compiles."""
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from triax.cli.main import main
+from triax.mesh import make_mesh
+from triax.planner import auto
+from triax.training.config import RunConfig
+from triax.training.setup import build_run
+from triax.training.step import Trainer
+
+RUN = RunConfig(model="tiny", num_layers=1, batch_size=8, seq_len=16, steps=3, plan="auto",
+                data="markov", progress=False, eval_batches=0)
+GIVEN = frozenset({"model", "num_layers", "batch_size", "seq_len", "steps", "plan"})
+MIB = 1 << 20
+
+
+def _choose(mib: float, run=RUN, given=GIVEN):
+    return auto.choose_train(run, given, budget=auto.Budget(int(mib * MIB), "a test budget"))
+
+
+def _state_bytes(run: RunConfig) -> int:
+    """Bytes of parameters and optimizer state one device holds (from the shardings)."""
+    state = build_run(run).trainer.abstract_state()
+    return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
+               for s in jax.tree.leaves(state))
+
+
+def _losses(trainer: Trainer, n=3):
+    state = trainer.init(seed=0)
+    out = []
+    for i in range(n):
+        state, m = trainer.step(state, trainer.example_batch(8, 16, seed=i))
+        out.append(float(m["loss"]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def big():
+    return _choose(64)
+
+
+def test_big_budget_takes_the_models_fastest_and_equals_one_device(big, devices):
+    cluster, _ = auto.present_cluster()
+    fastest = auto._searched(auto.workload_of(RUN, RUN.model_config()), cluster,
+                             ("none", "full"))[0]
+    assert big.plan == fastest and not big.refused
+    assert big.compiled.peak_bytes <= big.budget.usable
+    assert build_run(big.run).mesh.devices.size == 8
+    one = Trainer(RUN.model_config(), make_mesh(devices=devices[:1]), "dp",
+                  optim=RUN.optim_config(), exe=RUN.exec_config(), total_steps=RUN.steps)
+    np.testing.assert_allclose(_losses(build_run(big.run).trainer), _losses(one), rtol=1e-5)
+
+
+def test_shrinking_budgets_shard_more_and_each_compiled_peak_fits(big):
+    chosen = [big] + [_choose(mib) for mib in (1.2, 0.6)]
+    peaks = [c.compiled.peak_bytes for c in chosen]
+    held = [_state_bytes(c.run) for c in chosen]
+    what = [(auto.label(c.plan), p, h) for c, p, h in zip(chosen, peaks, held)]
+    # Each smaller budget moves the choice to a plan that peaks lower and holds no more
+    # (dp → tp_sp → fsdp_tp_sp); the last holds less state per device: it shards more.
+    assert peaks == sorted(set(peaks), reverse=True), what
+    assert held == sorted(held, reverse=True) and held[-1] < held[0], what
+    for c in chosen:
+        assert c.compiled.peak_bytes <= c.budget.usable, auto.label(c.plan)
+
+
+def test_nothing_fits_names_the_smallest_need_and_the_fixes():
+    with pytest.raises(auto.NoPlanFits, match=r"nothing fits: the smallest plan .* needs "
+                                              r".* per device .*more devices.*--seq-len.*LoRA"):
+        _choose(0.1)
+
+
+def test_flags_the_user_gives_stay_fixed(capsys):
+    assert main(["train", "--model", "tiny", "--num-layers", "1", "--batch-size", "8",
+                 "--seq-len", "16", "--plan", "auto", "--strategy", "fsdp",
+                 "--device-memory", "64MiB", "--dry-run", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["strategy"] == "fsdp" and got["compiled_peak_bytes"] <= got["usable_bytes"]
+    assert got["budget_source"] == "--device-memory 64MiB"
+    for key in ("mesh", "schedule", "microbatches", "remat", "loss_chunks",
+                "context_attention", "predicted_peak_bytes", "budget_bytes"):
+        assert key in got
+
+
+def test_resume_keeps_the_plan(big, tmp_path):
+    from triax.training.loop import train
+    first = big.run.replace(checkpoint_dir=str(tmp_path), steps=2)
+    train(first, note=lambda *_: None)
+    # A smaller budget would choose another plan; the checkpoint's is kept.
+    again = _choose(0.6, run=RUN.replace(checkpoint_dir=str(tmp_path), resume=True),
+                    given=GIVEN | {"checkpoint_dir", "resume"})
+    assert (again.run.mesh, again.run.strategy, again.run.remat) == \
+        (big.run.mesh, big.run.strategy, big.run.remat)
+    assert "kept the plan saved with checkpoint step 2" in again.describe()
+    assert train(again.run, note=lambda *_: None).summary["steps"] == 3
