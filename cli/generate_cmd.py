@@ -4,6 +4,8 @@ init, on any serving layout.
     triax generate --model tiny --seed 0 --prompt "Hello" --max-new-tokens 16 \\
         --mesh tensor=2 --replicas 4 --greedy --json
     triax generate --model-dir Llama-3.2-1B --prompt "Hello" --max-new-tokens 16 --mesh tensor=2
+    triax generate --model tiny --prompt "Hello" --max-new-tokens 16 --plan auto \\
+        --device-memory 1GiB --objective latency   # replicas and mesh chosen, compiled
     triax generate --model tiny --prompts-file long.txt --max-new-tokens 16 \\
         --mesh context=2,tensor=4 --context-attention ring    # KV cache split over context
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags
@@ -47,12 +50,17 @@ def add_parser(sub) -> None:
                   notes={"mesh": "here one replica's, e.g. tensor=2, pipe=2,tensor=2 or "
                                  "context=2,tensor=4; axes left out are 1 (default: tensor "
                                  "over all of a replica's devices)"})
-    p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
+    p.add_argument("--replicas", type=int, help="split the devices into R replicas (default: 1, "
+                   "or with --plan auto searched)")
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
     p.add_argument("--skip-memory-check", action="store_true",
                    help="load even when a replica's weights and KV cache per device exceed a "
                         "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_run_flags(p, ["plan", "objective", "device_memory"], fill=True,
+                  notes={"plan": "here auto chooses --replicas and --mesh (those given stay)"})
+    p.add_argument("--dry-run", action="store_true",
+                   help="with --plan auto: print the choice and stop (nothing is loaded)")
     p.set_defaults(func=run)
 
 
@@ -83,8 +91,25 @@ def run(args) -> int:
         from triax.hf.tokenizer import load_tokenizer
         tokenizer = load_tokenizer(args.model_dir, read_model_config(args.model_dir))
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
-    server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
-                          args.replicas, sampling, longest, args.max_new_tokens, args.slots,
+    mesh, replicas = parse_mesh(args.mesh) or None, args.replicas
+    if args.plan == "auto":
+        from triax.inference.generate import _model_config
+        from triax.planner.auto_serve import choose_serving
+        choice = choose_serving(_model_config(args.checkpoint, args.model, args.num_layers,
+                                              args.model_dir),
+                                longest=longest, max_new_tokens=args.max_new_tokens,
+                                slots=args.slots, objective=args.objective,
+                                device_memory=args.device_memory, mesh_sizes=mesh,
+                                replicas=replicas, context_attention=args.context_attention)
+        if args.dry_run:
+            print(json.dumps(choice.to_json()) if args.json else choice.describe())
+            return 0
+        print(choice.describe(), file=sys.stderr)
+        mesh, replicas = choice.mesh_sizes, choice.replicas
+    elif args.dry_run:
+        raise ValueError("--dry-run reports --plan auto's choice; add --plan auto")
+    server = build_server(args.checkpoint, args.model, args.seed, mesh or {"tensor": -1},
+                          replicas or 1, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers, model_dir=args.model_dir,
                           check_memory=not args.skip_memory_check,
                           context_attention=args.context_attention)

@@ -122,7 +122,13 @@ class Engine:
         self.sizes = mesh_sizes(mesh)
         self.am = abstract_model(cfg)
         self.param_shardings = param_shardings(self.am, mesh, self.strategy)
-        self.params = jax.device_put(params, self.param_shardings)
+        # params=None: an abstract engine (ShapeDtypeStructs, nothing allocated), for
+        # ahead-of-time compiles of its programs (``lower_decode``; --plan auto).
+        self.abstract = params is None
+        self.params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                                                      sharding=sh),
+                                   self.am.shapes, self.param_shardings) if self.abstract \
+            else jax.device_put(params, self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = ecfg.microbatches or default_decode_microbatches(self.sizes["pipe"])
@@ -137,7 +143,7 @@ class Engine:
             raise InferenceError(f"max_batch={B} decode slots must divide over "
                                  f"data={self.sizes['data']}; choose a multiple")
         _, self.cache_sharding = self._cache_layout(B)
-        self.cache = self._zeros_cache(B)
+        self.cache = self._abstract_cache(B) if self.abstract else self._zeros_cache(B)
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(6,))
@@ -161,6 +167,17 @@ class Engine:
                                 "v": jnp.zeros(shape, CACHE_DTYPE)},
                        out_shardings={"k": sh, "v": sh})
         return make()
+
+    def _abstract_cache(self, batch: int):
+        shape, sh = self._cache_layout(batch)
+        return {n: jax.ShapeDtypeStruct(shape, CACHE_DTYPE, sharding=sh) for n in ("k", "v")}
+
+    def lower_decode(self):
+        """The decode step of every slot, lowered on abstract inputs (nothing allocated):
+        ``.compile().memory_analysis()`` is a replica's per-device serving peak."""
+        B = self.ecfg.max_batch
+        row = jax.ShapeDtypeStruct((B,), jnp.int32)
+        return self._decode_jit.lower(self.params, self.cache, row, row, row, self._rule())
 
     def cache_bytes_per_device(self) -> int:
         """Bytes of KV cache each device holds (its shard of k and v)."""

@@ -110,6 +110,7 @@ def present_cluster(catalog: Optional[Catalog] = None) -> tuple[Cluster, str]:
 @functools.lru_cache(maxsize=16)
 def _searched(w: Workload, cluster: Cluster, remats: tuple[str, ...]) -> tuple[PlanResult, ...]:
     # One search per workload and devices: each budget only draws its line through it.
+    # The budget is what the allocator gives, so the planner's fixed overhead is paid.
     res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats)
     return tuple(res.fitting)
 

@@ -102,3 +102,14 @@ def test_resume_keeps_the_plan(big, tmp_path):
         (big.run.mesh, big.run.strategy, big.run.remat)
     assert "kept the plan saved with checkpoint step 2" in again.describe()
     assert train(again.run, note=lambda *_: None).summary["steps"] == 3
+
+
+def test_generate_auto_keeps_the_given_replicas_and_fits(capsys):
+    """Serving: the split of each replica is searched, --replicas stays as given, and the
+    chosen decode step's compiled peak is within the budget."""
+    assert main(["generate", "--model", "tiny", "--num-layers", "1", "--prompt", "Hi",
+                 "--max-new-tokens", "4", "--plan", "auto", "--replicas", "2",
+                 "--device-memory", "2MiB", "--dry-run", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["replicas"] == 2 and math.prod(got["mesh"].values()) == 4
+    assert got["compiled_peak_bytes"] <= got["usable_bytes"]
