@@ -3,6 +3,7 @@ devices (tiny, 1 layer, batch 8 × 16 tokens: every compile is one of the smalle
 with one layer the search has no pipelined plans, so no pipeline probe runs).
 The search runs once per process (``planner.auto._searched``) and the compiled steps are
 shared through ``training.step_cache``, so later tests reuse the earlier ones' compiles."""
+import dataclasses
 import json
 import math
 
@@ -71,6 +72,21 @@ def test_shrinking_budgets_shard_more_and_each_compiled_peak_fits(big):
     assert held == sorted(held, reverse=True) and held[-1] < held[0], what
     for c in chosen:
         assert c.compiled.peak_bytes <= c.budget.usable, auto.label(c.plan)
+
+
+def test_the_compile_has_the_last_word(big, monkeypatch):
+    """A model that halves one plan's memory (plain dp, the fastest): the compile refuses it,
+    and the next plan is chosen (both compiles are the tests' above, shared)."""
+    real = auto._searched
+
+    def optimistic(*args):
+        return tuple(dataclasses.replace(p, memory=dataclasses.replace(
+            p.memory, overhead=-p.memory.modelled / 2)) if p == big.plan else p
+            for p in real(*args))
+    monkeypatch.setattr(auto, "_searched", optimistic)
+    c = _choose(1.2)
+    assert [auto.label(x.plan) for x in c.refused] == [auto.label(big.plan)]
+    assert c.refused[0].compiled_peak > c.budget.usable >= c.compiled.peak_bytes
 
 
 def test_nothing_fits_names_the_smallest_need_and_the_fixes():
