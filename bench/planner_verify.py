@@ -13,6 +13,9 @@ the model missed), "check" the rows added to check those terms on (``CHECKS``). 
 runs only the rows added for issue 12 (zb-h1, interleaved, remat=full, pipe × tensor),
 ``--checks`` only the check rows, ``--context`` only the context rows (issue 14;
 ``models.attention_memory``'s one fitted figure came from whole-sequence rows, not these).
+``--auto`` prints the rows for the plans ``--plan auto`` chose (issue 26) at a few budgets:
+the chosen plan's predicted peak against its compiled one, and how many candidates the
+compile refused.
 """
 import os
 import sys
@@ -105,11 +108,40 @@ CHECKS = [
 CASES += [r for r in DERIVED_ON if r not in CASES] + CHECKS + CONTEXT
 
 
+# (model, layers, batch, seq, budget MiB per device): --plan auto on the 8 devices.
+AUTO = [("tiny", 2, 16, 32, mb) for mb in (64, 3, 2, 1.5)] + [
+    ("small", 2, 16, 64, mb) for mb in (1024, 256, 160)]
+
+
+def auto_rows():
+    from triax.planner import auto
+    from triax.training.config import RunConfig
+    print("| model (layers) | B×T | budget MiB (usable) | chosen plan | peak pred/compiled MiB "
+          "(ratio) | refused by the compile |")
+    print("|---|---|---|---|---|---|")
+    for name, layers, B, T, mb in AUTO:
+        run = RunConfig(model=name, num_layers=layers, batch_size=B, seq_len=T, plan="auto")
+        budget = auto.Budget(int(mb * (1 << 20)), "bench")
+        try:
+            c = auto.choose_train(run, frozenset({"model", "num_layers", "batch_size",
+                                                  "seq_len", "plan"}), budget=budget)
+        except auto.NoPlanFits as e:
+            print(f"| {name} ({layers}) | {B}×{T} | {mb:g} ({mib(budget.usable):.3f}) | "
+                  f"nothing fits: {str(e)[:80]}… | | |", flush=True)
+            continue
+        pred, got = c.plan.memory.total, c.compiled.peak_bytes
+        print(f"| {name} ({layers}) | {B}×{T} | {mb:g} ({mib(budget.usable):.3f}) | "
+              f"{auto.label(c.plan)} | {cell(pred, got)} ({pred / got:.3f}) | "
+              f"{len(c.refused)} |", flush=True)
+
+
 def cell(pred: float, got: float) -> str:
     return f"{mib(pred):.3f}/{mib(got):.3f}"
 
 
 def main():
+    if "--auto" in sys.argv:
+        return auto_rows()
     print("| model (layers) | B×T | plan | fitted | state pred/compiled MiB | peak "
           "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
     print("|---|---|---|---|---|---|---|")

@@ -309,9 +309,11 @@ def _nothing_fits(name: str, devices: str, b: Budget, refused: list, over: list,
         fixes.append("--remat full" + (" (you fixed --remat " + run.remat + ")"
                                         if "remat" in given else ""))
     fixes.append(f"a smaller --batch-size (now {run.batch_size})")
+    tried = "; ".join(f"{label(x.plan)}: {x.why}" for x in refused)
     return (f"--plan auto: nothing fits: the smallest plan of {name} on {devices}, {label(p)}, "
             f"needs {human_bytes(need)} per device ({how}) against {human_bytes(b.usable)} "
-            f"usable ({b.describe()}). To fit, try: " + "; ".join(fixes) + ".")
+            f"usable ({b.describe()}). To fit, try: " + "; ".join(fixes) + "."
+            + (f" Compiled and refused: {tried}." if tried else ""))
 
 
 def kept_plan(run: RunConfig) -> Optional[tuple[RunConfig, str]]:
