@@ -13,6 +13,8 @@ are cached by (model, mesh, strategy, batch shapes), so a second call compiles n
 Pipelined layouts are not searched here: a pipeline needs the model's stage protocol and a
 schedule (give ``pipeline=PipelineConfig(...)`` with a mesh of your choice).
 
+    >>> [f"{m['data']}x{m['tensor']} {s}" for m, s in candidates(4)]
+    ['4x1 dp', '4x1 fsdp', '4x1 zero1', '2x2 tp', '2x2 fsdp_tp', '1x4 tp']
     >>> trainer = Trainer.for_model(make_model, loss_fn, plan="auto",           # doctest: +SKIP
     ...                             example_batch=batch, device_memory="2GiB")
     >>> print(trainer.auto.describe())                                          # doctest: +SKIP

@@ -8,6 +8,8 @@ turn (``Engine(params=None).lower_decode()``: abstract weights and cache, nothin
 allocated) and the first whose compiled peak fits the budget less ``auto.FIT_MARGIN`` is
 chosen. ``mesh_sizes`` / ``replicas`` the user gives stay fixed.
 
+    >>> list(splits(4, layers=2))     # (one replica's mesh, replicas) over 4 devices
+    [({'tensor': 4}, 1), ({'pipe': 2, 'tensor': 2}, 1), ({'tensor': 2}, 2), ({'pipe': 2, 'tensor': 1}, 2), ({'tensor': 1}, 4)]
     >>> c = choose_serving(cfg, longest=8, max_new_tokens=8, slots=8,       # doctest: +SKIP
     ...                    device_memory="1GiB")
     >>> server = build_server(model="tiny", mesh_sizes=c.mesh_sizes,       # doctest: +SKIP
@@ -83,8 +85,8 @@ class ServeChoice:
                             for s, r, why, pk in self.refused]}
 
 
-def _splits(n: int, layers: int, mesh_sizes: Optional[Mapping[str, int]],
-            replicas: Optional[int]):
+def splits(n: int, layers: int, mesh_sizes: Optional[Mapping[str, int]] = None,
+           replicas: Optional[int] = None):
     """(one replica's mesh, replicas) over ``n`` devices, keeping what is given."""
     if mesh_sizes:
         per = 1
@@ -114,7 +116,7 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
     cluster, _ = present_cluster()
     n = jax.device_count()
     ranked = []
-    for sizes, r in _splits(n, cfg.num_layers, mesh_sizes, replicas):
+    for sizes, r in splits(n, cfg.num_layers, mesh_sizes, replicas):
         ecfg = engine_config_for(cfg, sizes, longest, max_new_tokens, slots)
         w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch,
                         seq=ecfg.max_len, backend=jax.devices()[0].platform)
