@@ -110,7 +110,7 @@ CASES += [r for r in DERIVED_ON if r not in CASES] + CHECKS + CONTEXT
 
 # (model, layers, batch, seq, budget MiB per device): --plan auto on the 8 devices.
 AUTO = [("tiny", 2, 16, 32, mb) for mb in (64, 3, 2, 1.5)] + [
-    ("small", 2, 16, 64, mb) for mb in (1024, 256, 160)]
+    ("small", 2, 16, 64, mb) for mb in (1024, 200)]
 
 
 def auto_rows():
