@@ -84,7 +84,12 @@ def budget_for(device_memory: Optional[str]) -> Budget:
 
 def catalogue_device(kind: str, catalog: Optional[Catalog] = None) -> Optional[str]:
     """The catalogue name whose parts all appear in a JAX ``device_kind`` ("NVIDIA H100 80GB
-    HBM3" → h100-80gb), the longest such; None when none does (CPU, an unknown part)."""
+    HBM3" → h100-80gb), the longest such; None when none does (CPU, an unknown part).
+
+    >>> [catalogue_device(k) for k in ("NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe",
+    ...                                "NVIDIA A100-SXM4-40GB", "NVIDIA H200", "cpu")]
+    ['h100-80gb', 'h100-pcie', 'a100-40gb', 'h200', None]
+    """
     names = (catalog or load_catalog()).devices
     kind = kind.lower()
     hits = [n for n in names if all(part in kind for part in n.split("-"))]
