@@ -109,15 +109,13 @@ def test_flags_the_user_gives_stay_fixed(capsys):
 
 def test_resume_keeps_the_plan(big, tmp_path):
     from triax.training.loop import train
-    first = big.run.replace(checkpoint_dir=str(tmp_path), steps=2)
-    train(first, note=lambda *_: None)
+    train(big.run.replace(checkpoint_dir=str(tmp_path), steps=1), note=lambda *_: None)
     # A smaller budget would choose another plan; the checkpoint's is kept.
     again = _choose(0.6, run=RUN.replace(checkpoint_dir=str(tmp_path), resume=True),
                     given=GIVEN | {"checkpoint_dir", "resume"})
     assert (again.run.mesh, again.run.strategy, again.run.remat) == \
         (big.run.mesh, big.run.strategy, big.run.remat)
-    assert "kept the plan saved with checkpoint step 2" in again.describe()
-    assert train(again.run, note=lambda *_: None).summary["steps"] == 3
+    assert "kept the plan saved with checkpoint step 1" in again.describe()
 
 
 def test_generate_auto_keeps_the_given_replicas_and_fits(capsys):
