@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -190,7 +191,7 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
     if "mesh" in given and run.mesh:
         want = parse_mesh(run.mesh)
         if -1 in want.values():   # one axis takes the remaining devices
-            rest = devices // max(1, -_prod(want.values()))
+            rest = devices // max(1, -math.prod(want.values()))
             want = {a: (rest if n == -1 else n) for a, n in want.items()}
         if {a: n for a, n in want.items() if n > 1} != {a: n for a, n in lay.sizes.items()
                                                         if n > 1}:
@@ -204,13 +205,6 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
               "context_attention": lay.context == 1
               or lay.context_attention == run.context_attention}
     return all(ok for name, ok in checks.items() if name in given)
-
-
-def _prod(xs) -> int:
-    out = 1
-    for x in xs:
-        out *= x
-    return out
 
 
 def workload_of(run: RunConfig, cfg, train: bool = True) -> Workload:

@@ -18,6 +18,7 @@ chosen. ``mesh_sizes`` / ``replicas`` the user gives stay fixed.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -89,10 +90,7 @@ def splits(n: int, layers: int, mesh_sizes: Optional[Mapping[str, int]] = None,
            replicas: Optional[int] = None):
     """(one replica's mesh, replicas) over ``n`` devices, keeping what is given."""
     if mesh_sizes:
-        per = 1
-        for v in mesh_sizes.values():
-            per *= v
-        r = replicas or n // per
+        r = replicas or n // math.prod(mesh_sizes.values())
         yield dict(mesh_sizes), r
         return
     for r in ([replicas] if replicas else divisors(n)):
