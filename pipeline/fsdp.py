@@ -82,6 +82,19 @@ class FSDP:
             lambda a, d: a if d is None else jax.lax.all_gather(a, DATA, axis=d, tiled=True),
             t, self.dims), tree)
 
+    def gather_layer(self, layer):
+        """FSDP by layer: one layer's parameters (any pytree whose leaves are in this
+        FSDP's leaf order, e.g. the stack scan's ``nnx.State`` slice) gathered over `data`
+        as an op runs it. Its transpose reduce-scatters the layer's gradient at once."""
+        leaves, tree = jax.tree.flatten(layer)
+        return jax.tree.unflatten(tree, self.gather(leaves))
+
+    def reduce_unsplit(self, tree):
+        """FSDP by layer's step-end reduction: the leaves not split over `data` are summed
+        over it; the split ones were reduce-scattered per layer as they were made."""
+        return self._local(lambda t: jax.tree.map(
+            lambda g, d: jax.lax.psum(g, DATA) if d is None else g, t, self.dims), tree)
+
     def reduce(self, tree):
         """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""
         return self._local(lambda t: jax.tree.map(
