@@ -48,7 +48,8 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
                      loss_chunks=w.loss_chunks,
                      context_attention=lay.context_attention,
                      schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
-                     microbatches=lay.microbatches, virtual=lay.virtual)
+                     microbatches=lay.microbatches, virtual=lay.virtual,
+                     pipeline_fsdp=lay.pipeline_fsdp)
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:
@@ -82,7 +83,8 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "sizes": lay.sizes, "strategy": lay.strategy,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
-                      "context_attention": lay.context_attention})
+                      "context_attention": lay.context_attention,
+                      "pipeline_fsdp": lay.pipeline_fsdp})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -161,7 +163,7 @@ def _main(arg: str) -> None:
                     attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"],
-                 context_attention=a["context_attention"])
+                 context_attention=a["context_attention"], pipeline_fsdp=a["pipeline_fsdp"])
     print(json.dumps(compile_figures(w, lay)))
 
 
