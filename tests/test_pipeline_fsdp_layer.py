@@ -153,3 +153,38 @@ def test_layer_mode_gathers_each_layer_per_f_and_per_b(small_compiled):
     pieces = sum(1 for r in tr.placement() if not r.path.startswith("blocks/") and
                  "data" in [a for e in r.spec for a in _axes(e)])
     assert scatters == blocks * 4 * 4 + pieces   # leaves × M × layers per stage, + pieces
+
+
+def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
+    """``auto`` asks the planner's memory model for the run in stage mode (its pricing is
+    checked against compiles by ``bench/planner_verify.py --pipeline-fsdp``; here a stand-in
+    returns a fixed need, so no model is priced)."""
+    import triax.planner
+    from triax.training.config import RunConfig
+    from triax.training.memory_check import MEMORY_ENV
+    from triax.training.setup import pipeline_fsdp_for
+    asked = []
+
+    class Need:
+        modelled = 1000
+
+    def estimate(w, lay):
+        asked.append((w.cfg, lay))
+        return Need()
+    monkeypatch.setattr(triax.planner, "estimate", estimate)
+    mesh = make_mesh(**SIZES)
+    run = RunConfig(model="tiny", num_layers=4, mesh="data=2,pipe=2,tensor=2",
+                    strategy="fsdp_tp", batch_size=B, seq_len=T, microbatches=M)
+    assert run.pipeline_fsdp == "auto"
+    monkeypatch.setenv(MEMORY_ENV, "1000B")
+    assert pipeline_fsdp_for(run, CFG, mesh) == "stage"
+    monkeypatch.setenv(MEMORY_ENV, "999B")
+    assert pipeline_fsdp_for(run, CFG, mesh) == "layer"
+    cfg, lay = asked[-1]
+    assert cfg == CFG and lay.pipeline_fsdp == "stage" and lay.sizes["pipe"] == 2 \
+        and lay.microbatches == M and lay.strategy == "fsdp_tp"
+    n = len(asked)   # given modes, and runs without FSDP over data, ask nothing
+    assert pipeline_fsdp_for(run.replace(pipeline_fsdp="stage"), CFG, mesh) == "stage"
+    assert pipeline_fsdp_for(run.replace(pipeline_fsdp="layer"), CFG, mesh) == "layer"
+    assert pipeline_fsdp_for(run.replace(strategy="tp"), CFG, mesh) == "stage"
+    assert len(asked) == n
