@@ -92,7 +92,29 @@ def _timed(fn, state, batch, steps):
     return state, statistics.median(times), times
 
 
-def one_layout(name, sizes, strategy, mode, cfg, B, T, steps, max_rounds):
+def trace_summary(fn, state, batch, steps: int, top: int = 8):
+    """Run ``steps`` steps under ``jax.profiler.trace`` and read the Perfetto trace back:
+    ``(state, [(event name, total ms per step)])``, the ``top`` longest in total (host
+    dispatch, XLA's thunks and fusions alike)."""
+    import glob
+    import gzip
+    import json
+    import tempfile
+    from collections import defaultdict
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            state, _, _ = _timed(fn, state, batch, steps)
+        (path,) = glob.glob(f"{d}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            events = json.load(f)["traceEvents"]
+    total = defaultdict(float)
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e:
+            total[e["name"]] += e["dur"] / 1e3 / steps
+    return state, sorted(total.items(), key=lambda kv: -kv[1])[:top]
+
+
+def one_layout(name, sizes, strategy, mode, cfg, B, T, steps, max_rounds, trace=False):
     mesh = make_mesh(**sizes)
     pipe = PipelineConfig("1f1b", fsdp=mode) if mode else None
     oc = OptimConfig().resolved(1000)
@@ -114,6 +136,7 @@ def one_layout(name, sizes, strategy, mode, cfg, B, T, steps, max_rounds):
     for _ in range(max_rounds):
         s_ref, m_ref, t_ref = _timed(ref, s_ref, batch, steps)
         s_tri, m_tri, t_tri = _timed(tri_step, s_tri, batch, steps)
+        jax.block_until_ready((s_ref, s_tri))
         ratios.append(m_tri / m_ref)
         rounds.append((m_ref, m_tri, t_ref, t_tri))
         last = ratios[-3:]
@@ -121,6 +144,11 @@ def one_layout(name, sizes, strategy, mode, cfg, B, T, steps, max_rounds):
             break
     last = ratios[-3:]
     spread = (max(last) - min(last)) / statistics.median(last)
+    if trace:   # where the time goes, each side, read back from a profiler trace
+        for side, fn, st in (("reference", ref, s_ref), ("triax", tri_step, s_tri)):
+            _, top = trace_summary(fn, st, batch, 5)
+            print(f"{name} {side}: " + "; ".join(f"{n[:60]} {ms:.2f} ms" for n, ms in top),
+                  flush=True)
     m_ref, m_tri, t_ref, t_tri = rounds[-1]
     iqr = lambda t: (np.percentile(t, 75) - np.percentile(t, 25)) / np.median(t)  # noqa: E731
     return {"layout": name, "ratio": statistics.median(last), "spread": spread,
@@ -163,6 +191,8 @@ def main(argv=None):
     ap.add_argument("--max-rounds", type=int, default=5)
     ap.add_argument("--layouts", default="", help="comma-separated names (default: all)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--trace", action="store_true",
+                    help="also read back a jax.profiler trace of 5 steps a side per layout")
     args = ap.parse_args(argv)
     cfg = config.get(args.model, num_layers=args.num_layers)
     pick = [n.strip() for n in args.layouts.split(",") if n.strip()]
@@ -171,7 +201,7 @@ def main(argv=None):
         if pick and name not in pick:
             continue
         r = one_layout(name, sizes, strategy, mode, cfg, args.batch_size, args.seq_len,
-                       args.steps, args.max_rounds)
+                       args.steps, args.max_rounds, args.trace)
         print(r, flush=True)
         rows.append(r)
     out = table(rows, args)
