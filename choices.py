@@ -22,6 +22,13 @@ STRATEGIES = ("dp", "fsdp", "zero1", "tp", "fsdp_tp", "tp_sp", "fsdp_tp_sp")
 # unsharded-weights twin, e.g. inside a pipeline stage or for the planner's base terms).
 FSDP_BASE = {"fsdp": "dp", "fsdp_tp": "tp", "fsdp_tp_sp": "tp_sp"}
 
+# FSDP inside a pipeline stage (``triax.pipeline.fsdp``): ``stage`` gathers the stage's
+# weights over ``data`` once per step and accumulates their gradients whole; ``layer`` gathers
+# each layer when an op runs it and reduce-scatters its gradient as it is made; ``auto`` is
+# resolved by the memory check (``training.setup.pipeline_fsdp_for``).
+PIPELINE_FSDP_MODES = ("stage", "layer")
+PIPELINE_FSDP_CHOICES = ("auto", *PIPELINE_FSDP_MODES)
+
 # Activation checkpointing policies (``triax.models.transformer.REMAT_POLICIES`` maps them
 # onto ``jax.checkpoint_policies``).
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")

@@ -12,7 +12,8 @@ marks the rows a term was derived on (``DERIVED_ON``: what the compiled program 
 the model missed), "check" the rows added to check those terms on (``CHECKS``). ``--new``
 runs only the rows added for issue 12 (zb-h1, interleaved, remat=full, pipe × tensor),
 ``--checks`` only the check rows, ``--context`` only the context rows (issue 14;
-``models.attention_memory``'s one fitted figure came from whole-sequence rows, not these).
+``models.attention_memory``'s one fitted figure came from whole-sequence rows, not these),
+``--pipeline-fsdp`` only the rows of FSDP in pipeline stages by stage and by layer (issue 27).
 ``--auto`` prints the rows for the plans ``--plan auto`` chose (issue 26) at a few budgets:
 the chosen plan's predicted peak against its compiled one, and how many candidates the
 compile refused.
@@ -105,7 +106,14 @@ CHECKS = [
     ("small", 4, 16, 64, dict(data=4, pipe=2, schedule=ONE_F_ONE_B, microbatches=4), "fsdp"),
     ("tiny", 8, 16, 32, dict(data=2, pipe=4, schedule=ZB_H1, microbatches=8), "fsdp"),
 ]
-CASES += [r for r in DERIVED_ON if r not in CASES] + CHECKS + CONTEXT
+# FSDP inside pipeline stages, both modes (issue 27): the stage gathered once per step, or
+# each layer per op (``--pipeline-fsdp``), on 1F1B and the split backward.
+PIPELINE_FSDP = [
+    ("small", 8, 16, 16, dict(data=4, pipe=2, schedule=kind, microbatches=4,
+                              pipeline_fsdp=mode), "fsdp")
+    for kind in (ONE_F_ONE_B, ZB_H1) for mode in ("stage", "layer")
+]
+CASES += [r for r in DERIVED_ON if r not in CASES] + CHECKS + CONTEXT + PIPELINE_FSDP
 
 
 # (model, layers, batch, seq, budget MiB per device): --plan auto on the 8 devices.
@@ -146,7 +154,8 @@ def main():
           "pred/compiled MiB (ratio) | comm per axis pred/HLO MiB (ratio) |")
     print("|---|---|---|---|---|---|---|")
     rows = (NEW if "--new" in sys.argv else CHECKS if "--checks" in sys.argv
-            else CONTEXT if "--context" in sys.argv else CASES)
+            else CONTEXT if "--context" in sys.argv
+            else PIPELINE_FSDP if "--pipeline-fsdp" in sys.argv else CASES)
     for row in rows:
         name, layers, B, T, sizes, strategy, *remat = row
         cfg = config.get(name, num_layers=layers)

@@ -112,6 +112,44 @@ def using_exec(exe: ExecConfig):
         _EXEC.reset(token)
 
 
+_LAYER_PARAMS: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
+    "triax_layer_params", default=None)
+
+
+@contextlib.contextmanager
+def using_layer_params(fn: Optional[Callable]):
+    """While active, :func:`run_stack` reads each layer's parameters through ``fn`` (a
+    pipeline stage under FSDP by layer gathers them there, when the layer runs), and its
+    result is never kept for the backward, which calls ``fn`` again (None: as stored)."""
+    token = _LAYER_PARAMS.set(fn)
+    try:
+        yield
+    finally:
+        _LAYER_PARAMS.reset(token)
+
+
+# Ops that only move or cast a value: a block applies them to its weights (an einsum's
+# transpose, a cast to the compute dtype, a norm scale's broadcast), and saving their result
+# would keep a made layer's weights for the backward in another layout.
+_LAYOUT_OPS = frozenset({"transpose", "reshape", "convert_element_type", "broadcast_in_dim",
+                         "squeeze", "expand_dims", "copy"})
+_GATHERS = frozenset({"all_gather"})
+
+
+def _all_but_layer_params(prim, *_, **params) -> bool:
+    """The remat policy of a stack without remat whose layer parameters are made per layer
+    (:func:`using_layer_params`, e.g. gathered): every value is saved but the made parameters
+    (a gather, or a ``shard_map`` around one and no matmul) and what a layout op makes; the
+    backward makes those again from what is saved (a gather, or exact moves)."""
+    if prim.name in _LAYOUT_OPS or prim.name in _GATHERS:
+        return False
+    inner = params.get("jaxpr")
+    if prim.name == "shard_map" and inner is not None:
+        names = {e.primitive.name for e in getattr(inner, "jaxpr", inner).eqns}
+        return not (names & _GATHERS and not names & {"dot_general", "ragged_dot"})
+    return True
+
+
 def _block_out(out):
     """``block``'s result as ``(x, aux, cache)``: it may return x, (x, aux) or all three."""
     if not isinstance(out, tuple):
@@ -124,7 +162,9 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
     layer count, so a stage runs it on its own chunk), ``aux`` summed over the layers.
 
     ``cache`` (leaves with the same leading layers axis) is scanned alongside the blocks and
-    returned updated (None without one); ``exe.remat`` checkpoints each layer."""
+    returned updated (None without one); ``exe.remat`` checkpoints each layer. Each layer's
+    parameters are read through :func:`using_layer_params`' function when one is active."""
+    layer_params = _LAYER_PARAMS.get()
     with using_exec(exe):
         prepare = getattr(model, "block_batch", None)
         batch = batch if prepare is None else prepare(batch, cache is not None)
@@ -135,12 +175,16 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
             x, aux = carry
             layer_state, layer_cache = layer
             extra = () if layer_cache is None else (layer_cache,)
+            if layer_params is not None:   # made again by the backward, never saved
+                layer_state = layer_params(layer_state)
             y, a, layer_cache = _block_out(block(nnx.merge(graphdef, layer_state), x, batch,
                                                  *extra))
             return (y.astype(x.dtype), jax.tree.map(jnp.add, aux, a)), layer_cache
 
         if exe.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
+        elif layer_params is not None:   # keep every residual but the made parameters
+            body = jax.checkpoint(body, policy=_all_but_layer_params, prevent_cse=False)
         (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)), (stack, cache))
     return x, aux, cache
 

@@ -16,6 +16,23 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from triax.pipeline.executor import DATA, PIPE
+from triax.pipeline.schedules import OpKind
+
+# FSDP by layer: per op kind, how often it gathers each layer of its chunk over `data` (F
+# runs the layer; B and B_in make it again for the input gradient; W's weight-gradient
+# matmuls read activations and cotangents only, so it gathers nothing), and how often it
+# reduce-scatters the layer's gradient (where the weight gradients are made).
+LAYER_GATHERS = {OpKind.F: 1, OpKind.B: 1, OpKind.B_IN: 1, OpKind.W: 0}
+LAYER_SCATTERS = {OpKind.F: 0, OpKind.B: 1, OpKind.B_IN: 0, OpKind.W: 1}
+
+
+def layer_passes(split_backward: bool, microbatches: int, backward: bool = True):
+    """``(gathers, reduce-scatters)`` of each layer per step under FSDP by layer: every
+    micro-batch passes each chunk once per op kind (F, then B, or B_in and W)."""
+    kinds = [OpKind.F] + ([] if not backward else
+                          [OpKind.B_IN, OpKind.W] if split_backward else [OpKind.B])
+    return (microbatches * sum(LAYER_GATHERS[k] for k in kinds),
+            microbatches * sum(LAYER_SCATTERS[k] for k in kinds))
 
 
 def _axes(entry) -> tuple:
@@ -81,6 +98,19 @@ class FSDP:
         return self._local(lambda t: jax.tree.map(
             lambda a, d: a if d is None else jax.lax.all_gather(a, DATA, axis=d, tiled=True),
             t, self.dims), tree)
+
+    def gather_layer(self, layer):
+        """FSDP by layer: one layer's parameters (any pytree whose leaves are in this
+        FSDP's leaf order, e.g. the stack scan's ``nnx.State`` slice) gathered over `data`
+        as an op runs it. Its transpose reduce-scatters the layer's gradient at once."""
+        leaves, tree = jax.tree.flatten(layer)
+        return jax.tree.unflatten(tree, self.gather(leaves))
+
+    def reduce_unsplit(self, tree):
+        """FSDP by layer's step-end reduction: the leaves not split over `data` are summed
+        over it; the split ones were reduce-scattered per layer as they were made."""
+        return self._local(lambda t: jax.tree.map(
+            lambda g, d: jax.lax.psum(g, DATA) if d is None else g, t, self.dims), tree)
 
     def reduce(self, tree):
         """The one data-parallel gradient reduction of the step (reduce-scatter under FSDP)."""

@@ -28,12 +28,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
+from triax.choices import PIPELINE_FSDP_CHOICES, PIPELINE_FSDP_MODES, check
 from triax.mesh.build import mesh_sizes
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import current_runner, run_locally, using_moe_runner
-from triax.models.protocol import loss_metric, loss_weight, missing_protocol
+from triax.models.protocol import (loss_metric, loss_weight, missing_protocol,
+                                   using_layer_params)
 from triax.pipeline.executor import DATA, PIPE, RunResult, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
@@ -92,11 +94,19 @@ def experts_mesh_reason(sizes: dict[str, int], rules) -> Optional[str]:
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """Which schedule to run. ``microbatches=0`` means two per stage (``default_microbatches``)."""
+    """Which schedule to run. ``microbatches=0`` means two per stage (``default_microbatches``).
+    ``fsdp``: how a stage holds weights FSDP splits over `data` (``choices.
+    PIPELINE_FSDP_MODES``): ``stage`` gathers them once per step, ``layer`` per layer per op
+    (``pipeline.fsdp``); ``auto`` is resolved before a pipeline is built
+    (``training.setup.pipeline_fsdp_for``)."""
 
     schedule: str = "1f1b"
     microbatches: int = 0
     virtual: int = 1
+    fsdp: str = "stage"
+
+    def __post_init__(self):
+        check("pipeline_fsdp", self.fsdp, PIPELINE_FSDP_CHOICES)
 
     def num_microbatches(self, stages: int) -> int:
         """Micro-batches per step for ``stages`` pipeline stages."""
@@ -123,6 +133,11 @@ class Pipeline:
         reason = _protocol_problem(am)
         if reason is not None:
             raise ScheduleError(reason)
+        if config.fsdp not in PIPELINE_FSDP_MODES:
+            raise ScheduleError(f"PipelineConfig(fsdp={config.fsdp!r}): resolve it to one of "
+                                f"{PIPELINE_FSDP_MODES} first (training.setup."
+                                f"pipeline_fsdp_for)")
+        self.by_layer = config.fsdp == "layer"
         self.mesh, self.exe, self.config = mesh, exe, config
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
         self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
@@ -162,7 +177,8 @@ class Pipeline:
     @cached_property
     def _manual_specs(self):
         """shard_map specs over the manual axes, each leaf's `data`-sharded dim (FSDP), and
-        each leaf's spec over the other (automatic) axes, which the FSDP gather keeps."""
+        each leaf's spec over the other (automatic) axes, which the FSDP gather keeps; last,
+        one layer's (FSDP by layer), its leaves flat in the blocks' order."""
         is_p = lambda x: isinstance(x, P)  # noqa: E731
         blocks = self.param_specs["blocks"]
         pieces = {k: v for k, v in self.param_specs.items() if k != "blocks"}
@@ -173,10 +189,12 @@ class Pipeline:
                              data_dim(s[1:]) + 3, blocks, is_leaf=is_p)
         bauto = jax.tree.map(lambda s: P(None, None, None, *auto_spec(s[1:])), blocks,
                              is_leaf=is_p)
+        layer = jax.tree.leaves(blocks, is_leaf=is_p)
         return (bspec, jax.tree.map(manual_spec, pieces, is_leaf=is_p),
                 FSDP(bdims, bauto),
                 FSDP(jax.tree.map(data_dim, pieces, is_leaf=is_p),
-                     jax.tree.map(auto_spec, pieces, is_leaf=is_p)))
+                     jax.tree.map(auto_spec, pieces, is_leaf=is_p)),
+                FSDP([data_dim(s[1:]) for s in layer], [auto_spec(s[1:]) for s in layer]))
 
     def _check_batch(self, B: int, M: int) -> int:
         if B % (self.data * M):
@@ -229,7 +247,8 @@ class Pipeline:
         state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, self.exe.dtype,
                         state_mb_axis=1)
-        bspec, pspec, bfsdp, pfsdp = self._manual_specs
+        bspec, pspec, bfsdp, pfsdp, lfsdp = self._manual_specs
+        by_layer = self.by_layer and bfsdp.splits
         backward = schedule.has_backward
         rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
 
@@ -242,7 +261,8 @@ class Pipeline:
 
         def body(blocks, pieces, inputs, consts, state):
             routed = routes(blocks, lay.to_compute)  # before the FSDP gather: 1/data of a chunk
-            blocks = jax.tree.map(lambda a: a[0], bfsdp.gather(routed))   # [v, Lc, ...]
+            # [v, Lc, ...]: gathered once here, or (by layer) as the stack scan runs a layer.
+            blocks = jax.tree.map(lambda a: a[0], routed if by_layer else bfsdp.gather(routed))
             state = routes(state, lay.to_compute)
             pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
@@ -250,7 +270,8 @@ class Pipeline:
             state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
                                  state)
             # Activation constraints would name manual axes; parameters carry TP instead.
-            with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())):
+            with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())), \
+                    using_layer_params(lfsdp.gather_layer if by_layer else None):
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)
@@ -258,11 +279,12 @@ class Pipeline:
             if not backward:
                 return loss, outputs, state, {}, {}
             g_pieces = jax.tree.map(lambda g: jax.lax.psum(g, PIPE), res.grads["pieces"])
-            g_blocks = bfsdp.reduce(jax.tree.map(lambda g: g[None], res.grads["blocks"]))
+            g_blocks = jax.tree.map(lambda g: g[None], res.grads["blocks"])
+            g_blocks = bfsdp.reduce_unsplit(g_blocks) if by_layer else bfsdp.reduce(g_blocks)
             # The routed weights are dead after the ticks: their buffers take the gradients
-            # back to storage order (unless an FSDP gather made the ticks' copy, and the
-            # routed 1/data was free long before).
-            into = {} if bfsdp.splits else {"into": routed}
+            # back to storage order (unless a once-per-step FSDP gather made the ticks' copy,
+            # and the routed 1/data was free long before).
+            into = {"into": routed} if by_layer or not bfsdp.splits else {}
             return (loss, outputs, state, routes(g_blocks, lay.to_storage, **into),
                     pfsdp.reduce(g_pieces))
 

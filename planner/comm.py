@@ -22,6 +22,7 @@ from triax.planner.hardware import Cluster, Link
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
 from triax.planner.activations import tensor_local
+from triax.pipeline.fsdp import layer_passes
 from triax.planner.memory import pipelined_fsdp
 from triax.planner.param_layout import local_elements, local_param_elements, param_leaves
 from triax.pipeline.chunk_routes import moving_rounds, routed
@@ -237,9 +238,14 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
-        if pipelined_fsdp(w, lay):   # every fp32 leaf gathered once per step, outside the
-            t.add("reduce-scatter" if split else "all-reduce", full * FP32)   # tick loop
-            if split:
+        if pipelined_fsdp(w, lay, "layer") and split and path.startswith("blocks/"):
+            gathers, scatters = layer_passes(lay.schedule.split_backward, lay.microbatches)
+            t.add("all-gather", full * FP32, gathers)     # per layer per op (pipeline.fsdp)
+            t.add("reduce-scatter", full * FP32, scatters)
+            continue
+        if pipelined_fsdp(w, lay) or pipelined_fsdp(w, lay, "layer"):   # every fp32 leaf
+            t.add("reduce-scatter" if split else "all-reduce", full * FP32)   # gathered once
+            if split:                                            # per step, outside the ticks
                 t.add("all-gather", full * FP32)
             continue
         if path.startswith("embed/"):

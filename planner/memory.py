@@ -117,6 +117,9 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
         return 0.0
     if pipelined_fsdp(w, lay):   # the stage's weights, gathered once per step (pipeline.fsdp)
         return local_param_elements(w, lay.unsharded_over_data()) * FP32
+    if pipelined_fsdp(w, lay, "layer"):   # one block's fp32 weights, gathered as it runs
+        return _block_grad_elements(w, lay) * FP32 + (
+            _block_grad_elements(w, lay) * w.dtype_bytes if w.mixed else 0)
     if get_strategy(lay.strategy).fsdp and lay.data > 1:
         return _block_grad_elements(w, lay) * w.dtype_bytes
     if w.mixed:
@@ -124,11 +127,12 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     return 0.0
 
 
-def pipelined_fsdp(w: Workload, lay: Layout) -> bool:
-    """A pipelined step under FSDP: the executor gathers the whole stage over ``data`` once
-    per step, outside the tick loop, rather than one block at a time."""
+def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
+    """A pipelined step under FSDP whose stages hold the weights as ``mode`` says
+    (``lay.pipeline_fsdp``): ``stage``, the executor gathers the whole stage over ``data``
+    once per step, outside the tick loop; ``layer``, one block at a time per op."""
     return lay.pipe > 1 and w.cfg is not None and get_strategy(lay.strategy).fsdp \
-        and lay.data > 1
+        and lay.data > 1 and lay.pipeline_fsdp == mode
 
 
 def _block_grad_elements(w: Workload, lay: Layout) -> int:
@@ -148,6 +152,9 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
         blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual).per_chunk
+    if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
+        return _block_grad_elements(w, lay) + blocks * ceil_div(
+            _block_grad_elements(w, lay), lay.data)
     return blocks * _block_grad_elements(w, lay)
 
 

@@ -57,7 +57,7 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
         raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
     return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
                      seq_len=w.seq, precision=w.dtype, attention=w.attention,
-                     **layout_fields(w, lay))
+                     pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay))
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:
@@ -91,7 +91,8 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "sizes": lay.sizes, "strategy": lay.strategy,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
-                      "context_attention": lay.context_attention})
+                      "context_attention": lay.context_attention,
+                      "pipeline_fsdp": lay.pipeline_fsdp})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -170,7 +171,7 @@ def _main(arg: str) -> None:
                     attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"],
-                 context_attention=a["context_attention"])
+                 context_attention=a["context_attention"], pipeline_fsdp=a["pipeline_fsdp"])
     print(json.dumps(compile_figures(w, lay)))
 
 

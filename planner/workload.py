@@ -102,6 +102,7 @@ class Layout:
     virtual: int = 1
     context: int = 1    # last: callers build layouts positionally
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
+    pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
 
     @property
     def devices(self) -> int:
@@ -134,7 +135,8 @@ class Layout:
             f", {self.schedule.value} M={self.microbatches}"
             + (f" v={self.virtual}" if self.virtual > 1 else ""))
         ctx = f", {self.context_attention}" if self.context > 1 else ""
-        return f"{self.mesh_str} {self.strategy}{sched}{ctx}"
+        by_layer = ", FSDP by layer" if self.pipe > 1 and self.pipeline_fsdp == "layer" else ""
+        return f"{self.mesh_str} {self.strategy}{sched}{ctx}{by_layer}"
 
 
 def ceil_div(a: int, b: int) -> int:

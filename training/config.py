@@ -92,6 +92,12 @@ class RunConfig:
                        choices=TRAIN_SCHEDULES)
     microbatches: int = _f(0, "pipeline micro-batches per step (0: 2 × pipe)")
     virtual: int = _f(1, "pipeline chunks per stage (interleaved; zb-v always runs 2)")
+    pipeline_fsdp: str = _f("auto", "FSDP weights in pipeline stages: stage (gathered once "
+                                    "per step, gradients accumulated whole) | layer (each "
+                                    "layer gathered per op, gradients reduce-scattered per "
+                                    "layer) | auto (stage where the planner's memory model "
+                                    "says it fits a device, else layer)",
+                            choices=choices.PIPELINE_FSDP_CHOICES)
     data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
                             ".parquet file (documents with a text field, or prompt/completion "
                             "pairs whose prompts get no loss; packed)")

@@ -11,7 +11,7 @@ schedule / micro-batch combination fails before anything compiles.
     >>> run = build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
     ...                           batch_size=8, seq_len=16))
     >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
-    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1), 4)
+    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage'), 4)
     >>> build_run(RunConfig(mesh="data=8", batch_size=12))
     Traceback (most recent call last):
     ...
@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
-from triax.pipeline.pipelined import PipelineConfig
+from triax.pipeline.pipelined import PipelineConfig, default_microbatches
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig
@@ -102,9 +102,35 @@ def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[Pipel
     stages = mesh_sizes(mesh).get("pipe", 1)
     if stages < 2:
         return None
-    pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual)
+    pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual,
+                              pipeline_fsdp_for(run, cfg, mesh))
     pipeline.build(stages)  # a bad schedule/micro-batch combination fails here, not in a compile
     return pipeline
+
+
+def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
+    """The one home of ``--pipeline-fsdp auto``: ``stage`` (a gather per step: the least
+    traffic) where the planner's memory model of that run fits one device's memory
+    (``memory_check.device_capacity``; unknown: assumed to fit), else ``layer`` (FSDP's
+    memory, a gather per layer per op). Without FSDP over ``data`` the two are one."""
+    if run.pipeline_fsdp != "auto":
+        return run.pipeline_fsdp
+    sizes = mesh_sizes(mesh)
+    if not get_strategy(run.strategy).fsdp or sizes.get("data", 1) < 2 \
+            or not isinstance(cfg, ModelConfig):
+        return "stage"
+    from triax.planner import Layout, Workload, estimate   # the planner sits above training
+    from triax.pipeline import ScheduleKind
+    from triax.training.memory_check import device_capacity
+    capacity = device_capacity()
+    lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
+                 strategy=run.strategy, schedule=ScheduleKind(run.schedule),
+                 microbatches=run.microbatches or default_microbatches(sizes["pipe"]),
+                 virtual=run.virtual, pipeline_fsdp="stage")
+    w = Workload.of(cfg, train=True, dtype=run.precision, batch=run.batch_size,
+                    seq=run.seq_len, remat=run.remat)
+    fits = capacity is None or estimate(w, lay).modelled <= capacity[0]
+    return "stage" if fits else "layer"
 
 
 def check_batch(run: RunConfig, mesh: Mesh, pipeline: Optional[PipelineConfig] = None) -> None:
