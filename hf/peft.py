@@ -21,7 +21,9 @@ import safetensors.numpy
 
 from triax.hf.files import HFError
 from triax.models.config import LoraConfig, ModelConfig
+from triax.models import lora
 from triax.models.lora import PREFIX, WEIGHTS
+from triax.sharding.partition import abstract_model, param_shardings
 
 CONFIG = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -135,6 +137,28 @@ def load_adapters(directory: str, cfg: ModelConfig, shardings: dict) -> dict:
     return jax.tree.map(jax.device_put, read_adapters(directory, cfg), shardings)
 
 
+def load_adapted(model_dir: str, adapter: str, mesh, strategy="tp",
+                 name: Optional[str] = None) -> tuple[ModelConfig, dict]:
+    """``(cfg, params)``: the HF base in ``model_dir`` with the PEFT ``adapter`` beside it,
+    unmerged (the model computes ``x·W + x·A·B·alpha/r``), sharded on ``mesh``."""
+    from triax.hf.load import load_params, read_model_config  # noqa: PLC0415 (load imports us)
+    base_cfg = read_model_config(model_dir, name)
+    cfg = adapted_config(base_cfg, adapter)
+    base, _ = load_params(model_dir, base_cfg, mesh, strategy)
+    shardings = lora.split(param_shardings(abstract_model(cfg), mesh, strategy))[0]
+    return cfg, lora.join(load_adapters(adapter, cfg, shardings), base)
+
+
+def adapted_config(base_cfg: ModelConfig, adapter: str) -> ModelConfig:
+    """The base model's config with the adapter's ``LoraConfig`` (read, checked)."""
+    try:
+        return base_cfg.replace(lora=read_config(adapter))
+    except ValueError as e:
+        if isinstance(e, HFError):
+            raise
+        raise HFError(f"adapter {adapter!r}: {e}") from None
+
+
 def write_adapters(params: dict, cfg: ModelConfig, out_dir: str, base_model: str,
                    dropout: float = 0.0) -> list[str]:
     """``adapter_model.safetensors`` + ``adapter_config.json`` of ``params``' adapters."""
@@ -163,5 +187,6 @@ def _in_out(cfg: ModelConfig) -> dict:
             "down_proj": ((F,), (D,))}
 
 
-__all__ = ["CONFIG", "WEIGHTS_FILE", "adapter_config", "expected", "load_adapters",
+__all__ = ["CONFIG", "WEIGHTS_FILE", "adapted_config", "adapter_config", "expected",
+           "load_adapted", "load_adapters",
            "peft_key", "read_adapters", "read_config", "write_adapters"]

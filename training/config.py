@@ -95,9 +95,10 @@ class RunConfig:
                                                             "that get adapters")
     base_dtype: str = _f("float32", "how the frozen LoRA base is stored (int8: weight-only, per "
                                     "output channel)", choices=choices.BASE_DTYPES)
-    adapter: Optional[str] = _f(None, "PEFT adapter directory (adapter_config.json + "
-                                      "adapter_model.safetensors) to continue training; needs "
-                                      "--init-from BASE")
+    adapter: Optional[str] = _f(None, "PEFT LoRA adapter directory (adapter_config.json + "
+                                      "adapter_model.safetensors) over the base model: train "
+                                      "continues it (with --init-from BASE), generate uses it "
+                                      "unmerged (with --model-dir BASE)")
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
