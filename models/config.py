@@ -53,8 +53,7 @@ class MoEConfig:
 @dataclass(frozen=True)
 class LoraConfig:
     """Adapters of rank ``rank`` on the ``targets`` (PEFT module names), scaled
-    ``alpha / rank``; the frozen base stored in ``base_dtype`` (int8: weight-only, per
-    output channel, see ``models.lora``)."""
+    ``alpha / rank``; the frozen base stored in ``base_dtype`` (``choices.BASE_DTYPES``)."""
 
     rank: int
     alpha: float = 16.0

@@ -124,6 +124,19 @@ def test_step_zero_is_the_base(devices):
     assert np.array_equal(adapted, plain)
 
 
+def test_bf16_base_is_stored_in_bf16():
+    """``--base-dtype bfloat16``: every base leaf of the train state is bf16 (half the bytes),
+    the adapters and their moments fp32."""
+    tr = Trainer(DENSE.replace(lora=LoraConfig(rank=4, base_dtype="bfloat16")),
+                 make_mesh(data=8), "fsdp")
+    state = tr.abstract_state()
+    ad, base = lora.split(state["params"])
+    assert {x.dtype for x in jax.tree.leaves(base)} == {np.dtype("bfloat16")}
+    assert {x.dtype for x in jax.tree.leaves(ad)} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves(state["opt_state"]) if x.ndim} == \
+        {np.dtype("float32")}
+
+
 # ---- what the frozen base costs, in the compiled step -------------------------------------
 # A weight's dims, whole or halved (the ZB-H1 twin splits them over tensor=2); the per-device
 # rows (12) are none of them.
