@@ -55,4 +55,5 @@ def check(flag: str, value, accepted: Iterable):
 # three are refused on MoE experts), and how the frozen base is stored.
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-BASE_DTYPES = ("float32", "bfloat16")
+BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BASE_DTYPES = tuple(BASE_DTYPE_BYTES)

@@ -48,7 +48,16 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
                      loss_chunks=w.loss_chunks,
                      context_attention=lay.context_attention,
                      schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
-                     microbatches=lay.microbatches, virtual=lay.virtual)
+                     microbatches=lay.microbatches, virtual=lay.virtual,
+                     **_lora_fields(w))
+
+
+def _lora_fields(w: Workload) -> dict:
+    """The run's ``--lora-*`` / ``--base-dtype`` for a LoRA workload."""
+    lo = w.lora
+    return {} if lo is None else dict(lora_rank=lo.rank, lora_alpha=lo.alpha,
+                                      lora_targets=",".join(lo.targets),
+                                      base_dtype=lo.base_dtype)
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:
@@ -82,7 +91,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "sizes": lay.sizes, "strategy": lay.strategy,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
-                      "context_attention": lay.context_attention})
+                      "context_attention": lay.context_attention, "lora": _lora_fields(w)})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -155,6 +164,8 @@ def verify_trainer(trainer, batch, device: str = "h100-80gb",
 def _main(arg: str) -> None:
     a = json.loads(arg)
     cfg = config.get(a["model"], num_layers=a["layers"]).replace(max_seq_len=a["max_seq_len"])
+    if a["lora"]:
+        cfg = cfg.replace(lora=RunConfig(**a["lora"]).lora_config())
     w = Workload.of(cfg, train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"],
                     loss_chunks=a["loss_chunks"],
