@@ -14,7 +14,7 @@ weight-gradient matmul of the base is ever traced (plain or pipelined, split bac
     >>> from triax.models import config
     >>> cfg = config.TINY.replace(lora=LoraConfig(rank=4))
     >>> param_count(cfg.lora, cfg)
-    30720
+    15872
 """
 from __future__ import annotations
 
