@@ -177,9 +177,23 @@ class ModelConfig:
         unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.embed_dim * Fe
         return self.num_params - self.num_layers * unused
 
+    @property
+    def adapter_params(self) -> int:
+        """LoRA adapter parameters (0 without ``lora``): r·(in + out) per adapted projection."""
+        if self.lora is None:
+            return 0
+        D, N, K, H, F = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.mlp_dim)
+        dims = {"q_proj": D + N * H, "k_proj": D + K * H, "v_proj": D + K * H,
+                "o_proj": N * H + D, "gate_proj": D + F, "up_proj": D + F, "down_proj": F + D}
+        return self.num_layers * self.lora.rank * sum(dims[t] for t in self.lora.targets)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd)."""
+        """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd). Under LoRA
+        the frozen base has no weight-gradient matmuls (4·N) and the adapters train (6·n)."""
         attn = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # ~12·L·N·H·T/2 causal
+        if self.lora is not None:
+            return 4.0 * self.active_params() + 6.0 * self.adapter_params + attn
         return 6.0 * self.active_params() + attn
 
 

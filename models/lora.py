@@ -144,9 +144,5 @@ def merged(params: dict, lora: LoraConfig) -> dict:
 
 
 def param_count(lora: LoraConfig, cfg) -> int:
-    """Adapter parameters of ``cfg`` (the planner's and the tests' count)."""
-    D, N, K, H, F, L = (cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                        cfg.mlp_dim, cfg.num_layers)
-    dims = {"q_proj": (D, N * H), "k_proj": (D, K * H), "v_proj": (D, K * H),
-            "o_proj": (N * H, D), "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
-    return L * lora.rank * sum(sum(dims[t]) for t in lora.targets)
+    """Adapter parameters of ``cfg`` with ``lora`` (``ModelConfig.adapter_params``)."""
+    return cfg.replace(lora=lora).adapter_params
