@@ -62,3 +62,10 @@ def check(flag: str, value, accepted: Iterable):
         raise ValueError(f"--{flag.replace('_', '-')} {value!r}: choose one of "
                          f"{', '.join(map(str, accepted))}")
     return value
+
+# LoRA (``triax.models.lora``): the adaptable projections by PEFT's module names (the MLP's
+# three are refused on MoE experts), and how the frozen base is stored.
+PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+BASE_DTYPES = tuple(BASE_DTYPE_BYTES)

@@ -17,7 +17,7 @@ import jax
 from jax.sharding import Mesh
 
 from triax.mesh import describe, mesh_sizes
-from triax.models.config import ModelConfig, MoEConfig, RopeScaling
+from triax.models.config import LoraConfig, ModelConfig, MoEConfig, RopeScaling
 
 STATE, META = "state", "meta"
 ITEMS = (STATE, META)   # the Orbax item names of every step directory
@@ -60,6 +60,8 @@ def config_from_json(d: dict) -> ModelConfig:
         d["moe"] = MoEConfig(**d["moe"])
     if d.get("rope_scaling") is not None:
         d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    if d.get("lora") is not None:
+        d["lora"] = LoraConfig(**{**d["lora"], "targets": tuple(d["lora"]["targets"])})
     return ModelConfig(**d)
 
 

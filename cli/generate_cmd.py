@@ -32,7 +32,7 @@ def add_parser(sub) -> None:
     src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
                      "(config.json, safetensors, tokenizer.json)")
     # The flags a run shares, from RunConfig's fields; generate reads ``args`` directly.
-    add_run_flags(p, ["seed", "num_layers"], fill=True,
+    add_run_flags(p, ["seed", "num_layers", "adapter"], fill=True,
                   notes={"seed": "here the init's (with --model) and the sampling's (default: 0)"})
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -112,7 +112,7 @@ def run(args) -> int:
                           replicas or 1, sampling, longest, args.max_new_tokens, args.slots,
                           num_layers=args.num_layers, model_dir=args.model_dir,
                           check_memory=not args.skip_memory_check,
-                          context_attention=args.context_attention)
+                          context_attention=args.context_attention, adapter=args.adapter)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

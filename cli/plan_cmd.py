@@ -16,7 +16,8 @@ from triax.cli.run_flags import add_run_flags
 from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
 
 RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "max_seq_len", "mesh", "strategy", "remat",
-             "loss_chunks", "context_attention", "attention")
+             "loss_chunks", "context_attention", "attention", "lora_rank", "lora_alpha",
+             "lora_targets", "base_dtype")
 PLAN_DEFAULTS = {"batch_size": 8, "seq_len": 2048, "mesh": None, "strategy": None,
                  "context_attention": None}
 PLAN_NOTES = {
@@ -100,6 +101,13 @@ def run(args) -> int:
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
     if cfg is not None and args.max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=args.max_seq_len)
+    if args.lora_rank:   # adapters as a run would build them (RunConfig.lora_config)
+        from triax.training.config import RunConfig
+        if cfg is None:
+            raise ValueError("--lora-rank needs a model (--model or --model-dir), not --params")
+        cfg = cfg.replace(lora=RunConfig(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                                         lora_targets=args.lora_targets,
+                                         base_dtype=args.base_dtype).lora_config())
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)

@@ -14,6 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from triax.hf.load import load as hf_load
 from triax.hf.load import read_model_config
+from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.sampling import SamplingConfig
@@ -46,24 +47,31 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
                  max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
                  num_layers: Optional[int] = None, devices=None,
                  model_dir: Optional[str] = None, check_memory: bool = True,
-                 context_attention: str = "all-gather") -> Server:
+                 context_attention: str = "all-gather",
+                 adapter: Optional[str] = None) -> Server:
     """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
     come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
     preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
     weights and KV cache are checked against a device's memory before anything loads.
     ``context_attention``: the prefill's attention across a ``context`` axis (all-gather or
-    ring; docs/long_context.md)."""
+    ring; docs/long_context.md); ``adapter``: a PEFT LoRA directory over ``model_dir``'s
+    base, used unmerged."""
     mesh_sizes = dict(mesh_sizes or {})
     strategy = dataclasses.replace(get_strategy(strategy),
                                    context_attention=check_scheme(context_attention))
     meshes = replica_meshes(mesh_sizes, replicas, devices)
     if model_dir is not None and (checkpoint or model):
         raise InferenceError("give one of --model-dir, --checkpoint, --model")
+    if adapter is not None and model_dir is None:
+        raise InferenceError(f"--adapter {adapter!r} adapts a Hugging Face base: give "
+                             f"--model-dir BASE_DIR")
     if check_memory:
-        cfg = _model_config(checkpoint, model, num_layers, model_dir)
+        cfg = _model_config(checkpoint, model, num_layers, model_dir, adapter)
         check_serving_memory(cfg, meshes[0], strategy,
                              engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots))
-    if model_dir is not None:
+    if adapter is not None:
+        cfg, params = load_adapted(model_dir, adapter, meshes[0], strategy)
+    elif model_dir is not None:
         cfg, params, _ = hf_load(model_dir, meshes[0], strategy)
     else:
         cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
@@ -72,10 +80,11 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
     return Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
 
 
-def _model_config(checkpoint, model, num_layers, model_dir):
+def _model_config(checkpoint, model, num_layers, model_dir, adapter=None):
     """The model's config, read without its weights."""
     if model_dir is not None:
-        return read_model_config(model_dir)
+        cfg = read_model_config(model_dir)
+        return cfg if adapter is None else adapted_config(cfg, adapter)
     if checkpoint is not None:
         return read_checkpoint_config(checkpoint)[0]
     if model is None:

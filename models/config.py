@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from triax.choices import BASE_DTYPES, MLP_TARGETS, PEFT_TARGETS
 from triax.text.byte_tokenizer import BYTE_VOCAB
 
 
@@ -47,6 +48,35 @@ class MoEConfig:
 
     def replace(self, **kw) -> "MoEConfig":
         return dataclasses.replace(self, **kw)
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapters of rank ``rank`` on the ``targets`` (PEFT module names), scaled
+    ``alpha / rank``; the frozen base stored in ``base_dtype`` (``choices.BASE_DTYPES``)."""
+
+    rank: int
+    alpha: float = 16.0
+    targets: tuple[str, ...] = PEFT_TARGETS
+    base_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.rank < 1:
+            raise ValueError(f"LoraConfig: rank={self.rank} must be >= 1 (0 turns LoRA off)")
+        if not self.alpha > 0:
+            raise ValueError(f"LoraConfig: alpha={self.alpha} must be > 0")
+        bad = [t for t in self.targets if t not in PEFT_TARGETS]
+        if bad or not self.targets:
+            raise ValueError(f"--lora-targets {','.join(self.targets) or '(empty)'}: unknown "
+                             f"module(s) {bad}; choose from {','.join(PEFT_TARGETS)}")
+        if self.base_dtype not in BASE_DTYPES:
+            raise ValueError(f"--base-dtype {self.base_dtype!r}: choose one of "
+                             f"{', '.join(BASE_DTYPES)}")
+        object.__setattr__(self, "targets", tuple(t for t in PEFT_TARGETS if t in self.targets))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -89,6 +119,7 @@ class ModelConfig:
     init_std: float = 0.02
     moe: Optional[MoEConfig] = None
     rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
+    lora: Optional[LoraConfig] = None  # None: no adapters, everything trains
 
     def __post_init__(self):
         for field in ("vocab_size", "embed_dim", "num_layers", "num_heads",
@@ -100,6 +131,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        on_experts = [t for t in (self.lora.targets if self.lora else ()) if t in MLP_TARGETS]
+        if self.moe is not None and on_experts:
+            raise ValueError(f"--lora-targets {','.join(on_experts)}: adapters on MoE expert "
+                             f"weights are not supported; on an MoE model adapt the attention "
+                             f"only, --lora-targets q_proj,k_proj,v_proj,o_proj")
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
@@ -141,9 +177,23 @@ class ModelConfig:
         unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.embed_dim * Fe
         return self.num_params - self.num_layers * unused
 
+    @property
+    def adapter_params(self) -> int:
+        """LoRA adapter parameters (0 without ``lora``): r·(in + out) per adapted projection."""
+        if self.lora is None:
+            return 0
+        D, N, K, H, F = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.mlp_dim)
+        dims = {"q_proj": D + N * H, "k_proj": D + K * H, "v_proj": D + K * H,
+                "o_proj": N * H + D, "gate_proj": D + F, "up_proj": D + F, "down_proj": F + D}
+        return self.num_layers * self.lora.rank * sum(dims[t] for t in self.lora.targets)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd)."""
+        """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd). Under LoRA
+        the frozen base has no weight-gradient matmuls (4·N) and the adapters train (6·n)."""
         attn = 6 * self.num_layers * self.num_heads * self.head_dim * seq_len  # ~12·L·N·H·T/2 causal
+        if self.lora is not None:
+            return 4.0 * self.active_params() + 6.0 * self.adapter_params + attn
         return 6.0 * self.active_params() + attn
 
 

@@ -19,6 +19,7 @@ from triax.models.visibility import Visibility
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig, RopeScaling
 from triax.models.decode import Cache, cached_attention
+from triax.models.lora import maybe_pair
 
 
 @dataclass(frozen=True)
@@ -97,11 +98,20 @@ class Attention(nnx.Module):
         self.wv_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wo_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), std)
         self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
+        # LoRA adapters (None where not targeted): A on the input axes, B on the output's.
+        lo, emb, qh, kh = cfg.lora, ((D,), ("embed",)), ((N, H), ("heads", "head_dim")), \
+            ((K, H), ("kv_heads", "head_dim"))
+        self.lora_q_proj = maybe_pair(lo, "q_proj", *emb, *qh, rngs=rngs)
+        self.lora_k_proj = maybe_pair(lo, "k_proj", *emb, *kh, rngs=rngs)
+        self.lora_v_proj = maybe_pair(lo, "v_proj", *emb, *kh, rngs=rngs)
+        self.lora_o_proj = maybe_pair(lo, "o_proj", *qh, *emb, rngs=rngs)
 
     def project_qkv(self, x_BTD, positions_BT, dtype):
         q = jnp.einsum("BTD,DNH->BTNH", x_BTD, self.wq_DNH[...].astype(dtype))
         k = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wk_DKH[...].astype(dtype))
         v = jnp.einsum("BTD,DKH->BTKH", x_BTD, self.wv_DKH[...].astype(dtype))
+        q, k, v = (y if ad is None else y + ad(x_BTD, dtype) for y, ad in
+                   ((q, self.lora_q_proj), (k, self.lora_k_proj), (v, self.lora_v_proj)))
         q = rope(q, positions_BT, self.theta, self.rope_scaling)
         k = rope(k, positions_BT, self.theta, self.rope_scaling)
         q = constrain(q, ("batch", "seq", "act_heads", None))
@@ -111,6 +121,8 @@ class Attention(nnx.Module):
 
     def output(self, o_BTNH, dtype):
         out = jnp.einsum("BTNH,NHD->BTD", o_BTNH, self.wo_NHD[...].astype(dtype))
+        if self.lora_o_proj is not None:
+            out = out + self.lora_o_proj(o_BTNH, dtype)
         # Back on the residual stream (``res_seq``: split over the sequence under SP).
         return constrain(out, ("batch", "res_seq", "act_embed"))
 
@@ -137,11 +149,21 @@ class MLP(nnx.Module):
         D, F, std = cfg.embed_dim, cfg.mlp_dim, cfg.init_std
         self.w_in_D2F = param(rngs, (D, 2, F), ("embed", None, "mlp"), std)
         self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), std)
+        # One adapter pair per projection of the fused weight (PEFT's gate_proj, up_proj).
+        lo, emb, mlp = cfg.lora, ((D,), ("embed",)), ((F,), ("mlp",))
+        self.lora_gate_proj = maybe_pair(lo, "gate_proj", *emb, *mlp, rngs=rngs)
+        self.lora_up_proj = maybe_pair(lo, "up_proj", *emb, *mlp, rngs=rngs)
+        self.lora_down_proj = maybe_pair(lo, "down_proj", *mlp, *emb, rngs=rngs)
 
     def __call__(self, x_BTD, dtype):
         gu = jnp.einsum("BTD,DUF->BTUF", x_BTD, self.w_in_D2F[...].astype(dtype))
-        h = constrain(jax.nn.silu(gu[:, :, 0]) * gu[:, :, 1], ("batch", "seq", "act_mlp"))
+        g, u = gu[:, :, 0], gu[:, :, 1]
+        g = g if self.lora_gate_proj is None else g + self.lora_gate_proj(x_BTD, dtype)
+        u = u if self.lora_up_proj is None else u + self.lora_up_proj(x_BTD, dtype)
+        h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
         out = jnp.einsum("BTF,FD->BTD", h, self.w_down_FD[...].astype(dtype))
+        if self.lora_down_proj is not None:
+            out = out + self.lora_down_proj(h, dtype)
         return constrain(out, ("batch", "res_seq", "act_embed")), {}
 
 

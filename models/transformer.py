@@ -28,6 +28,7 @@ from triax.models.config import ModelConfig
 from triax.models.decode import Cache
 from triax.models.visibility import Visibility, packed_visibility
 from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
+from triax.models.lora import cast_base
 from triax.models.loss import head_nll_sum, loss_denominator
 from triax.models.protocol import REMAT_POLICIES, current_exec, run_stack, using_exec
 
@@ -86,6 +87,8 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"),
                                  cfg.init_std)
+        if cfg.lora is not None and cfg.lora.base_dtype != "float32":
+            cast_base(self, jnp.dtype(cfg.lora.base_dtype))
 
     # ---- the protocol ----------------------------------------------------------------------
     def aux_zeros(self) -> dict:

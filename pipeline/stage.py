@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.models.layers import ExecConfig
+from triax.models.lora import freeze_base
 from triax.models.protocol import (PipelineModel, loss_metric, run_stack, using_exec,
                                    weighted_aux)
 
@@ -60,7 +61,9 @@ class Stage:
             raise ValueError(f"Stage head={self.head!r}: choose 'loss' or 'logits'")
 
     def model(self, chunk, pieces) -> PipelineModel:
-        return nnx.merge(self.graphdef, {**pieces, "blocks": chunk})
+        # With adapters the base is frozen: its pullback has no weight-gradient matmuls, so
+        # the split backward's W part holds the adapters' work only.
+        return nnx.merge(self.graphdef, freeze_base({**pieces, "blocks": chunk}))
 
     def activation(self, chunk, pieces, inputs) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the activation that flows between stages."""

@@ -18,6 +18,7 @@ from typing import Optional
 from triax.planner.activations import activation_bytes, tensor_local
 from triax.planner.param_layout import (layout_rules, local_elements, local_param_elements,
                                         param_leaves)
+from triax.choices import BASE_DTYPE_BYTES
 from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers
 from triax.sharding.rules import get_strategy
@@ -86,7 +87,15 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     strategy's rules cannot split the model over the mesh)."""
     assume = assume or Assumptions()
     p_local = local_param_elements(w, lay)
-    if w.train:
+    if w.train and w.lora is not None:
+        # LoRA: the frozen base in its dtype, no gradient or moments of it; the adapters train
+        # as full fine-tuning would (fp32, their gradients, AdamW moments).
+        ad = local_param_elements(w, lay, part="adapters")
+        ad_o = local_param_elements(w, lay, optimizer=True, part="adapters")
+        params = (p_local - ad) * BASE_DTYPE_BYTES[w.lora.base_dtype] + ad * FP32
+        grads = 2 * ad_o * FP32            # the accumulated and one fresh gradient, bounded
+        optimizer = ad_o * FP32 * ADAM_MOMENTS + 16
+    elif w.train:
         o_local = local_param_elements(w, lay, optimizer=True)
         # triax trains fp32 parameters; under mixed precision they *are* the fp32 master
         # weights and each block is cast to bf16/fp16 as it runs (block_weights below).

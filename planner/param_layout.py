@@ -13,10 +13,12 @@ that would hold it.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import jax
 
 from triax.models.config import ModelConfig
+from triax.models.lora import is_adapter_path
 from triax.pipeline.stage_layers import pipeline_strategy
 from triax.planner.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
@@ -61,8 +63,10 @@ def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
     return st.optimizer_rules if optimizer else st.rules
 
 
-def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> int:
-    """Per-device parameter elements under the strategy's (or optimizer's) rules."""
+def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False,
+                         part: Optional[str] = None) -> int:
+    """Per-device parameter elements under the strategy's (or optimizer's) rules; ``part``
+    "adapters" or "base" counts only the LoRA adapters or only the frozen base."""
     rules = layout_rules(w, lay, optimizer)
     if w.cfg is None:   # quick estimate: shard the count over the axes that would hold it
         shards = lay.pipe
@@ -71,4 +75,5 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False) -> i
         if "data" in rules.mesh_axes("embed"):
             shards *= lay.data
         return ceil_div(w.params, shards)
-    return sum(local_elements(s, l, rules, lay.sizes) for _, s, l in param_leaves(w.cfg))
+    return sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+               if part is None or (part == "adapters") == is_adapter_path(p.split("/")))

@@ -29,6 +29,8 @@ from triax.planner.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.planner.hardware import Cluster
 from triax.planner.activations import logits_bytes, loss_tokens
+from triax.models.lora import param_count
+from triax.planner.lora_advice import lora_reasoning, lora_would_fit
 from triax.planner.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
 from triax.planner.op_costs import op_costs_for
 from triax.planner.pipeline_math import microbatch_constraint
@@ -68,9 +70,12 @@ class Recommendation:
 
 
 def state_bytes(w: Workload) -> float:
-    """Bytes of the whole training state (or of the weights, for inference)."""
+    """Bytes of the whole training state (or of the weights, for inference); LoRA: the
+    frozen base plus the adapters with their fp32 gradients and moments."""
     if not w.train:
         return w.weight_bytes
+    if w.lora is not None:
+        return w.weight_bytes + param_count(w.lora, w.cfg) * (FP32 * (2 + ADAM_MOMENTS))
     per_param = FP32 + FP32 + FP32 * ADAM_MOMENTS   # fp32 params (= master), grads, mu, nu
     return w.params * per_param
 
@@ -128,7 +133,12 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
     else:
         why.append(f"The weights alone need at least {min_dev} devices, so no single-device "
                    f"plan is considered.")
-    if w.train:
+    if w.train and w.lora is not None:
+        why.append(f"LoRA rank {w.lora.rank} on {','.join(w.lora.targets)}: the "
+                   f"{w.lora.base_dtype} base is frozen (no gradients, no moments), "
+                   f"{param_count(w.lora, w.cfg):,} adapter parameters train; "
+                   f"{decimal_bytes(state_bytes(w), None)} of state in all.")
+    elif w.train:
         master = "; the fp32 weights are the master copy" if w.mixed else ""
         why.append(f"Training keeps {decimal_bytes(state_bytes(w), None)} of state (weights, fp32 "
                    f"gradients, AdamW moments{master}); DP, ZeRO-1 or FSDP go on top of TP/PP.")
@@ -158,7 +168,8 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
                          f"≥ {min_dev} devices")
     res = search(w, cluster, assume, schemes=schemes)
     if not res.fitting:
-        raise ValueError(_nothing_fits(w, cluster, res))
+        raise ValueError(_nothing_fits(w, cluster, res)
+                         + lora_would_fit(w, cluster, assume, schemes))
     ranked = _apply_rules(w, cluster, res.fitting, why)
     for what, plans in (("Not runnable, so not ranked", res.not_runnable),
                         ("Not searched", res.not_searched)):
@@ -180,6 +191,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
                    f"({best.comm_time_by_axis[axis] * 1e3:.2f} ms per step).")
     why.extend(context_reasoning(w, res, best))
     why.extend(loss_chunk_reasoning(res, best))
+    why.extend(lora_reasoning(w, cluster, assume, schemes))
     used = _op_costs(w, res.fitting, why)
     return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions(), used)
 

@@ -57,7 +57,16 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
         raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
     return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
                      seq_len=w.seq, precision=w.dtype, attention=w.attention,
-                     pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay))
+                     pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay),
+                     **_lora_fields(w))
+
+
+def _lora_fields(w: Workload) -> dict:
+    """The run's ``--lora-*`` / ``--base-dtype`` for a LoRA workload."""
+    lo = w.lora
+    return {} if lo is None else dict(lora_rank=lo.rank, lora_alpha=lo.alpha,
+                                      lora_targets=",".join(lo.targets),
+                                      base_dtype=lo.base_dtype)
 
 
 def compile_figures(w: Workload, lay: Layout) -> dict:
@@ -92,7 +101,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
                       "context_attention": lay.context_attention,
-                      "pipeline_fsdp": lay.pipeline_fsdp})
+                      "pipeline_fsdp": lay.pipeline_fsdp, "lora": _lora_fields(w)})
     proc = subprocess.run([sys.executable, "-m", "triax.planner.verify", arg], env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode:
@@ -165,6 +174,8 @@ def verify_trainer(trainer, batch, device: str = "h100-80gb",
 def _main(arg: str) -> None:
     a = json.loads(arg)
     cfg = config.get(a["model"], num_layers=a["layers"]).replace(max_seq_len=a["max_seq_len"])
+    if a["lora"]:
+        cfg = cfg.replace(lora=RunConfig(**a["lora"]).lora_config())
     w = Workload.of(cfg, train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"],
                     loss_chunks=a["loss_chunks"],

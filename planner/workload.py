@@ -84,7 +84,15 @@ class Workload:
         return self.cfg.name if self.cfg is not None else f"{self.params / 1e9:g}B-params"
 
     @property
+    def lora(self):
+        """The model's LoRA adapters (``models.config.LoraConfig``), None without."""
+        return None if self.cfg is None else self.cfg.lora
+
+    @property
     def weight_bytes(self) -> int:
+        """The weights' bytes: in the workload's dtype, a LoRA base in its own."""
+        if self.lora is not None and self.train:
+            return self.params * choices.BASE_DTYPE_BYTES[self.lora.base_dtype]
         return self.params * self.dtype_bytes
 
 

@@ -87,6 +87,19 @@ class RunConfig:
     loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
                              "at a time (long sequences: only a slice's fp32 logits are alive; "
                              "the backward recomputes them)")
+    lora_rank: int = _f(0, "train LoRA adapters of this rank over a frozen base (0: full "
+                           "fine-tuning)")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapters add x·A·B·alpha/rank")
+    lora_dropout: float = _f(0.0, "dropout on the adapters' input (only 0 is supported: "
+                                  "recorded in an exported adapter_config.json)")
+    lora_targets: str = _f(",".join(choices.PEFT_TARGETS), "comma-separated PEFT module names "
+                                                            "that get adapters")
+    base_dtype: str = _f("float32", "how the frozen LoRA base is stored (bfloat16: half the "
+                                    "bytes; adapters stay fp32)", choices=choices.BASE_DTYPES)
+    adapter: Optional[str] = _f(None, "PEFT LoRA adapter directory (adapter_config.json + "
+                                      "adapter_model.safetensors) over the base model: train "
+                                      "continues it (with --init-from BASE), generate uses it "
+                                      "unmerged (with --model-dir BASE)")
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
@@ -150,6 +163,15 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
+        if self.lora_dropout != 0:
+            raise ValueError(f"--lora-dropout {self.lora_dropout:g}: adapter dropout is not "
+                             f"supported; use --lora-dropout 0")
+        if self.lora_rank == 0 and (self.adapter or self.base_dtype != "float32"):
+            raise ValueError(f"--{'adapter' if self.adapter else 'base-dtype'} needs LoRA: "
+                             f"give --lora-rank R (the adapter's rank)")
+        if self.adapter and not self.init_from:
+            raise ValueError(f"--adapter {self.adapter!r} continues a PEFT adapter over its "
+                             f"base model: give --init-from BASE_DIR too")
         if self.steps and self.lr_warmup_steps > self.steps:
             warnings.warn(f"--lr-warmup-steps {self.lr_warmup_steps} is longer than the run "
                           f"(--steps {self.steps}): the learning rate never reaches --lr "
@@ -175,10 +197,20 @@ class RunConfig:
     def model_config(self) -> "ModelConfig":
         if self.init_from:
             from triax.training.init_from import init_from_config  # loads JAX
-            return init_from_config(self)
-        from triax.models import config as model_config  # loads JAX: see the imports
-        cfg = model_config.get(self.model, self.num_layers)
-        return cfg if self.max_seq_len is None else cfg.replace(max_seq_len=self.max_seq_len)
+            cfg = init_from_config(self)
+        else:
+            from triax.models import config as model_config  # loads JAX: see the imports
+            cfg = model_config.get(self.model, self.num_layers)
+            if self.max_seq_len is not None:
+                cfg = cfg.replace(max_seq_len=self.max_seq_len)
+        return cfg if self.lora_rank == 0 else cfg.replace(lora=self.lora_config())
+
+    def lora_config(self):
+        """The adapters ``--lora-*`` and ``--base-dtype`` ask for (``--lora-rank`` ≥ 1)."""
+        from triax.models.config import LoraConfig  # loads JAX: see the imports
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets,
+                          base_dtype=self.base_dtype)
 
     def optim_config(self) -> "OptimConfig":
         """The optimizer, resolved against ``steps`` (warmup and decay filled in)."""
@@ -241,6 +273,8 @@ _BOUNDS = {
     "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
     "max_seq_len": (*_GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
     "grad_accum": (*_GE1, "use 1 for no accumulation"),
+    "lora_rank": (*_GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
+    "lora_alpha": (*_GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
 }
 
 FIELDS = {f.name for f in dataclasses.fields(RunConfig)}

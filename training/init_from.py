@@ -7,11 +7,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from typing import Optional
 
 import jax
-import jax.numpy as jnp
 
 from triax.hf.load import load_params, read_model_config
+from triax.hf.peft import load_adapters, read_config
+from triax.models import lora
+from triax.sharding.partition import init_fn
 from triax.hf.tokenizer import FILE, load_tokenizer
 from triax.models.config import ModelConfig
 from triax.training.config import RunConfig, RunConfigWarning
@@ -42,13 +45,38 @@ def init_from_config(run: RunConfig) -> ModelConfig:
     return cfg.replace(max_seq_len=context)
 
 
-def initial_state(trainer, cfg: ModelConfig, directory: str):
-    """The train state at step 0 with DIR's weights (placed as the trainer shards them)."""
-    params, _ = load_params(directory, cfg, trainer.mesh, trainer.strategy)
-    make = jax.jit(lambda p: {"params": p, "opt_state": trainer.tx.init(p),
-                              "step": jnp.zeros((), jnp.int32)},
-                   out_shardings=trainer.state_shardings, donate_argnums=0)
+def initial_state(trainer, cfg: ModelConfig, directory: str, adapter: Optional[str] = None,
+                  seed: int = 0):
+    """The train state at step 0 with DIR's weights (placed as the trainer shards them).
+    With LoRA, the base comes from DIR (stored in the base dtype) and the adapters from the
+    PEFT directory ``adapter`` or, without one, fresh (B = 0: step 0 is the base)."""
+    if cfg.lora is None:
+        params, _ = load_params(directory, cfg, trainer.mesh, trainer.strategy)
+    else:
+        params = lora_params(trainer, cfg, directory, adapter, seed)
+    make = jax.jit(trainer.fresh_state, out_shardings=trainer.state_shardings,
+                   donate_argnums=0)
     return make(params)
 
 
-__all__ = ["init_from_config", "initial_state"]
+def lora_params(trainer, cfg: ModelConfig, directory: str, adapter: Optional[str] = None,
+                seed: int = 0) -> dict:
+    """Base weights from the HF directory (cast to ``--base-dtype``) joined with adapters from
+    ``adapter`` (PEFT) or freshly initialised, all placed as ``trainer`` shards them."""
+    shardings = trainer.param_shardings
+    base, _ = load_params(directory, cfg.replace(lora=None), trainer.mesh, trainer.strategy)
+    _, base_shardings = lora.split(shardings)
+    _, base_shapes = lora.split(trainer.abstract.shapes)
+    base = jax.jit(lambda b: jax.tree.map(lambda x, s: x.astype(s.dtype), b, base_shapes),
+                   out_shardings=base_shardings, donate_argnums=0)(base)
+    ad_shardings = trainer.trainable(shardings)
+    if adapter is not None:
+        read_config(adapter, cfg.lora)
+        adapters = load_adapters(adapter, cfg, ad_shardings)
+    else:
+        adapters = jax.jit(lambda: trainer.trainable(init_fn(trainer.abstract, seed)()),
+                           out_shardings=ad_shardings)()
+    return lora.join(adapters, base)
+
+
+__all__ = ["init_from_config", "initial_state", "lora_params"]

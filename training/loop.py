@@ -112,7 +112,7 @@ def train(run: RunConfig, note=print) -> TrainResult:
     if resumed.state is not None:
         state = resumed.state
     elif run.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
-        state = initial_state(trainer, built.model, run.init_from)
+        state = initial_state(trainer, built.model, run.init_from, run.adapter, run.seed)
     else:
         state = built.compiled.init(run.seed)
     cfg = built.model

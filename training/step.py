@@ -31,6 +31,7 @@ from triax import choices
 from triax.mesh import make_mesh
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
+from triax.models import lora
 from triax.models.protocol import stack_loss
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.context import context_size, zigzag_batch
@@ -95,6 +96,16 @@ class Trainer:
         self.schedule = lr_schedule(self.optim)
         self.param_shardings = param_shardings(self.abstract, mesh, self.strategy)
         self._custom_loss_and_grad = loss_and_grad
+        # LoRA: only the adapters train; the base gets no gradients and no optimizer state.
+        self.lora = lora.has_adapters(self.abstract.shapes)
+
+    def trainable(self, tree: PyTree) -> PyTree:
+        """The trainable part of a parameter-shaped tree: the adapters under LoRA, else all."""
+        return lora.split(tree)[0] if self.lora else tree
+
+    def with_trainable(self, params: PyTree, trained: PyTree) -> PyTree:
+        """``params`` with its trainable part replaced by ``trained`` (the base untouched)."""
+        return lora.join(trained, lora.split(params)[1]) if self.lora else trained
 
     @classmethod
     def for_model(cls, make_model: Callable, loss_fn: Optional[Callable],
@@ -142,13 +153,15 @@ class Trainer:
     # ---- shardings -------------------------------------------------------------------------
     @cached_property
     def grad_shardings(self) -> PyTree:
-        """Per-parameter shardings under the optimizer rules (gradients and Adam moments)."""
-        return param_shardings(self.abstract, self.mesh, self.strategy, optimizer=True)
+        """Per-parameter shardings under the optimizer rules (gradients and Adam moments) of
+        the trainable parameters (the adapters under LoRA)."""
+        return self.trainable(param_shardings(self.abstract, self.mesh, self.strategy,
+                                              optimizer=True))
 
     @cached_property
     def opt_shardings(self) -> PyTree:
         """Shardings of the optimizer state: moments like the gradients, counters replicated."""
-        abstract_opt = jax.eval_shape(self.tx.init, self.abstract.shapes)
+        abstract_opt = jax.eval_shape(self.tx.init, self.trainable(self.abstract.shapes))
         replicated = NamedSharding(self.mesh, P())
         return optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.grad_shardings,
                                      transform_non_params=lambda _: replicated)
@@ -180,9 +193,14 @@ class Trainer:
 
         def init():
             params = jax.lax.with_sharding_constraint(make_params(), self.param_shardings)
-            return {"params": params, "opt_state": tx.init(params),
-                    "step": jnp.zeros((), jnp.int32)}
+            return self.fresh_state(params)
         return init
+
+    def fresh_state(self, params) -> PyTree:
+        """The train state at step 0 around ``params``: a fresh optimizer over the trainable
+        ones (traced: call it inside a jit with ``out_shardings=state_shardings``)."""
+        return {"params": params, "opt_state": self.tx.init(self.trainable(params)),
+                "step": jnp.zeros((), jnp.int32)}
 
     @cached_property
     def _jitted_init(self):
@@ -203,10 +221,13 @@ class Trainer:
         return user_loss(self.abstract, fn)
 
     def loss_and_grad(self, params, batch):
-        """``((loss, aux), grads)`` for one batch: the pipeline's, a custom one, or autodiff."""
+        """``((loss, aux), grads)`` for one batch: the pipeline's, a custom one, or autodiff;
+        ``grads`` of the trainable parameters only (the base's are stopped zeros: dropped)."""
         if self._custom_loss_and_grad is not None:
-            return self._custom_loss_and_grad(params, batch)
-        return jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
+            out, grads = self._custom_loss_and_grad(params, batch)
+        else:
+            out, grads = jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
+        return out, self.trainable(grads)
 
     def accumulated_loss_and_grad(self, params, batch):
         """``loss_and_grad`` averaged over ``accum_steps`` micro-batches (a scan in the step).
@@ -257,8 +278,9 @@ class Trainer:
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
         grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
-        updates, opt_state = self.tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
+        trained = self.trainable(state["params"])
+        updates, opt_state = self.tx.update(grads, state["opt_state"], trained)
+        params = self.with_trainable(state["params"], optax.apply_updates(trained, updates))
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}

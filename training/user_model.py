@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from flax import nnx
 
+from triax.models.lora import freeze_base
 from triax.models.protocol import missing_protocol, stack_loss
 from triax.sharding.partition import AbstractModel, abstract_module
 
@@ -65,7 +66,8 @@ class UserModel:
 def user_loss(am: AbstractModel, loss_fn: Callable) -> Callable:
     """``loss(params, batch) -> (loss, aux)`` for a user's model (the train step's contract)."""
     def loss(params, batch):
-        out = loss_fn(nnx.merge(am.graphdef, params), batch)
+        # With adapters the base is frozen: no weight-gradient work is traced for it.
+        out = loss_fn(nnx.merge(am.graphdef, freeze_base(params)), batch)
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
             raise TypeError(f"loss_fn must return (loss, aux dict), got {type(out).__name__}; "
                             f"return (loss, {{}}) when there is nothing else to report")

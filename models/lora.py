@@ -1,0 +1,148 @@
+"""LoRA adapters over a frozen base: the config, the adapter pair, and which leaves train.
+
+An adapter on a base weight ``W`` (input dims ``I``, output dims ``O``) adds
+``x·A·B·(alpha/r)``: ``A`` is ``I + (r,)`` with the base's input logical axes and
+``lora_rank``; ``B`` is ``(r,) + O`` with ``lora_rank`` and the base's output axes, so the
+rules table shards an adapter like its base weight (``lora_rank`` itself is replicated: it
+maps to no mesh axis). ``B`` starts at zero, so step 0 computes the base model.
+
+Adapter parameters live in sub-modules named ``lora_<peft module>`` (``lora_q_proj``, …);
+:func:`is_adapter_path` is the one test of "trainable", and :func:`freeze_base` stops the
+gradient of every other leaf where a module is rebuilt from its parameters, so no
+weight-gradient matmul of the base is ever traced (plain or pipelined, split backward too).
+
+    >>> from triax.models import config
+    >>> cfg = config.TINY.replace(lora=LoraConfig(rank=4))
+    >>> param_count(cfg.lora, cfg)
+    15872
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from triax.models.config import LoraConfig
+
+PREFIX = "lora_"
+
+
+class LoraPair(nnx.Module):
+    """``A`` (in dims, r) and ``B`` (r, out dims); ``__call__(x, n_in)`` is
+    ``x·A·B·scale`` contracting the last ``n_in`` dims of ``x``."""
+
+    def __init__(self, in_shape, in_axes, out_shape, out_axes, lora: LoraConfig,
+                 rngs: nnx.Rngs):
+        r, fan_in = lora.rank, math.prod(in_shape)
+        # PEFT's default: A ~ kaiming-uniform (bound 1/sqrt(fan_in)), B = 0.
+        bound = 1.0 / math.sqrt(fan_in)
+        a = jax.random.uniform(rngs.params(), tuple(in_shape) + (r,), jnp.float32,
+                               -bound, bound)
+        self.a = nnx.Param(a, out_sharding=tuple(in_axes) + ("lora_rank",),
+                           eager_sharding=False)
+        self.b = nnx.Param(jnp.zeros((r,) + tuple(out_shape), jnp.float32),
+                           out_sharding=("lora_rank",) + tuple(out_axes), eager_sharding=False)
+        self.scale = lora.scale
+
+    def __call__(self, x, dtype):
+        n_in = self.a.ndim - 1
+        z = jnp.tensordot(x, self.a[...].astype(dtype), axes=n_in)
+        return jnp.tensordot(z, self.b[...].astype(dtype), axes=1) * jnp.asarray(self.scale,
+                                                                                 dtype)
+
+
+def maybe_pair(lora: Optional[LoraConfig], target: str, *shape_axes, rngs) -> Optional[LoraPair]:
+    """A pair for ``target`` when ``lora`` adapts it, else None."""
+    if lora is None or target not in lora.targets:
+        return None
+    return LoraPair(*shape_axes, lora, rngs)
+
+
+def is_adapter_path(path) -> bool:
+    """A leaf is an adapter when a key on its path is a ``lora_*`` sub-module."""
+    return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)
+
+
+def has_adapters(tree) -> bool:
+    return any(is_adapter_path(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+    """``(adapters, base)``: the nested dict cut in two (empty branches dropped)."""
+    ad, base = {}, {}
+    for k, v in tree.items():
+        if str(k).startswith(PREFIX):
+            ad[k] = v
+        elif isinstance(v, dict):
+            a, b = split(v)
+            if a:
+                ad[k] = a
+            if b:
+                base[k] = b
+        else:
+            base[k] = v
+    return ad, base
+
+
+def join(a: dict, b: dict) -> dict:
+    """The union of two disjoint nested dicts (``split``'s inverse)."""
+    out = dict(b)
+    for k, v in a.items():
+        out[k] = join(v, out[k]) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def freeze_base(params):
+    """``params`` with the gradient of every non-adapter leaf stopped, when it has adapters
+    (otherwise unchanged): applied where the module is rebuilt, inside any differentiation."""
+    if not has_adapters(params):
+        return params
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if is_adapter_path(p) else jax.lax.stop_gradient(x), params)
+
+
+def cast_base(module: nnx.Module, dtype) -> None:
+    """Store every non-adapter parameter of ``module`` in ``dtype`` (the frozen base)."""
+    for path, node in nnx.iter_graph(module):
+        if isinstance(node, nnx.Param) and not is_adapter_path(path):
+            node.value = node.value.astype(dtype)
+
+
+# Where each target's adapter sits and which base weight it adds to (index: the fused pair's
+# slot of ``w_in_D2F``).
+WEIGHTS = {"q_proj": ("attn", "wq_DNH", None), "k_proj": ("attn", "wk_DKH", None),
+           "v_proj": ("attn", "wv_DKH", None), "o_proj": ("attn", "wo_NHD", None),
+           "gate_proj": ("mlp", "w_in_D2F", 0), "up_proj": ("mlp", "w_in_D2F", 1),
+           "down_proj": ("mlp", "w_down_FD", None)}
+
+
+def delta(pair: dict, scale: float):
+    """``scale · A·B`` of a stacked pair (``a`` [L, *in, r], ``b`` [L, r, *out]) in fp32:
+    the change the adapter makes to its base weight, shaped [L, *in, *out]."""
+    a, b = pair["a"].astype(jnp.float32), pair["b"].astype(jnp.float32)
+    L, r = a.shape[0], a.shape[-1]
+    ab = jnp.einsum("LIR,LRO->LIO", a.reshape(L, -1, r), b.reshape(L, r, -1))
+    return scale * ab.reshape(a.shape[:-1] + b.shape[2:])
+
+
+def merged(params: dict, lora: LoraConfig) -> dict:
+    """The base parameters with every adapter folded in (``W + A·B·alpha/r``, fp32): the
+    plain model a merged export writes."""
+    _, base = split(params)
+    base = jax.tree.map(lambda x: x.astype(jnp.float32), base)
+    blocks = {k: dict(v) for k, v in base["blocks"].items()}
+    for t in lora.targets:
+        mod, name, slot = WEIGHTS[t]
+        d = delta(params["blocks"][mod][PREFIX + t], lora.scale)
+        w = blocks[mod][name]
+        blocks[mod][name] = w + d if slot is None else w.at[:, :, slot].add(d)
+    return {**base, "blocks": blocks}
+
+
+def param_count(lora: LoraConfig, cfg) -> int:
+    """Adapter parameters of ``cfg`` with ``lora`` (``ModelConfig.adapter_params``)."""
+    return cfg.replace(lora=lora).adapter_params
