@@ -15,43 +15,22 @@ import argparse
 import json
 
 from triax.cli.common import start_devices
-from triax.cli.run_flags import add_run_flags
+from triax.cli.serving_flags import add_model_flags, build_from_args, load_tokenizer_for
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate",
                        help="generate text with a KV cache (TP, replicas, pipeline, context)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")
-    add_run_flags(src, ["model"], {"model": None}, notes={"model": "for a seeded random init"},
-                  fill=True)
-    src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
-                     "(config.json, safetensors, tokenizer.json)")
-    # The flags a run shares, from RunConfig's fields; generate reads ``args`` directly.
-    add_run_flags(p, ["seed", "num_layers"], fill=True,
-                  notes={"seed": "here the init's (with --model) and the sampling's (default: 0)"})
+    add_model_flags(p)
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")
-    add_run_flags(p, ["tokenizer"], fill=True)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stop-token", type=int, action="append", default=[],
-                   help="token id that ends a sequence (repeatable; 257 is EOS)")
-    # --context-attention is the prefill's, on a mesh with a context axis.
-    add_run_flags(p, ["mesh", "context_attention"], fill=True,
-                  notes={"mesh": "here one replica's, e.g. tensor=2, pipe=2,tensor=2 or "
-                                 "context=2,tensor=4; axes left out are 1 (default: tensor "
-                                 "over all of a replica's devices)"})
-    p.add_argument("--replicas", type=int, default=1, help="split the devices into R replicas")
-    p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
-    p.add_argument("--skip-memory-check", action="store_true",
-                   help="load even when a replica's weights and KV cache per device exceed a "
-                        "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -68,26 +47,16 @@ def run(args) -> int:
         raise ValueError("--greedy and --temperature contradict; give one of them")
     start_devices()
     # Loaded only now: these modules start JAX, which must see the simulated device count.
-    from triax.inference.generate import build_server, generate
+    from triax.inference.generate import generate
     from triax.inference.sampling import SamplingConfig
-    from triax.mesh import parse_mesh
-    from triax.text.tokenizer import get_tokenizer
-    tokenizer = get_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer_for(args)
     prompts = _prompts(args)
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_tokens=tuple(args.stop_token))
-    if args.model_dir and not args.tokenizer:   # an HF directory brings its own tokenizer
-        from triax.hf.load import read_model_config
-        from triax.hf.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(args.model_dir, read_model_config(args.model_dir))
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
-    server = build_server(args.checkpoint, args.model, args.seed, parse_mesh(args.mesh) or {"tensor": -1},
-                          args.replicas, sampling, longest, args.max_new_tokens, args.slots,
-                          num_layers=args.num_layers, model_dir=args.model_dir,
-                          check_memory=not args.skip_memory_check,
-                          context_attention=args.context_attention)
+    server = build_from_args(args, sampling, longest, args.max_new_tokens)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")
