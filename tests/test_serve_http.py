@@ -133,6 +133,8 @@ def test_streamed_text_equals_non_streamed(served):
                                                stream=True, **kw))
             assert "".join(ch.choices[0].text for ch in chunks) == whole.choices[0].text
             assert chunks[-1].choices[0].finish_reason == "length"
+            if kw["temperature"]:  # each request's own sampling, not the server's greedy
+                assert whole.choices[0].text != _expected(served, _prompts(served).index(p))
     # raw SSE: OpenAI's chunk lines, ending with [DONE]
     with httpx.stream("POST", served["url"] + "/v1/completions", json={
             "model": MODEL, "prompt": _prompts(served)[1], "max_tokens": 3,
