@@ -145,7 +145,7 @@ class Server:
         self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                      "decode_steps": 0}
+                      "decode_steps": 0, "generated_tokens": 0}
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
         # observers touch them from other threads while the serving loop runs.
@@ -486,6 +486,7 @@ class Server:
         stop = tok in (live.sampling or self.engines[r].sampling).stop_tokens
         if not stop:
             res.tokens.append(tok)
+            self.stats["generated_tokens"] += 1
             if live.on_token is not None:
                 try:
                     live.on_token(tok, now)

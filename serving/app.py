@@ -109,7 +109,6 @@ class _Run:
                 if item is None:
                     break
                 tok, t = item
-                m.tokens.inc()
                 (m.ttft.observe(t - self.submitted) if last is None else m.itl.observe(t - last))
                 last = t
                 delta = self.detok.push(tok)

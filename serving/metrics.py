@@ -5,6 +5,18 @@ as histograms (seconds)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+
+class _CoreCounters:
+    """Counters the serving core keeps (every token it generated, whoever listened)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
+                                  value=self.server.stats["generated_tokens"])
 
 _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 
@@ -20,7 +32,7 @@ class Metrics:
               registry=r).set_function(lambda: server.total_slots)
         Gauge("triax_kv_positions_in_use", "KV cache positions held by live requests, all "
               "replicas", registry=r).set_function(lambda: server.kv_positions_in_use)
-        self.tokens = Counter("triax_generated_tokens", "tokens generated", registry=r)
+        r.register(_CoreCounters(server))
         self.requests = Counter("triax_requests", "requests finished",
                                 ["endpoint", "finish_reason", "replica"], registry=r)
         self.rejected = Counter("triax_rejected_requests", "requests refused",
