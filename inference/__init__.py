@@ -15,6 +15,6 @@ from triax.inference.sampling import SamplingConfig, SamplingError, sample
 from triax.inference.server import QueueFullError, Result, Server, replica_meshes, split_devices
 
 __all__ = ["CacheFullError", "CheckpointLoadError", "Engine", "EngineConfig", "InferenceError",
-           "QueueFullError", "Result", "SamplingConfig", "SamplingError", "Server", "build_server", "generate",
-           "greedy_reference", "load_params", "replica_meshes", "sample", "save_params",
-           "split_devices"]
+           "QueueFullError", "Result", "SamplingConfig", "SamplingError", "Server",
+           "build_server", "generate", "greedy_reference", "load_params", "replica_meshes",
+           "sample", "save_params", "split_devices"]
