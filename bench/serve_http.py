@@ -196,7 +196,7 @@ def main() -> None:
         "do not yet form a whole character, so a gap may span two tokens). One run on a "
         "shared 2-core machine: the client, the server's event loop and XLA share the "
         "cores, so the ratio is a floor for a machine whose serving devices are not its "
-        "CPU. The goal is ≥ 0.9 of in-process; compare the GPU mode's row."])
+        "CPU. The goal is ≥ 0.9 of in-process."])
     print(body)
     if not args.no_write:
         write_section(BENCHMARKS_MD, SECTION, body)
