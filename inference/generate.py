@@ -17,7 +17,8 @@ from triax.hf.load import read_model_config
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.sampling import SamplingConfig
-from triax.inference.server import Server, replica_meshes
+from triax.inference.replicas import replica_meshes
+from triax.inference.server import Server
 from triax.text.byte_tokenizer import ByteTokenizer
 from triax.mesh import describe
 from triax.mesh import mesh_sizes as sizes_of

@@ -30,103 +30,21 @@ stops frees its slot at once, and the next iteration fills it.
 from __future__ import annotations
 
 import collections
-import math
 import operator
 import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
-import jax
 import numpy as np
 
 from triax.inference.engine import Engine, EngineConfig, InferenceError
+from triax.inference.replicas import replica_meshes
+from triax.inference.request import QueueFullError, Result, _Live
 from triax.inference.sampling import SamplingConfig
-from triax.mesh.build import make_mesh
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
-
-
-@dataclass
-class Result:
-    """One request's outcome and timings (seconds, wall clock)."""
-
-    request_id: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
-    finish_reason: str = ""                          # "stop", "length" or "cancelled"
-    replica: int = -1
-    slot: int = -1
-    submitted: float = 0.0
-    first_token: float = 0.0
-    done: float = 0.0
-
-    @property
-    def ttft_s(self) -> float:
-        """Time to first token, from submission."""
-        return self.first_token - self.submitted
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of this request's life (submission to last token)."""
-        return len(self.tokens) / max(self.done - self.submitted, 1e-9)
-
-
-@dataclass
-class _Live:
-    result: Result
-    max_new: int
-    seed: int
-    sampling: Optional[SamplingConfig] = None      # None: the engine's
-    on_token: Optional[Callable[[int, float], None]] = None
-    cancelled: bool = False
-
-
-class QueueFullError(InferenceError):
-    """``submit`` while ``max_queue`` requests already wait; retry later."""
-
-
-def split_devices(devices: Sequence, replicas: int) -> list[list]:
-    """Split ``devices`` into ``replicas`` equal contiguous groups (one per replica)."""
-    n = len(devices)
-    if replicas < 1 or n % replicas:
-        raise InferenceError(f"--replicas {replicas} does not divide the {n} devices; choose a "
-                             f"divisor of {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)})")
-    k = n // replicas
-    return [list(devices[i * k:(i + 1) * k]) for i in range(replicas)]
-
-
-def replica_meshes(mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]], replicas: int,
-                   devices=None) -> list:
-    """One mesh per replica; ``mesh_sizes`` describes a single replica (missing axes are 1),
-    or is a list with one layout per replica (e.g. ``[{"pipe": 2}, {"context": 2}]``), which
-    take consecutive devices."""
-    devices = list(jax.devices() if devices is None else devices)
-    if not isinstance(mesh_sizes, Mapping):
-        layouts = [dict(m) for m in mesh_sizes]
-        if replicas not in (1, len(layouts)):
-            raise InferenceError(f"{len(layouts)} replica layouts but --replicas {replicas}; "
-                                 f"give one layout per replica (or leave --replicas out)")
-        per = [math.prod(m.values()) for m in layouts]
-        if any(n < 1 for n in per) or sum(per) != len(devices):
-            raise InferenceError(
-                f"the replica layouts take {'+'.join(map(str, per))} devices but there are "
-                f"{len(devices)}; give every axis size (no -1) so that they add up to "
-                f"{len(devices)}")
-        starts = np.cumsum([0] + per)
-        return [make_mesh(devices=devices[a:b], **m)
-                for m, a, b in zip(layouts, starts[:-1], starts[1:])]
-    groups = split_devices(devices, replicas)
-    per = math.prod(mesh_sizes.values())
-    if per > 0 and per != len(groups[0]):  # (a -1 axis fills the replica's devices)
-        desc = ",".join(f"{a}={n}" for a, n in mesh_sizes.items()) or "one device"
-        raise InferenceError(
-            f"--mesh {desc} has {per} device(s) per replica, but {len(devices)} devices split "
-            f"into {replicas} replica(s) give {len(groups[0])} each; choose --mesh and "
-            f"--replicas whose product is {len(devices)}")
-    return [make_mesh(devices=g, **dict(mesh_sizes)) for g in groups]
 
 
 class Server:

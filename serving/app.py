@@ -4,9 +4,8 @@ The ``Server`` stays the one serving core: each request is ``submit``-ted with i
 sampling and an ``on_token`` callback that feeds an asyncio queue, so streamed and
 non-streamed answers come from the same tokens. Stop strings, timeouts and client
 disconnects end a request through ``Server.cancel``, which frees its slot.
-
-    >>> from fastapi.testclient import TestClient             # doctest: +SKIP
-    >>> app = create_app(server, tokenizer, "tiny")          # doctest: +SKIP
+``create_app(server, tokenizer, "tiny")`` gives the ASGI app; ``triax serve`` runs it on
+uvicorn (tests/test_serve_core.py drives it with FastAPI's ``TestClient``).
 """
 from __future__ import annotations
 
