@@ -9,6 +9,7 @@ them; then every replica with live slots decodes one token. All replicas' work i
 dispatched before any result is read, so the sub-meshes run concurrently. A sequence that
 stops frees its slot at once, and the next iteration fills it.
 
+    >>> import jax
     >>> from triax.models import config
     >>> server = Server.from_seed(config.TINY, replicas=2, mesh_sizes={"tensor": 2},
     ...                           devices=jax.devices()[:4])    # 2 replicas × tensor=2
