@@ -217,8 +217,8 @@ async def _respond(st: Serving, run: _Run, chat: bool):
 
 
 def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTemplate] = None,
-               request_timeout: float = 600.0, layout: str = "") -> FastAPI:
-    """The app; its lifespan starts ``server`` serving and, at shutdown (SIGTERM), stops
+               request_timeout: float = 600.0, layout: str = ""):
+    """The FastAPI app; its lifespan starts ``server`` serving and, at shutdown (SIGTERM), stops
     admitting and finishes what is in flight before returning."""
     st = Serving(server, tokenizer, model_name, chat, request_timeout, layout)
 

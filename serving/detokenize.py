@@ -13,6 +13,8 @@ from typing import Sequence
 
 
 class Detokenizer:
+    """One request's generated text, grown a token at a time (see the module doc)."""
+
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer, self.stop = tokenizer, [s for s in stop if s]
         self.tokens: list[int] = []
