@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from triax.inference.engine import Engine, EngineConfig  # noqa: E402
-from triax.inference.server import replica_meshes  # noqa: E402
+from triax.inference.replicas import replica_meshes  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.planner import Layout, ScheduleKind, Workload, cluster, evaluate  # noqa: E402

@@ -18,49 +18,24 @@ import json
 import sys
 
 from triax.cli.common import start_devices
-from triax.cli.run_flags import add_run_flags
+from triax.cli.serving_flags import (add_model_flags, build_from_args, choose_layout,
+                                     load_tokenizer_for)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate",
                        help="generate text with a KV cache (TP, replicas, pipeline, context)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", metavar="DIR", help="training checkpoint directory")
-    add_run_flags(src, ["model"], {"model": None}, notes={"model": "for a seeded random init"},
-                  fill=True)
-    src.add_argument("--model-dir", metavar="DIR", help="Hugging Face model directory "
-                     "(config.json, safetensors, tokenizer.json)")
-    # The flags a run shares, from RunConfig's fields; generate reads ``args`` directly.
-    add_run_flags(p, ["seed", "num_layers", "adapter"], fill=True,
-                  notes={"seed": "here the init's (with --model) and the sampling's (default: 0)"})
+    add_model_flags(p)
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")
-    add_run_flags(p, ["tokenizer"], fill=True)
     p.add_argument("--max-new-tokens", type=int, required=True)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--stop-token", type=int, action="append", default=[],
-                   help="token id that ends a sequence (repeatable; 257 is EOS)")
-    # --context-attention is the prefill's, on a mesh with a context axis.
-    add_run_flags(p, ["mesh", "context_attention"], fill=True,
-                  notes={"mesh": "here one replica's, e.g. tensor=2, pipe=2,tensor=2 or "
-                                 "context=2,tensor=4; axes left out are 1 (default: tensor "
-                                 "over all of a replica's devices)"})
-    p.add_argument("--replicas", type=int, help="split the devices into R replicas (default: 1, "
-                   "or with --plan auto searched)")
-    p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
-    p.add_argument("--skip-memory-check", action="store_true",
-                   help="load even when a replica's weights and KV cache per device exceed a "
-                        "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_run_flags(p, ["plan", "objective", "device_memory"], fill=True,
-                  notes={"plan": "here auto chooses --replicas and --mesh (those given stay)"})
-    p.add_argument("--dry-run", action="store_true",
-                   help="with --plan auto: print the choice and stop (nothing is loaded)")
     p.set_defaults(func=run)
 
 
@@ -76,43 +51,22 @@ def run(args) -> int:
         raise ValueError("--greedy and --temperature contradict; give one of them")
     start_devices()
     # Loaded only now: these modules start JAX, which must see the simulated device count.
-    from triax.inference.generate import build_server, generate
+    from triax.inference.generate import generate
     from triax.inference.sampling import SamplingConfig
-    from triax.mesh import parse_mesh
-    from triax.text.tokenizer import get_tokenizer
-    tokenizer = get_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer_for(args)
     prompts = _prompts(args)
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
     sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                               seed=args.seed, stop_tokens=tuple(args.stop_token))
-    if args.model_dir and not args.tokenizer:   # an HF directory brings its own tokenizer
-        from triax.hf.load import read_model_config
-        from triax.hf.tokenizer import load_tokenizer
-        tokenizer = load_tokenizer(args.model_dir, read_model_config(args.model_dir))
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
-    mesh, replicas = parse_mesh(args.mesh) or None, args.replicas
-    if args.plan == "auto":
-        from triax.inference.generate import _model_config
-        from triax.planner.auto_serve import choose_serving
-        choice = choose_serving(_model_config(args.checkpoint, args.model, args.num_layers,
-                                              args.model_dir),
-                                longest=longest, max_new_tokens=args.max_new_tokens,
-                                slots=args.slots, objective=args.objective,
-                                device_memory=args.device_memory, mesh_sizes=mesh,
-                                replicas=replicas, context_attention=args.context_attention)
+    layout = choose_layout(args, longest, args.max_new_tokens)
+    if layout[2] is not None:   # --plan auto's choice
         if args.dry_run:
-            print(json.dumps(choice.to_json()) if args.json else choice.describe())
+            print(json.dumps(layout[2].to_json()) if args.json else layout[2].describe())
             return 0
-        print(choice.describe(), file=sys.stderr)
-        mesh, replicas = choice.mesh_sizes, choice.replicas
-    elif args.dry_run:
-        raise ValueError("--dry-run reports --plan auto's choice; add --plan auto")
-    server = build_server(args.checkpoint, args.model, args.seed, mesh or {"tensor": -1},
-                          replicas or 1, sampling, longest, args.max_new_tokens, args.slots,
-                          num_layers=args.num_layers, model_dir=args.model_dir,
-                          check_memory=not args.skip_memory_check,
-                          context_attention=args.context_attention, adapter=args.adapter)
+        print(layout[2].describe(), file=sys.stderr)
+    server = build_from_args(args, sampling, longest, args.max_new_tokens, layout=layout)
     out = generate(server, prompts, args.max_new_tokens, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")

@@ -9,7 +9,8 @@ import argparse
 import importlib
 import sys
 
-COMMANDS = ("train", "inspect", "schedule", "plan", "generate", "plot", "checkpoints", "export")
+COMMANDS = ("train", "inspect", "schedule", "plan", "generate", "serve", "plot", "checkpoints",
+            "export")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,9 +12,11 @@ from triax.inference.engine import CacheFullError, Engine, EngineConfig, Inferen
 from triax.inference.generate import build_server, generate
 from triax.inference.reference import greedy_reference
 from triax.inference.sampling import SamplingConfig, SamplingError, sample
-from triax.inference.server import Result, Server, replica_meshes, split_devices
+from triax.inference.replicas import replica_meshes, split_devices
+from triax.inference.request import QueueFullError, Result
+from triax.inference.server import Server
 
 __all__ = ["CacheFullError", "CheckpointLoadError", "Engine", "EngineConfig", "InferenceError",
-           "Result", "SamplingConfig", "SamplingError", "Server", "build_server", "generate",
-           "greedy_reference", "load_params", "replica_meshes", "sample", "save_params",
-           "split_devices"]
+           "QueueFullError", "Result", "SamplingConfig", "SamplingError", "Server",
+           "build_server", "generate", "greedy_reference", "load_params", "replica_meshes",
+           "sample", "save_params", "split_devices"]

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
-from triax.inference.sampling import SamplingConfig, sample
+from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, cache_shape
@@ -177,7 +177,15 @@ class Engine:
         ``.compile().memory_analysis()`` is a replica's per-device serving peak."""
         B = self.ecfg.max_batch
         row = jax.ShapeDtypeStruct((B,), jnp.int32)
-        return self._decode_jit.lower(self.params, self.cache, row, row, row, self._rule())
+        rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                            self._rows(B, None))
+        return self._decode_jit.lower(self.params, self.cache, row, row, row, self._rule(), rows)
+
+    def recover(self) -> None:
+        """After a failed prefill or decode: a fresh cache if the failed program consumed
+        the donated one (its slots' requests have failed; the server refills them)."""
+        if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
+            self.cache = self._zeros_cache(self.ecfg.max_batch)
 
     def cache_bytes_per_device(self) -> int:
         """Bytes of KV cache each device holds (its shard of k and v)."""
@@ -185,12 +193,12 @@ class Engine:
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
     # ---- traced programs ---------------------------------------------------------------------
-    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
+    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule, rows=None):
         with inference_routing():  # MoE: dropless, so padding and batch-mates take nothing
             return self._prefill_body(params, cache, tokens_bT, lengths_b, slots_b, seeds_b,
-                                      rule)
+                                      rule, rows)
 
-    def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule):
+    def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule, rows):
         b, T = tokens_bT.shape
         shape, sh = self._cache_layout(b, T)   # the prompt's scratch cache
         tmp = jax.lax.with_sharding_constraint(
@@ -202,7 +210,7 @@ class Engine:
         logits_bTV, tmp = self._fwd(params, jnp.take(tokens_bT, order, axis=1), positions, tmp)
         last_b = index[lengths_b - 1]
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
-        tok = sample(last_bV, rule, seeds_b, lengths_b)
+        tok = sample(last_bV, rule, seeds_b, lengths_b, rows)
         if self.context is None:
             cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
         else:
@@ -210,15 +218,21 @@ class Engine:
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 
-    def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule):
+    def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule, rows=None):
         with inference_routing():
             logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None],
                                           cache)
-        tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1)
+        tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         return cache, tok, logits_B1V[:, 0]
 
     def _rule(self) -> SamplingConfig:
         return dataclasses.replace(self.sampling, stop_tokens=())
+
+    def _rows(self, n: int, settings: Optional[Sequence[SamplingConfig]]) -> dict:
+        """Per-row sampling arrays for ``n`` rows: each request's own settings, the engine's
+        default for the rest (padding rows and callers that give none)."""
+        given = list(settings or ())
+        return row_settings(given + [self.sampling] * (n - len(given)))
 
     # ---- host API ------------------------------------------------------------------------------
     def check_prompt(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -265,7 +279,7 @@ class Engine:
         lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
         return lo, self.ecfg.max_batch
 
-    def _run_prefill(self, slots, prompts, seeds, b: int, T: int):
+    def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None):
         n = len(prompts)
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
@@ -277,18 +291,21 @@ class Engine:
         slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
         self.compiles["prefill"].add((b, T))
         self.cache, tok, self.last_logits = self._prefill_jit(
-            self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule())
+            self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule(),
+            self._rows(b, settings))
         return tok[:n]
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
-                seeds: Sequence[int]) -> jax.Array:
-        """Write ``prompts`` into ``slots``; return their first sampled tokens (async array)."""
+                seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None
+                ) -> jax.Array:
+        """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
+        ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's."""
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_prompt(n, 1)
         lo, hi = self._prefill_batches()
         tok = self._run_prefill(slots, prompts, seeds, lo if len(prompts) <= lo else hi,
-                                self._bucket(max(lens)))
+                                self._bucket(max(lens)), settings)
         self.lengths[list(slots)] = lens
         return tok
 
@@ -303,8 +320,10 @@ class Engine:
         jax.block_until_ready(self.decode(np.zeros(B, np.int32), np.zeros(B, bool),
                                           np.zeros(B, np.int32)))
 
-    def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray) -> jax.Array:
-        """Feed one token per slot (``active`` rows advance); return the next tokens."""
+    def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
+               settings: Optional[Sequence[SamplingConfig]] = None) -> jax.Array:
+        """Feed one token per slot (``active`` rows advance); return the next tokens.
+        ``settings``: one ``SamplingConfig`` per slot (default: the engine's for all)."""
         full = active & (self.lengths >= self.ecfg.max_len)
         if full.any():
             raise CacheFullError(
@@ -314,6 +333,6 @@ class Engine:
         self.compiles["decode"].add(tokens.shape)
         self.cache, tok, self.last_logits = self._decode_jit(
             self.params, self.cache, np.asarray(tokens, np.int32), positions,
-            np.asarray(seeds, np.int32), self._rule())
+            np.asarray(seeds, np.int32), self._rule(), self._rows(len(tokens), settings))
         self.lengths[active] += 1
         return tok

@@ -18,8 +18,10 @@ from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.sampling import SamplingConfig
-from triax.inference.server import Server, replica_meshes
+from triax.inference.replicas import replica_meshes
+from triax.inference.server import Server
 from triax.text.byte_tokenizer import ByteTokenizer
+from triax.mesh import describe
 from triax.mesh import mesh_sizes as sizes_of
 from triax.models import config as model_config
 from triax.sharding.context import check_scheme
@@ -30,33 +32,38 @@ from triax.training.memory_check import check_fits, planner_suggestion
 TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer.BYTE_VOCAB)
 
 
-def engine_config_for(cfg, mesh_sizes: Mapping[str, int], longest: int, max_new_tokens: int,
-                      slots: int = 8) -> EngineConfig:
+def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
+                      longest: int, max_new_tokens: int, slots: int = 8) -> EngineConfig:
     """Cache just long enough for the longest request (rounded to 16, capped at the context);
-    slots rounded up so they split over ``data`` (and pipeline micro-batches)."""
+    slots rounded up so they split over ``data`` (and pipeline micro-batches), on every
+    replica when ``mesh_sizes`` lists one layout per replica."""
     need = longest + max_new_tokens
     max_len = min(cfg.max_seq_len, 16 * math.ceil(need / 16))
-    unit = mesh_sizes.get("data", 1) * mesh_sizes.get("pipe", 1)
+    layouts = [mesh_sizes] if isinstance(mesh_sizes, Mapping) else list(mesh_sizes)
+    unit = math.lcm(*(m.get("data", 1) * m.get("pipe", 1) for m in layouts))
     return EngineConfig(max_batch=unit * math.ceil(slots / unit), max_len=max_len,
                         min_bucket=min(16, max_len))
 
 
 def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, seed: int = 0,
-                 mesh_sizes: Optional[Mapping[str, int]] = None, replicas: int = 1,
+                 mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]] | None = None,
+                 replicas: int = 1,
                  sampling: SamplingConfig = SamplingConfig(), longest: int = 64,
                  max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
                  num_layers: Optional[int] = None, devices=None,
                  model_dir: Optional[str] = None, check_memory: bool = True,
-                 context_attention: str = "all-gather",
+                 context_attention: str = "all-gather", max_queue: Optional[int] = None,
                  adapter: Optional[str] = None) -> Server:
     """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
     come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
     preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
     weights and KV cache are checked against a device's memory before anything loads.
     ``context_attention``: the prefill's attention across a ``context`` axis (all-gather or
-    ring; docs/long_context.md); ``adapter``: a PEFT LoRA directory over ``model_dir``'s
-    base, used unmerged."""
-    mesh_sizes = dict(mesh_sizes or {})
+    ring; docs/long_context.md). ``mesh_sizes``: one replica's layout, or a list with one
+    per replica (``replica_meshes``). ``max_queue``: waiting requests at most (``Server``).
+    ``adapter``: a PEFT LoRA directory over ``model_dir``'s base, used unmerged."""
+    mesh_sizes = dict(mesh_sizes or {}) if isinstance(mesh_sizes, (Mapping, type(None))) \
+        else [dict(m) for m in mesh_sizes]
     strategy = dataclasses.replace(get_strategy(strategy),
                                    context_attention=check_scheme(context_attention))
     meshes = replica_meshes(mesh_sizes, replicas, devices)
@@ -66,9 +73,10 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
         raise InferenceError(f"--adapter {adapter!r} adapts a Hugging Face base: give "
                              f"--model-dir BASE_DIR")
     if check_memory:
-        cfg = _model_config(checkpoint, model, num_layers, model_dir, adapter)
-        check_serving_memory(cfg, meshes[0], strategy,
-                             engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots))
+        cfg = source_config(checkpoint, model, num_layers, model_dir, adapter)
+        ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
+        for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
+            check_serving_memory(cfg, mesh, strategy, ecfg)
     if adapter is not None:
         cfg, params = load_adapted(model_dir, adapter, meshes[0], strategy)
     elif model_dir is not None:
@@ -77,11 +85,14 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
         cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
                                   num_layers=num_layers)
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
-    return Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
+    server = Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
+    server.max_queue = max_queue
+    return server
 
 
-def _model_config(checkpoint, model, num_layers, model_dir, adapter=None):
-    """The model's config, read without its weights."""
+def source_config(checkpoint, model, num_layers, model_dir, adapter=None):
+    """The model's config from the source ``build_server`` names, read without its weights
+    (what ``--plan auto`` plans for)."""
     if model_dir is not None:
         cfg = read_model_config(model_dir)
         return cfg if adapter is None else adapted_config(cfg, adapter)

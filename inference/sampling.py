@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class SamplingError(ValueError):
@@ -73,11 +74,48 @@ def row_keys(seed: int, request_seeds_B, positions_B):
         request_seeds_B, positions_B)
 
 
-def sample(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B):
-    """Pick one token per row (traced inside the jitted prefill/decode)."""
+def _sample_rows(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows):
+    """Each row with its own temperature, top-k and top-p (a request's own settings); a row
+    whose temperature is 0 takes the argmax. Same filters as the static path, per row."""
+    t_B, k_B, p_B = rows["temperature"], rows["top_k"], rows["top_p"]
+    greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def drawn(_):
+        V = logits_BV.shape[-1]
+        x_BV = logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None]
+        sorted_BV = jnp.sort(x_BV, axis=-1)[:, ::-1]
+        k_eff = jnp.where((k_B <= 0) | (k_B >= V), V, k_B)
+        kth = jnp.take_along_axis(sorted_BV, (k_eff - 1)[:, None], axis=-1)
+        x_BV = jnp.where(x_BV < kth, -jnp.inf, x_BV)
+        sorted_BV = jnp.where(jnp.arange(V)[None] < k_eff[:, None], sorted_BV, -jnp.inf)
+        probs = jax.nn.softmax(sorted_BV, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        cutoff = jnp.min(jnp.where(before < p_B[:, None], sorted_BV, jnp.inf), axis=-1,
+                         keepdims=True)
+        x_BV = jnp.where((p_B < 1.0)[:, None] & (x_BV < cutoff), -jnp.inf, x_BV)
+        keys = row_keys(cfg.seed, request_seeds_B, positions_B)
+        tok = jax.vmap(jax.random.categorical)(keys, x_BV).astype(jnp.int32)
+        return jnp.where(t_B > 0, tok, greedy_B)
+
+    # All rows greedy (the common case): skip the sort.
+    return jax.lax.cond(jnp.any(t_B > 0), drawn, lambda _: greedy_B, None)
+
+
+def sample(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows=None):
+    """Pick one token per row (traced inside the jitted prefill/decode). ``rows``: per-row
+    ``temperature`` / ``top_k`` / ``top_p`` arrays (``row_settings``) in place of ``cfg``'s."""
     logits_BV = logits_BV.astype(jnp.float32)
+    if rows is not None:
+        return _sample_rows(logits_BV, cfg, request_seeds_B, positions_B, rows)
     if cfg.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = _filter_top_p(_filter_top_k(logits_BV / cfg.temperature, cfg.top_k), cfg.top_p)
     keys = row_keys(cfg.seed, request_seeds_B, positions_B)
     return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
+
+
+def row_settings(configs) -> dict:
+    """Per-row sampling arrays for ``sample(rows=...)`` from one ``SamplingConfig`` per row."""
+    return {"temperature": np.array([c.temperature for c in configs], np.float32),
+            "top_k": np.array([c.top_k for c in configs], np.int32),
+            "top_p": np.array([c.top_p for c in configs], np.float32)}

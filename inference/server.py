@@ -9,6 +9,7 @@ them; then every replica with live slots decodes one token. All replicas' work i
 dispatched before any result is read, so the sub-meshes run concurrently. A sequence that
 stops frees its slot at once, and the next iteration fills it.
 
+    >>> import jax
     >>> from triax.models import config
     >>> server = Server.from_seed(config.TINY, replicas=2, mesh_sizes={"tensor": 2},
     ...                           devices=jax.devices()[:4])    # 2 replicas × tensor=2
@@ -30,79 +31,21 @@ stops frees its slot at once, and the next iteration fills it.
 from __future__ import annotations
 
 import collections
-import math
 import operator
 import threading
 import time
 import zlib
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Optional, Sequence
 
-import jax
 import numpy as np
 
 from triax.inference.engine import Engine, EngineConfig, InferenceError
+from triax.inference.replicas import replica_meshes
+from triax.inference.request import QueueFullError, Result, _Live
 from triax.inference.sampling import SamplingConfig
-from triax.mesh.build import make_mesh
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
-
-
-@dataclass
-class Result:
-    """One request's outcome and timings (seconds, wall clock)."""
-
-    request_id: int
-    prompt: list[int]
-    tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
-    finish_reason: str = ""                          # "stop" or "length"
-    replica: int = -1
-    slot: int = -1
-    submitted: float = 0.0
-    first_token: float = 0.0
-    done: float = 0.0
-
-    @property
-    def ttft_s(self) -> float:
-        """Time to first token, from submission."""
-        return self.first_token - self.submitted
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens per second of this request's life (submission to last token)."""
-        return len(self.tokens) / max(self.done - self.submitted, 1e-9)
-
-
-@dataclass
-class _Live:
-    result: Result
-    max_new: int
-    seed: int
-
-
-def split_devices(devices: Sequence, replicas: int) -> list[list]:
-    """Split ``devices`` into ``replicas`` equal contiguous groups (one per replica)."""
-    n = len(devices)
-    if replicas < 1 or n % replicas:
-        raise InferenceError(f"--replicas {replicas} does not divide the {n} devices; choose a "
-                             f"divisor of {n} ({', '.join(str(d) for d in range(1, n + 1) if n % d == 0)})")
-    k = n // replicas
-    return [list(devices[i * k:(i + 1) * k]) for i in range(replicas)]
-
-
-def replica_meshes(mesh_sizes: Mapping[str, int], replicas: int, devices=None) -> list:
-    """One mesh per replica; ``mesh_sizes`` describes a single replica (missing axes are 1)."""
-    devices = list(jax.devices() if devices is None else devices)
-    groups = split_devices(devices, replicas)
-    per = math.prod(mesh_sizes.values())
-    if per > 0 and per != len(groups[0]):  # (a -1 axis fills the replica's devices)
-        desc = ",".join(f"{a}={n}" for a, n in mesh_sizes.items()) or "one device"
-        raise InferenceError(
-            f"--mesh {desc} has {per} device(s) per replica, but {len(devices)} devices split "
-            f"into {replicas} replica(s) give {len(groups[0])} each; choose --mesh and "
-            f"--replicas whose product is {len(devices)}")
-    return [make_mesh(devices=g, **dict(mesh_sizes)) for g in groups]
 
 
 class Server:
@@ -113,14 +56,15 @@ class Server:
     ``stop()`` (or ``with server:``), which serve in a background thread while callers wait
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
-    def __init__(self, engines: Sequence[Engine]):
+    def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None):
         self.engines = list(engines)
+        self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         self.queue: collections.deque[_Live] = collections.deque()
         self.slots: list[list[_Live | None]] = [[None] * e.ecfg.max_batch for e in self.engines]
         self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                      "decode_steps": 0}
+                      "decode_steps": 0, "generated_tokens": 0}
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
         # observers touch them from other threads while the serving loop runs.
@@ -156,12 +100,17 @@ class Server:
             eng.warmup(prompt_lengths)
 
     # ---- requests ----------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None) -> int:
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
+               sampling: Optional[SamplingConfig] = None,
+               on_token: Optional[Callable[[int, float], None]] = None) -> int:
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
-        ``InferenceError`` here and queues nothing. ``seed`` defaults to a hash of the
-        prompt, so sampled text does not depend on arrival order."""
+        ``InferenceError`` here and queues nothing; a full queue (``max_queue``) raises
+        ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
+        not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
+        and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
+        the serving thread with each generated token as it is sampled (streaming)."""
         prompt = self.engines[0].check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
@@ -177,13 +126,37 @@ class Server:
             if self._error is not None:
                 raise InferenceError(f"the server stopped on an error ({self._error!r}); "
                                      f"build a new Server") from self._error
+            if self.max_queue is not None and len(self.queue) >= self.max_queue:
+                raise QueueFullError(f"{len(self.queue)} requests already wait (max_queue="
+                                     f"{self.max_queue}); retry later")
             rid = self._next_id
             self._next_id += 1
             self._futures[rid] = fut
             self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
-                                    max_new_tokens, seed))
+                                    max_new_tokens, seed, sampling, on_token))
             self._wake.notify()
         return rid
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop serving a request (its client left, or it timed out): a queued one leaves the
+        queue now, a live one frees its slot at the serving loop's next step. Its future
+        resolves to the ``Result`` so far, ``finish_reason == "cancelled"``. False when the
+        request is already finished."""
+        with self._lock:
+            if request_id not in self._futures:
+                return False
+            queued = next((x for x in self.queue if x.result.request_id == request_id), None)
+            if queued is None:
+                live = next((x for row in self.slots for x in row
+                             if x is not None and x.result.request_id == request_id), None)
+                if live is None:
+                    return False
+                live.cancelled = True
+                self._wake.notify()
+                return True
+            self.queue.remove(queued)
+        self._finish(queued, "cancelled", time.perf_counter())
+        return True
 
     def future(self, request_id: int) -> Future:
         """A ``concurrent.futures.Future`` that resolves to the request's ``Result`` (or
@@ -215,6 +188,19 @@ class Server:
         """Decode slots holding no request now; ``total_slots`` when the server is idle."""
         with self._lock:
             return sum(s is None for row in self.slots for s in row)
+
+    @property
+    def kv_positions_in_use(self) -> int:
+        """KV cache positions the live requests hold, over all replicas."""
+        with self._lock:
+            return int(sum(e.lengths[i] for e, row in zip(self.engines, self.slots)
+                           for i, s in enumerate(row) if s is not None))
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        with self._lock:
+            return len(self.queue)
 
     @property
     def pending(self) -> int:
@@ -309,6 +295,7 @@ class Server:
 
     def _step(self) -> bool:
         """One iteration (prefill free slots, decode live ones); False when idle."""
+        self._reap_cancelled()
         with self._lock:
             if self._idle():
                 return False
@@ -325,6 +312,30 @@ class Server:
         return True
 
     # ---- one iteration -----------------------------------------------------------------------
+    def _reap_cancelled(self) -> None:
+        """Free the slots of cancelled requests (only the serving thread frees slots)."""
+        now = time.perf_counter()
+        for row in self.slots:
+            for live in row:
+                if live is not None and live.cancelled:
+                    self._finish(live, "cancelled", now)
+
+    def _engine_failed(self, r: int, lives: Sequence[_Live], exc: BaseException) -> None:
+        """An engine error fails only the requests it touched; the replica serves on (with a
+        fresh cache if the failed program consumed its donated one)."""
+        err = InferenceError(f"replica {r} failed while serving this request: {exc!r}")
+        err.__cause__ = exc
+        with self._lock:
+            for live in lives:
+                rid = live.result.request_id
+                live.result.replica = r
+                self.slots[r] = [None if x is live else x for x in self.slots[r]]
+                self._failed[rid] = err
+                fut = self._futures.pop(rid, None)
+                if fut is not None:
+                    fut.set_exception(err)
+        self.engines[r].recover()
+
     def _prefill_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
@@ -336,12 +347,22 @@ class Server:
                     self.slots[r][slot] = live
             if not batch:
                 continue
-            toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
-                               [x.seed for x in batch])
+            try:
+                toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
+                                   [x.seed for x in batch], [x.sampling or eng.sampling
+                                                             for x in batch])
+            except Exception as e:
+                self._engine_failed(r, batch, e)
+                continue
             launched.append((r, slots, batch, toks))
         for r, slots, batch, toks in launched:
+            try:
+                toks = np.asarray(toks)
+            except Exception as e:  # an asynchronous device error surfaces here
+                self._engine_failed(r, batch, e)
+                continue
             now = time.perf_counter()
-            for slot, live, tok in zip(slots, batch, np.asarray(toks)):
+            for slot, live, tok in zip(slots, batch, toks):
                 live.result.replica, live.result.slot, live.result.first_token = r, slot, now
                 self.slot_uses[r][slot] += 1
                 self.stats["prefill_tokens"] += len(live.result.prompt)
@@ -357,28 +378,52 @@ class Server:
                 continue
             last = np.array([s.result.tokens[-1] if s else 0 for s in live], np.int32)
             seeds = np.array([s.seed if s else 0 for s in live], np.int32)
-            launched.append((r, active, eng.decode(last, active, seeds)))
-        for r, active, toks in launched:
+            settings = [(s.sampling if s else None) or eng.sampling for s in live]
+            try:
+                launched.append((r, active, live, eng.decode(last, active, seeds, settings)))
+            except Exception as e:
+                self._engine_failed(r, [s for s in live if s is not None], e)
+        for r, active, live, toks in launched:
+            try:
+                toks = np.asarray(toks)
+            except Exception as e:
+                self._engine_failed(r, [s for s in live if s is not None], e)
+                continue
             now = time.perf_counter()
-            for slot, tok in zip(np.flatnonzero(active), np.asarray(toks)[active]):
+            for slot in np.flatnonzero(active):
                 self.stats["decode_tokens"] += 1
-                self._accept(r, int(slot), int(tok), now)
+                self._accept(r, int(slot), int(toks[slot]), now)
         return len(launched)
 
     def _accept(self, r: int, slot: int, tok: int, now: float) -> None:
         """Record a sampled token; finish the request (freeing its slot) on stop or length."""
         live = self.slots[r][slot]
+        if live.cancelled:
+            self._finish(live, "cancelled", now)
+            return
         res = live.result
-        stop = tok in self.engines[r].sampling.stop_tokens
+        stop = tok in (live.sampling or self.engines[r].sampling).stop_tokens
         if not stop:
             res.tokens.append(tok)
+            self.stats["generated_tokens"] += 1
+            if live.on_token is not None:
+                try:
+                    live.on_token(tok, now)
+                except Exception:  # a listener that fails (its client gone) ends its request
+                    live.cancelled = True
         if stop or len(res.tokens) >= live.max_new:
-            res.finish_reason = "stop" if stop else "length"
-            res.done = now
-            with self._lock:
-                self.results[res.request_id] = res
-                self.slots[r][slot] = None
-                fut = self._futures.pop(res.request_id)
+            self._finish(live, "stop" if stop else "length", now)
+
+    def _finish(self, live: _Live, reason: str, now: float) -> None:
+        """Resolve a request's future with its ``Result`` and free its slot."""
+        res = live.result
+        res.finish_reason, res.done = reason, now
+        with self._lock:
+            self.results[res.request_id] = res
+            if res.replica >= 0 and self.slots[res.replica][res.slot] is live:
+                self.slots[res.replica][res.slot] = None
+            fut = self._futures.pop(res.request_id, None)
+        if fut is not None:
             fut.set_result(res)  # outside the lock: a done-callback may submit again
 
     # ---- figures -----------------------------------------------------------------------------

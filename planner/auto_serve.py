@@ -107,7 +107,7 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
     """The serving layout for ``cfg`` on the devices present (see the module doc)."""
     from triax.inference.engine import Engine      # inference sits below; built here only
     from triax.inference.generate import engine_config_for
-    from triax.inference.server import replica_meshes
+    from triax.inference.replicas import replica_meshes
     from triax.sharding.introspect import memory_from_compiled
     budget = budget or budget_for(device_memory)
     st = dataclasses.replace(get_strategy("tp"), context_attention=check_scheme(context_attention))

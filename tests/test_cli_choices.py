@@ -10,7 +10,7 @@ from triax.pipeline.schedules import ScheduleKind
 from triax.cli.run_flags import FIELDS as RUN_FIELDS
 from triax.training.config import TRAIN_SCHEDULES
 
-COMMANDS = ("train", "inspect", "plan", "generate")
+COMMANDS = ("train", "inspect", "plan", "generate", "serve")
 
 
 def _subparsers(parser):
@@ -70,9 +70,9 @@ def test_precision_names(flags):
 
 # Flags a command keeps as its own because they mean something else there: a plan may be
 # for inference (forward-only schedules) and its micro-batches default to 1, not 2 × pipe;
-# generate checks weights and KV cache against memory, not a compiled step.
+# generate and serve check weights and KV cache against memory, not a compiled step.
 OWN = {("plan", "--schedule"), ("plan", "--microbatches"),
-       ("generate", "--skip-memory-check")}
+       ("generate", "--skip-memory-check"), ("serve", "--skip-memory-check")}
 
 
 def test_shared_run_flags_are_run_config_fields(flags):

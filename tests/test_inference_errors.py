@@ -9,7 +9,8 @@ from triax.cli.main import main
 from triax.inference.checkpoint import CheckpointLoadError, load_params, save_params
 from triax.inference.engine import CacheFullError, Engine, EngineConfig, InferenceError
 from triax.inference.sampling import SamplingConfig, SamplingError
-from triax.inference.server import Server, split_devices
+from triax.inference.replicas import split_devices
+from triax.inference.server import Server
 from triax.mesh import make_mesh
 from triax.models import config
 

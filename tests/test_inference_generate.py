@@ -6,7 +6,8 @@ import pytest
 from triax.inference.engine import Engine, EngineConfig
 from triax.pipeline import build
 from triax.inference.reference import greedy_reference
-from triax.inference.server import Server, replica_meshes
+from triax.inference.replicas import replica_meshes
+from triax.inference.server import Server
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.introspect.hlo import Collective, collectives_from_compiled

@@ -9,7 +9,8 @@ import pytest
 from triax.inference.engine import EngineConfig
 from triax.inference.reference import greedy_reference
 from triax.inference.sampling import SamplingConfig
-from triax.inference.server import Server, replica_meshes
+from triax.inference.replicas import replica_meshes
+from triax.inference.server import Server
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.partition import abstract_model, init_params

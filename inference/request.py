@@ -1,0 +1,48 @@
+"""One request's record: its ``Result`` (tokens, finish reason, timings), the serving
+loop's live state for it, and the error a full queue raises."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from triax.inference.engine import InferenceError
+from triax.inference.sampling import SamplingConfig
+
+
+@dataclass
+class Result:
+    """One request's outcome and timings (seconds, wall clock)."""
+
+    request_id: int
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
+    finish_reason: str = ""                          # "stop", "length" or "cancelled"
+    replica: int = -1
+    slot: int = -1
+    submitted: float = 0.0
+    first_token: float = 0.0
+    done: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token, from submission."""
+        return self.first_token - self.submitted
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of this request's life (submission to last token)."""
+        return len(self.tokens) / max(self.done - self.submitted, 1e-9)
+
+
+@dataclass
+class _Live:
+    result: Result
+    max_new: int
+    seed: int
+    sampling: Optional[SamplingConfig] = None      # None: the engine's
+    on_token: Optional[Callable[[int, float], None]] = None
+    cancelled: bool = False
+
+
+class QueueFullError(InferenceError):
+    """``submit`` while ``max_queue`` requests already wait; retry later."""

@@ -1,0 +1,45 @@
+"""The server's Prometheus metrics (``prometheus_client``), one registry per app: queue depth,
+busy slots and KV cache positions in use read from the ``Server`` at each scrape; generated
+tokens and requests counted; time to first token, inter-token latency and request latency
+as histograms (seconds)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+
+
+class _CoreCounters:
+    """Counters the serving core keeps (every token it generated, whoever listened)."""
+
+    def __init__(self, server):
+        self.server = server
+
+    def collect(self):
+        yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
+                                  value=self.server.stats["generated_tokens"])
+
+_LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, server):
+        self.registry = r = CollectorRegistry()
+        Gauge("triax_queue_depth", "requests waiting for a decode slot",
+              registry=r).set_function(lambda: server.queued)
+        Gauge("triax_busy_slots", "decode slots holding a request",
+              registry=r).set_function(lambda: server.total_slots - server.free_slots)
+        Gauge("triax_total_slots", "decode slots over all replicas",
+              registry=r).set_function(lambda: server.total_slots)
+        Gauge("triax_kv_positions_in_use", "KV cache positions held by live requests, all "
+              "replicas", registry=r).set_function(lambda: server.kv_positions_in_use)
+        r.register(_CoreCounters(server))
+        self.requests = Counter("triax_requests", "requests finished",
+                                ["endpoint", "finish_reason", "replica"], registry=r)
+        self.rejected = Counter("triax_rejected_requests", "requests refused",
+                                ["status"], registry=r)
+        self.ttft = Histogram("triax_time_to_first_token_seconds", "time to first token",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("triax_inter_token_latency_seconds", "time between tokens",
+                             buckets=_LATENCY, registry=r)
+        self.latency = Histogram("triax_request_latency_seconds", "request latency",
+                                 buckets=_LATENCY, registry=r)

@@ -1,0 +1,99 @@
+"""The serving core's request life as ``triax serve`` needs it, on fake engines (no JAX
+compile): an engine error fails only the requests it touched (500 over HTTP) and the server
+serves on; ``cancel`` frees a slot; a model without a chat template gets a 400; the chat
+template renders as Hugging Face renders it."""
+
+import numpy as np
+from fastapi.testclient import TestClient
+
+from triax.inference.engine import EngineConfig, InferenceError
+from triax.inference.sampling import SamplingConfig
+from triax.inference.server import Server
+from triax.serving.app import create_app
+from triax.serving.chat_template import ChatTemplate
+from triax.text.byte_tokenizer import ByteTokenizer
+
+POISON = 13  # a fake engine fails when it is fed this token
+
+
+class FakeEngine:
+    """Next token = last + 1; decoding ``POISON`` raises, as a device error would."""
+
+    def __init__(self, slots=1):
+        self.ecfg = EngineConfig(max_batch=slots, max_len=64)
+        self.sampling = SamplingConfig()
+        self.lengths = np.zeros(slots, np.int64)
+        self.recovered = 0
+
+    def check_token_ids(self, prompt):
+        return [int(t) for t in prompt]
+
+    def check_prompt(self, n, max_new):
+        if n == 0:
+            raise InferenceError("empty prompt")
+
+    def prefill(self, slots, prompts, seeds, settings=None):
+        self.lengths[list(slots)] = [len(p) for p in prompts]
+        return np.array([p[-1] + 1 for p in prompts])
+
+    def decode(self, tokens, active, seeds, settings=None):
+        if (active & (tokens == POISON)).any():
+            raise RuntimeError("device fault")
+        self.lengths[active] += 1
+        return tokens + 1
+
+    def recover(self):
+        self.recovered += 1
+
+
+def test_engine_error_fails_only_the_requests_it_touched():
+    server = Server([FakeEngine(), FakeEngine()])
+    bad = server.submit([POISON - 1], 5)   # replica 0: its first decode is fed POISON
+    good = server.submit([1], 5)           # replica 1, in the same step
+    with server:
+        assert server.result(good, 10).tokens == [2, 3, 4, 5, 6]
+        err = server.future(bad).exception(10)
+        assert isinstance(err, InferenceError) and "replica 0" in str(err)
+        again = server.submit([20], 3)     # the failed replica serves on
+        assert server.result(again, 10).tokens == [21, 22, 23]
+    assert server.engines[0].recovered == 1 and server.engines[1].recovered == 0
+    assert server.free_slots == server.total_slots
+
+
+def test_http_engine_error_is_a_500_and_the_server_serves_on():
+    server = Server([FakeEngine(slots=2)])
+    with TestClient(create_app(server, ByteTokenizer(), "fake")) as http:
+        body = {"model": "fake", "max_tokens": 4, "temperature": 0}
+        r = http.post("/v1/completions", json={**body, "prompt": [POISON - 1]})
+        assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+        r = http.post("/v1/completions", json={**body, "prompt": [60]})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == "=>?@"
+        r = http.post("/v1/chat/completions", json={
+            "model": "fake", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    assert server.free_slots == server.total_slots
+
+
+def test_cancel_frees_queued_and_live_requests():
+    server = Server([FakeEngine()])
+    live, queued = server.submit([1], 50), server.submit([2], 50)
+    server._step()                           # `live` takes the only slot
+    assert server.cancel(queued) and server.result(queued).finish_reason == "cancelled"
+    assert server.cancel(live)
+    server._step()
+    res = server.result(live, 1)
+    assert res.finish_reason == "cancelled" and len(res.tokens) < 50
+    assert server.free_slots == 1 and not server.cancel(live)
+
+
+def test_chat_template_renders_as_hugging_face_does():
+    # Llama-3's template shape: trim_blocks/lstrip_blocks strip the block lines' whitespace.
+    t = ChatTemplate("{{ bos_token }}\n{% for m in messages %}\n    {% if m.role == 'system' %}"
+                     "[S]{{ m.content | trim }}\n    {% else %}[{{ m.role }}]{{ m.content }}\n"
+                     "    {% endif %}\n{% endfor %}\n{% if add_generation_prompt %}[assistant]"
+                     "{% endif %}", bos_token="<s>")
+    out = t.render([{"role": "system", "content": " be brief "},
+                    {"role": "user", "content": "hi"}])
+    assert out == "<s>\n[S]be brief\n[user]hi\n[assistant]"  # (no block-line indents)
+    assert t.render([{"role": "user", "content": "x"}], add_generation_prompt=False) == \
+        "<s>\n[user]x\n"
