@@ -67,5 +67,8 @@ def check(flag: str, value, accepted: Iterable):
 # three are refused on MoE experts), and how the frozen base is stored.
 PEFT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# int8: weight-only per-channel quantization of the block projections (``models.quantize``),
+# the rest of the base fp32; 1 byte is its projections' (the planner counts leaf dtypes).
+QUANTIZED_BASE = "int8"
+BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, QUANTIZED_BASE: 1}
 BASE_DTYPES = tuple(BASE_DTYPE_BYTES)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.models.config import LoraConfig
+from triax.models.quantize import dequantized
 
 PREFIX = "lora_"
 
@@ -131,9 +132,9 @@ def delta(pair: dict, scale: float):
 
 def merged(params: dict, lora: LoraConfig) -> dict:
     """The base parameters with every adapter folded in (``W + A·B·alpha/r``, fp32): the
-    plain model a merged export writes."""
+    plain model a merged export writes (an int8 base dequantized first)."""
     _, base = split(params)
-    base = jax.tree.map(lambda x: x.astype(jnp.float32), base)
+    base = jax.tree.map(lambda x: x.astype(jnp.float32), dequantized(base))
     blocks = {k: dict(v) for k, v in base["blocks"].items()}
     for t in lora.targets:
         mod, name, slot = WEIGHTS[t]

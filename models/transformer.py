@@ -22,6 +22,7 @@ from typing import Optional
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.choices import QUANTIZED_BASE
 from triax.models import moe
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
@@ -87,7 +88,8 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.head_DV = param(rngs, (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"),
                                  cfg.init_std)
-        if cfg.lora is not None and cfg.lora.base_dtype != "float32":
+        # bf16: a cast of the whole base; int8 quantized its projections in the layers.
+        if cfg.lora is not None and cfg.lora.base_dtype not in ("float32", QUANTIZED_BASE):
             cast_base(self, jnp.dtype(cfg.lora.base_dtype))
 
     # ---- the protocol ----------------------------------------------------------------------

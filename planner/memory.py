@@ -16,9 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import Optional
 
 from triax.planner.activations import activation_bytes, tensor_local
-from triax.planner.param_layout import (layout_rules, local_elements, local_param_elements,
-                                        param_leaves)
-from triax.choices import BASE_DTYPE_BYTES
+from triax.planner.param_layout import (layout_rules, local_base_bytes, local_elements,
+                                        local_param_elements, param_leaves)
 from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers
 from triax.sharding.rules import get_strategy
@@ -92,7 +91,7 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         # as full fine-tuning would (fp32, their gradients, AdamW moments).
         ad = local_param_elements(w, lay, part="adapters")
         ad_o = local_param_elements(w, lay, optimizer=True, part="adapters")
-        params = (p_local - ad) * BASE_DTYPE_BYTES[w.lora.base_dtype] + ad * FP32
+        params = local_base_bytes(w, lay) + ad * FP32
         grads = 2 * ad_o * FP32            # the accumulated and one fresh gradient, bounded
         optimizer = ad_o * FP32 * ADAM_MOMENTS + 16
     elif w.train:

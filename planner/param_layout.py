@@ -36,6 +36,20 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
     return tuple((path_str(p), tuple(s.shape), tuple(l)) for (p, s), l in zip(flat, logical))
 
 
+def local_base_bytes(w: Workload, lay: Layout) -> int:
+    """Per-device bytes of the frozen LoRA base, each leaf in its own dtype (an int8 base
+    keeps fp32 scales, embeddings and norms beside its int8 projections)."""
+    rules, size = layout_rules(w, lay), _itemsizes(w.cfg)
+    return sum(local_elements(s, l, rules, lay.sizes) * size[p]
+               for p, s, l in param_leaves(w.cfg) if not is_adapter_path(p.split("/")))
+
+
+@functools.lru_cache(maxsize=32)
+def _itemsizes(cfg: ModelConfig) -> dict[str, int]:
+    flat = jax.tree_util.tree_flatten_with_path(abstract_model(cfg).shapes)[0]
+    return {path_str(p): s.dtype.itemsize for p, s in flat}
+
+
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
     """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
     it on a mesh of ``sizes`` (the placement the step compiles with)."""

@@ -95,7 +95,8 @@ class RunConfig:
     lora_targets: str = _f(",".join(choices.PEFT_TARGETS), "comma-separated PEFT module names "
                                                             "that get adapters")
     base_dtype: str = _f("float32", "how the frozen LoRA base is stored (bfloat16: half the "
-                                    "bytes; adapters stay fp32)", choices=choices.BASE_DTYPES)
+                                    "bytes; int8: its projections int8 with per-channel "
+                                    "scales; adapters stay fp32)", choices=choices.BASE_DTYPES)
     adapter: Optional[str] = _f(None, "PEFT LoRA adapter directory (adapter_config.json + "
                                       "adapter_model.safetensors) over the base model: train "
                                       "continues it (with --init-from BASE), generate uses it "

@@ -17,6 +17,7 @@ from triax.models import lora
 from triax.sharding.partition import init_fn
 from triax.hf.tokenizer import FILE, load_tokenizer
 from triax.models.config import ModelConfig
+from triax.models.quantize import cast_like
 from triax.training.config import RunConfig, RunConfigWarning
 
 # RunConfig's own default model: the one value of --model that --init-from may leave set.
@@ -61,14 +62,15 @@ def initial_state(trainer, cfg: ModelConfig, directory: str, adapter: Optional[s
 
 def lora_params(trainer, cfg: ModelConfig, directory: str, adapter: Optional[str] = None,
                 seed: int = 0) -> dict:
-    """Base weights from the HF directory (cast to ``--base-dtype``) joined with adapters from
-    ``adapter`` (PEFT) or freshly initialised, all placed as ``trainer`` shards them."""
+    """Base weights from the HF directory (cast, or int8-quantized, to ``--base-dtype``) joined
+    with adapters from ``adapter`` (PEFT) or freshly initialised, all placed as ``trainer``
+    shards them."""
     shardings = trainer.param_shardings
     base, _ = load_params(directory, cfg.replace(lora=None), trainer.mesh, trainer.strategy)
     _, base_shardings = lora.split(shardings)
     _, base_shapes = lora.split(trainer.abstract.shapes)
-    base = jax.jit(lambda b: jax.tree.map(lambda x, s: x.astype(s.dtype), b, base_shapes),
-                   out_shardings=base_shardings, donate_argnums=0)(base)
+    base = jax.jit(lambda b: cast_like(b, base_shapes), out_shardings=base_shardings,
+                   donate_argnums=0)(base)
     ad_shardings = trainer.trainable(shardings)
     if adapter is not None:
         read_config(adapter, cfg.lora)

@@ -226,7 +226,9 @@ class Trainer:
         if self._custom_loss_and_grad is not None:
             out, grads = self._custom_loss_and_grad(params, batch)
         else:
-            out, grads = jax.value_and_grad(self.loss_fn(), has_aux=True)(params, batch)
+            # allow_int: an int8 LoRA base (models.quantize) gets float0 grads, dropped below.
+            out, grads = jax.value_and_grad(self.loss_fn(), has_aux=True,
+                                            allow_int=True)(params, batch)
         return out, self.trainable(grads)
 
     def accumulated_loss_and_grad(self, params, batch):

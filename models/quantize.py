@@ -1,0 +1,93 @@
+"""Weight-only int8 for a frozen LoRA base (``--base-dtype int8``).
+
+A projection weight ``W`` laid out input dims first (``n_in`` of them), output dims last, is
+stored as ``W_q = round(W / s)`` in int8 with one fp32 scale per output channel,
+``s = max|W| / 127`` over the input dims (symmetric). The scale is a sibling parameter
+``<name>_scale`` shaped like ``W`` with its input dims kept as 1, carrying the weight's output
+logical axes (``None`` on the unit dims), so the rules shard it like the weight; ``W_q``
+keeps the weight's axes. The step receives ``W_q``; :func:`kernel`
+dequantizes (``W_q · s``) where the weight is used, so XLA fuses it into the matmul.
+
+Quantized: the block projections (attention q/k/v/o, the dense MLP's fused gate|up and
+down), targeted or not. Embedding, head, norms and MoE experts stay fp32: the norms and
+embedding are no matmul weight, and the vocab-sized head sets the logits directly.
+
+    >>> import jax.numpy as jnp
+    >>> q, s = quantize(jnp.array([[1.0, -4.0], [-0.5, 2.0]]), n_in=1)
+    >>> q.tolist(), (s * 127).tolist()
+    ([[127, -127], [-64, 64]], [[1.0, 4.0]])
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from triax.choices import QUANTIZED_BASE
+
+SUFFIX = "_scale"
+
+
+def quantize(w, n_in: int):
+    """``(w_q int8, scale fp32)``: ``scale`` is ``w``'s shape with the ``n_in`` input dims
+    kept as 1 (so it broadcasts, stacked under ``layers`` too)."""
+    return _quantize(w, tuple(range(n_in)))
+
+
+def _quantize(w, axes):
+    amax = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=axes, keepdims=True)
+    scale = jnp.where(amax > 0, amax / 127.0, 1.0)   # an all-zero channel stays exact
+    return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
+
+
+def quantize_weights(module: nnx.Module, lora, **n_in: int) -> None:
+    """When ``lora`` stores an int8 base, replace each named weight of ``module`` by its int8
+    values and add its ``<name>_scale`` (``n_in``: that weight's count of input dims)."""
+    if lora is None or lora.base_dtype != QUANTIZED_BASE:
+        return
+    for name, k in n_in.items():
+        p = getattr(module, name)
+        q, s = quantize(p[...], k)
+        p.set_value(q)
+        axes = (None,) * k + tuple(p.out_sharding)[k:]
+        setattr(module, name + SUFFIX, nnx.Param(s, out_sharding=axes, eager_sharding=False))
+
+
+def kernel(module: nnx.Module, name: str, dtype):
+    """The weight ``name`` of ``module`` in ``dtype``, dequantized if it is int8."""
+    w = getattr(module, name)[...]
+    s = getattr(module, name + SUFFIX, None)
+    if s is None:
+        return w.astype(dtype)
+    return (w.astype(jnp.float32) * s[...]).astype(dtype)
+
+
+def cast_like(tree: dict, like: dict) -> dict:
+    """A plain base parameter dict (fp32, as Hugging Face weights load) in the dtypes of
+    ``like`` (the model's abstract base): each weight ``like`` quantizes becomes its int8 and
+    scale (reduced over the scale's unit dims, the input dims), the rest cast."""
+    out = {}
+    for k, s in like.items():
+        name = str(k)
+        if isinstance(s, dict):
+            out[k] = cast_like(tree[k], s)
+        elif name + SUFFIX in like:
+            axes = tuple(i for i, n in enumerate(like[name + SUFFIX].shape) if n == 1)
+            out[k], out[name + SUFFIX] = _quantize(tree[k], axes)
+        elif not (name.endswith(SUFFIX) and name[:-len(SUFFIX)] in like):
+            out[k] = tree[k].astype(s.dtype)
+    return out
+
+
+def dequantized(tree: dict) -> dict:
+    """A nested parameter dict with every ``(name, name_scale)`` pair replaced by ``name`` in
+    fp32 (the plain weights a merged export writes); other leaves unchanged."""
+    out = {}
+    for k, v in tree.items():
+        name = str(k)
+        if isinstance(v, dict):
+            out[k] = dequantized(v)
+        elif name + SUFFIX in tree:
+            out[k] = v.astype(jnp.float32) * tree[name + SUFFIX]
+        elif not (name.endswith(SUFFIX) and name[:-len(SUFFIX)] in tree):
+            out[k] = v
+    return out
