@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import re
 import subprocess
 import sys
@@ -40,17 +39,13 @@ if not GPU:
 import httpx  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from tables import BENCHMARKS_MD, write_section  # noqa: E402  (bench/ is the script's dir)
+from request_stream import requests  # noqa: E402  (bench/ is the script's dir)
+from tables import BENCHMARKS_MD, write_section  # noqa: E402
 
 from triax.inference.generate import build_server  # noqa: E402
 
 SECTION = "## HTTP serving"
 
-
-def stream(n: int, max_prompt: int, max_new: int, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))],
-             rng.randint(1, max_new)) for _ in range(n)]
 
 
 def in_process(server, reqs, clients: int) -> dict:
@@ -162,7 +157,7 @@ def main() -> None:
                           slots=args.slots, num_layers=args.num_layers,
                           devices=jax.devices()[:args.replicas])
     cfg = server.engines[0].cfg
-    reqs = stream(args.requests, args.max_prompt, args.max_new, min(cfg.vocab_size, 256))
+    reqs = requests(args.requests, args.max_prompt, args.max_new, min(cfg.vocab_size, 256))
     server.warmup(range(1, args.max_prompt + 1))
     print("in-process ...", flush=True)
     with server:

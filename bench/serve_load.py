@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import threading
 import time
 
@@ -24,7 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from tables import BENCHMARKS_MD, write_section  # noqa: E402  (bench/ is the script's dir)
+from request_stream import requests  # noqa: E402  (bench/ is the script's dir)
+from tables import BENCHMARKS_MD, write_section  # noqa: E402
 
 from triax.inference.engine import EngineConfig, InferenceError  # noqa: E402
 from triax.inference.server import Server  # noqa: E402
@@ -32,11 +32,6 @@ from triax.models import config  # noqa: E402
 
 SECTION = "## Serving under load"
 
-
-def requests(n: int, max_len: int, max_new: int, vocab: int, seed: int = 0):
-    rng = random.Random(seed)
-    return [([rng.randrange(vocab) for _ in range(rng.randint(1, max_len))],
-             rng.randint(1, max_new)) for _ in range(n)]
 
 
 def measure(server: Server, reqs, threads: int) -> dict:
