@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from triax.memo_on_disk import on_disk
 from triax.models.axes import using_constraint
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
@@ -138,6 +139,7 @@ def _bilinear(probes: dict, layers: int, rows: int):
 
 
 @functools.lru_cache(maxsize=256)
+@on_disk
 def _trace_slot_inputs(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
                        seq_len: int) -> tuple[SlotInputs, jax.ShapeDtypeStruct]:
     """``_slot_inputs`` by tracing the chunk's split backward (nothing is allocated)."""
@@ -175,6 +177,7 @@ def _loop_residual_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows
 
 
 @functools.lru_cache(maxsize=256)
+@on_disk
 def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int,
                       seq_len: int) -> int:
     """Bytes of the residuals one chunk's layer loop (``run_stack``'s scan) stacks for one

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.memo_on_disk import on_disk
 from triax.models.attention_memory import AttentionMemory, attention_memory, kernel_for
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
@@ -91,6 +92,7 @@ def layer_activation_elements(cfg: ModelConfig, tokens: int, seq: int, tensor: i
 
 
 @functools.lru_cache(maxsize=64)
+@on_disk
 def moe_residual_elements(cfg: ModelConfig, seq: int, tensor: int, remat: str,
                           rules: Optional[Rules] = None) -> float:
     """Elements per token one MoE layer keeps for its backward on a device: the residuals of

@@ -30,6 +30,7 @@ from typing import Optional
 
 import jax
 
+from triax.memo_on_disk import on_disk
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.layers import ExecConfig
@@ -92,6 +93,7 @@ def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCos
 
 
 @functools.lru_cache(maxsize=None)
+@on_disk
 def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
     try:
         cpus = jax.devices("cpu")

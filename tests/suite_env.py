@@ -29,6 +29,9 @@ def apply(devices: bool = True) -> None:
     # many tests, docstrings and notebooks compile the same step.
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                           str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+    # The planner's abstract traces and op-cost probe (memo_on_disk), shared the same way.
+    os.environ.setdefault("TRIAX_CACHE_DIR",
+                          str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "triax"))
     # Cache every compile, however quick: at -O0 most of the suite's compile in under the
     # 1 s default threshold, and the other worker or a spawned process may compile it again.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
