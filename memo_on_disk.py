@@ -11,13 +11,18 @@ answer: triax's own source files and the jax/jaxlib versions. A changed line any
 triax, or another JAX, misses the old entries; nothing is ever read that this code would not
 compute.
 
+    >>> import os, tempfile
+    >>> previous = os.environ.get(ENV)
+    >>> os.environ[ENV] = tempfile.mkdtemp()
     >>> calls = []
     >>> @on_disk
     ... def square(n):
     ...     calls.append(n)
     ...     return n * n
-    >>> square(3), square(3), calls       # with $TRIAX_CACHE_DIR unset: computed each time
-    (9, 9, [3, 3])
+    >>> square(3), square(3), calls       # the second call reads the first's answer back
+    (9, 9, [3])
+    >>> del os.environ[ENV]
+    >>> if previous: os.environ[ENV] = previous
 """
 from __future__ import annotations
 
