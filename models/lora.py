@@ -78,7 +78,7 @@ class LoraPair(nnx.Module):
     ``x·A·B·scale`` contracting the last ``n_in`` dims of ``x``."""
 
     def __init__(self, in_shape, in_axes, out_shape, out_axes, lora: LoraConfig,
-                 rngs: nnx.Rngs, target: str = PEFT_TARGETS[0]):
+                 rngs: nnx.Rngs, target: str):
         r, fan_in = lora.rank, math.prod(in_shape)
         # PEFT's default: A ~ kaiming-uniform (bound 1/sqrt(fan_in)), B = 0.
         bound = 1.0 / math.sqrt(fan_in)
