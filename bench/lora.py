@@ -1,5 +1,5 @@
 """LoRA against full fine-tuning: per-device memory of an abstract llama3-8b compile on 1, 2
-and 8 devices (full FT, LoRA over an fp32 base, LoRA over a bf16 base), the planner's
+and 8 devices (full FT, LoRA over an fp32, a bf16 and an int8 base), the planner's
 figures beside it, and CPU step time, full against LoRA, on ``small``.
 
 The compiles are abstract (``Trainer.lower(...).compile()``: nothing is allocated) but CPU
@@ -33,7 +33,8 @@ from triax.training.step import Trainer  # noqa: E402
 RANK = 16
 VARIANTS = {"full FT": None,
             "LoRA, fp32 base": LoraConfig(RANK, 32.0),
-            "LoRA, bf16 base": LoraConfig(RANK, 32.0, base_dtype="bfloat16")}
+            "LoRA, bf16 base": LoraConfig(RANK, 32.0, base_dtype="bfloat16"),
+            "LoRA, int8 base": LoraConfig(RANK, 32.0, base_dtype="int8")}
 LAYOUTS = {1: ("dp", {}), 2: ("fsdp", {"data": 2}), 8: ("fsdp", {"data": 8})}
 GIB = 2 ** 30
 

@@ -53,12 +53,14 @@ class MoEConfig:
 @dataclass(frozen=True)
 class LoraConfig:
     """Adapters of rank ``rank`` on the ``targets`` (PEFT module names), scaled
-    ``alpha / rank``; the frozen base stored in ``base_dtype`` (``choices.BASE_DTYPES``)."""
+    ``alpha / rank``; the frozen base stored in ``base_dtype`` (``choices.BASE_DTYPES``);
+    ``dropout``: PEFT's ``lora_dropout`` on the adapters' input, in training steps only."""
 
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = PEFT_TARGETS
     base_dtype: str = "float32"
+    dropout: float = 0.0
 
     def __post_init__(self):
         if self.rank < 1:
@@ -69,6 +71,9 @@ class LoraConfig:
         if bad or not self.targets:
             raise ValueError(f"--lora-targets {','.join(self.targets) or '(empty)'}: unknown "
                              f"module(s) {bad}; choose from {','.join(PEFT_TARGETS)}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"--lora-dropout {self.dropout:g}: must be in [0, 1) (the "
+                             f"probability of zeroing an adapter input), e.g. 0.05")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"--base-dtype {self.base_dtype!r}: choose one of "
                              f"{', '.join(BASE_DTYPES)}")

@@ -6,6 +6,12 @@ An adapter on a base weight ``W`` (input dims ``I``, output dims ``O``) adds
 rules table shards an adapter like its base weight (``lora_rank`` itself is replicated: it
 maps to no mesh axis). ``B`` starts at zero, so step 0 computes the base model.
 
+Dropout (PEFT's ``lora_dropout``: ``B(A(dropout(x)))·alpha/r``) runs only where the batch
+carries per-token seeds (:func:`dropout_seeds`, which the training step adds; eval and decode
+never do). Each token's keep-mask is drawn from its own seed, the layer and the target, so it
+travels with the token through the zigzag context layout and micro-batches and is the same
+on every sharding.
+
 Adapter parameters live in sub-modules named ``lora_<peft module>`` (``lora_q_proj``, …);
 :func:`is_adapter_path` is the one test of "trainable", and :func:`freeze_base` stops the
 gradient of every other leaf where a module is rebuilt from its parameters, so no
@@ -18,18 +24,53 @@ weight-gradient matmul of the base is ever traced (plain or pipelined, split bac
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.choices import PEFT_TARGETS
 from triax.models.config import LoraConfig
 from triax.models.quantize import dequantized
 
 PREFIX = "lora_"
+# The batch key of the per-token dropout seeds (uint32 [B, T]) a training step adds.
+DROPOUT_SEEDS = "lora_dropout_seeds"
+_DROPOUT_ROOT = 0x1a7a   # the root of every step's dropout key (any constant: fixed per run)
+
+
+def dropout_seeds(step, shape_BT) -> jax.Array:
+    """uint32 ``shape_BT``: one dropout seed per token for optimizer step ``step`` (the
+    values depend on the step only, never on the sharding)."""
+    key = jax.random.fold_in(jax.random.key(_DROPOUT_ROOT), step)
+    return jax.random.bits(key, tuple(shape_BT), jnp.uint32)
+
+
+def with_dropout_seeds(batch: dict, lora: Optional[LoraConfig], step) -> dict:
+    """``batch`` plus this step's seeds when ``lora`` has dropout (else unchanged)."""
+    if lora is None or lora.dropout == 0:
+        return batch
+    return {**batch, DROPOUT_SEEDS: dropout_seeds(step, batch["inputs"].shape[:2])}
+
+
+_LAYER_DROPOUT: contextvars.ContextVar = contextvars.ContextVar("triax_lora_dropout",
+                                                                default=None)
+
+
+@contextlib.contextmanager
+def dropout_in_layer(batch: dict, layer):
+    """While active, the adapters drop inputs with ``batch``'s seeds in layer ``layer`` (an
+    int32 scalar, the layer's index in the whole stack); a batch without seeds: no dropout."""
+    seeds = batch.get(DROPOUT_SEEDS)
+    token = _LAYER_DROPOUT.set(None if seeds is None else (seeds, layer))
+    try:
+        yield
+    finally:
+        _LAYER_DROPOUT.reset(token)
 
 
 class LoraPair(nnx.Module):
@@ -37,7 +78,7 @@ class LoraPair(nnx.Module):
     ``x·A·B·scale`` contracting the last ``n_in`` dims of ``x``."""
 
     def __init__(self, in_shape, in_axes, out_shape, out_axes, lora: LoraConfig,
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, target: str):
         r, fan_in = lora.rank, math.prod(in_shape)
         # PEFT's default: A ~ kaiming-uniform (bound 1/sqrt(fan_in)), B = 0.
         bound = 1.0 / math.sqrt(fan_in)
@@ -47,10 +88,28 @@ class LoraPair(nnx.Module):
                            eager_sharding=False)
         self.b = nnx.Param(jnp.zeros((r,) + tuple(out_shape), jnp.float32),
                            out_sharding=("lora_rank",) + tuple(out_axes), eager_sharding=False)
-        self.scale = lora.scale
+        self.scale, self.dropout = lora.scale, lora.dropout
+        self.salt = PEFT_TARGETS.index(target)   # each target draws its own mask
+
+    def dropped(self, x):
+        """``x`` (``[B, T, *in]``) with inputs zeroed with probability ``dropout`` and the
+        rest scaled by ``1/(1-dropout)`` where a training step's seeds are active."""
+        active = _LAYER_DROPOUT.get()
+        if active is None or self.dropout == 0:
+            return x
+        seeds_BT, layer = active
+        in_shape, keep_p = x.shape[2:], 1.0 - self.dropout
+        salt = jnp.asarray(layer, jnp.uint32) * len(PEFT_TARGETS) + self.salt
+
+        def keep(seed):   # one token's mask: its own threefry key (seed, layer·targets+salt)
+            key = jax.random.wrap_key_data(jnp.stack([seed, salt]))
+            return jax.random.bernoulli(key, keep_p, in_shape)
+        keep_BTI = jax.vmap(jax.vmap(keep))(seeds_BT)
+        return jnp.where(keep_BTI, x / jnp.asarray(keep_p, x.dtype), 0).astype(x.dtype)
 
     def __call__(self, x, dtype):
         n_in = self.a.ndim - 1
+        x = self.dropped(x)
         z = jnp.tensordot(x, self.a[...].astype(dtype), axes=n_in)
         return jnp.tensordot(z, self.b[...].astype(dtype), axes=1) * jnp.asarray(self.scale,
                                                                                  dtype)
@@ -60,7 +119,7 @@ def maybe_pair(lora: Optional[LoraConfig], target: str, *shape_axes, rngs) -> Op
     """A pair for ``target`` when ``lora`` adapts it, else None."""
     if lora is None or target not in lora.targets:
         return None
-    return LoraPair(*shape_axes, lora, rngs)
+    return LoraPair(*shape_axes, lora, rngs, target)
 
 
 def is_adapter_path(path) -> bool:

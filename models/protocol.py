@@ -150,6 +150,15 @@ def _all_but_layer_params(prim, *_, **params) -> bool:
     return True
 
 
+_LAYER: contextvars.ContextVar = contextvars.ContextVar("triax_layer", default=None)
+
+
+def current_layer():
+    """Inside :func:`run_stack`'s scan, the running layer's index in the stack it was given
+    (an int32 scalar; None outside): what a block draws per-layer randomness from."""
+    return _LAYER.get()
+
+
 def _block_out(out):
     """``block``'s result as ``(x, aux, cache)``: it may return x, (x, aux) or all three."""
     if not isinstance(out, tuple):
@@ -173,19 +182,25 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
 
         def body(carry, layer):
             x, aux = carry
-            layer_state, layer_cache = layer
+            layer_state, layer_cache, index = layer
             extra = () if layer_cache is None else (layer_cache,)
             if layer_params is not None:   # made again by the backward, never saved
                 layer_state = layer_params(layer_state)
-            y, a, layer_cache = _block_out(block(nnx.merge(graphdef, layer_state), x, batch,
-                                                 *extra))
+            token = _LAYER.set(index)
+            try:
+                y, a, layer_cache = _block_out(block(nnx.merge(graphdef, layer_state), x,
+                                                     batch, *extra))
+            finally:
+                _LAYER.reset(token)
             return (y.astype(x.dtype), jax.tree.map(jnp.add, aux, a)), layer_cache
 
         if exe.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
         elif layer_params is not None:   # keep every residual but the made parameters
             body = jax.checkpoint(body, policy=_all_but_layer_params, prevent_cse=False)
-        (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)), (stack, cache))
+        n = jax.tree.leaves(stack)[0].shape[0]
+        (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)),
+                                       (stack, cache, jnp.arange(n, dtype=jnp.int32)))
     return x, aux, cache
 
 

@@ -29,9 +29,10 @@ from triax.models.config import ModelConfig
 from triax.models.decode import Cache
 from triax.models.visibility import Visibility, packed_visibility
 from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
-from triax.models.lora import cast_base
+from triax.models.lora import cast_base, dropout_in_layer
 from triax.models.loss import head_nll_sum, loss_denominator
-from triax.models.protocol import REMAT_POLICIES, current_exec, run_stack, using_exec
+from triax.models.protocol import (REMAT_POLICIES, current_exec, current_layer, run_stack,
+                                   using_exec)
 
 __all__ = ["REMAT_POLICIES", "Block", "TokenEmbed", "Transformer"]
 
@@ -114,7 +115,8 @@ class Transformer(nnx.Module):
 
     @staticmethod
     def block(block: Block, x_BTD, batch, cache: Optional[Cache] = None):
-        return block(x_BTD, batch["positions"], batch["vis"], current_exec(), cache)
+        with dropout_in_layer(batch, current_layer()):   # LoRA dropout: training steps only
+            return block(x_BTD, batch["positions"], batch["vis"], current_exec(), cache)
 
     def head_loss(self, x_BTD, batch):
         """``Σ weight · nll`` of the next tokens (``exe.loss_chunks`` slices at a time)."""

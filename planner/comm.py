@@ -8,6 +8,13 @@ Two numbers per collective:
     buffer, all-gather and reduce-scatter (n−1)/n, all-to-all (n−1)/n, permute 1×), which is
     what the link time uses.
 
+Under LoRA a step reduces the adapters' gradients only (:func:`trained`: the base is frozen,
+so no all-reduce or reduce-scatter of a base weight, and a frozen embedding's lookup moves
+nothing backward); FSDP still gathers the base, at the compute dtype whatever the base is
+stored in (the compiled step casts, or dequantizes, before it gathers); and the adapters add
+one rank-wide all-reduce per row-parallel adapter forward and per column-parallel one
+backward over ``tensor`` (:func:`_lora_tensor`).
+
     >>> from triax.models import config
     >>> from triax.planner.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
@@ -19,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
+from triax.models.lora import is_adapter_path
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
 from triax.planner.activations import tensor_local
@@ -60,6 +68,17 @@ class AxisTraffic:
     @property
     def wire(self) -> float:
         return sum(_WIRE[k](self.size) * b for k, b in self.payload_by_kind.items())
+
+
+def trained(w: Workload, path: str) -> bool:
+    """Whether a step reduces the gradient of the parameter at ``path``: every one, or under
+    LoRA training only the adapters."""
+    return w.lora is None or not w.train or is_adapter_path(path.split("/"))
+
+
+def _trained_part(w: Workload):
+    """``local_param_elements``' ``part`` of the parameters whose gradients are reduced."""
+    return "adapters" if w.lora is not None and w.train else None
 
 
 def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
@@ -123,6 +142,8 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     whole = get_strategy(lay.unsharded_over_data().strategy).rules
     grads = 0
     for path, shape, logical in param_leaves(cfg):   # at the optimizer's (ZeRO-1) sharding
+        if not trained(w, path):
+            continue
         opt = local_elements(shape, logical, st.optimizer_rules, lay.sizes)
         table = path.startswith("embed/") and opt < local_elements(shape, logical, whole,
                                                                    lay.sizes)
@@ -156,11 +177,33 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
     replicated = tensor_local("act_kv_heads", K, lay.tensor, get_strategy(lay.strategy).rules) == K
     kv = act * K * H / w.cfg.embed_dim if replicated else act
     t.add("all-reduce", kv, 2 * train * layers)   # the input gradients of k and v
+    if w.lora is not None:
+        _lora_tensor(w, t, act, layers, kv_split=not replicated)
     if w.cfg.moe is None:
         t.add("all-reduce", act, (2 + 2 * train) * layers + passes)
         return
     t.add("all-reduce", act, (1 + train) * layers + passes)
     t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
+
+
+# Under Megatron's layout a row-parallel base (its input split over tensor) has its adapter
+# sum ``x·A`` (tokens × rank) over tensor in the forward; a column-parallel one (output
+# split) sums the rank-wide gradient ``dy·Bᵀ`` in the backward.
+_ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _lora_tensor(w: Workload, t: AxisTraffic, act: float, layers: int,
+                 kv_split: bool) -> None:
+    """The adapters' own all-reduces over ``tensor``: one ``tokens × rank`` buffer per
+    row-parallel target per forward (a remat's recomputed forward too) and per
+    column-parallel target per backward (k and v only where tensor splits the KV heads)."""
+    rank = act / w.cfg.embed_dim * w.lora.rank          # one tokens × rank buffer's bytes
+    forwards = 2 if w.train and w.remat != "none" else 1
+    for target in w.lora.targets:
+        if target in _ROW_PARALLEL:
+            t.add("all-reduce", rank, forwards * layers)
+        elif w.train and (kv_split or target not in ("k_proj", "v_proj")):
+            t.add("all-reduce", rank, layers)
 
 
 def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int) -> None:
@@ -185,8 +228,9 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
     if w.train:   # summed over pipe whole over data, before FSDP's reduce-scatter
         whole = get_strategy(lay.unsharded_over_data().strategy).rules
         shared = sum(local_elements(s, l, whole, lay.sizes) for p, s, l in param_leaves(w.cfg)
-                     if not p.startswith("blocks/"))
-        t.add("all-reduce", shared * FP32)
+                     if not p.startswith("blocks/") and trained(w, p))
+        if shared:
+            t.add("all-reduce", shared * FP32)
 
 
 def _other_batch_axes(w: Workload, lay: Layout, out: dict) -> None:
@@ -196,24 +240,45 @@ def _other_batch_axes(w: Workload, lay: Layout, out: dict) -> None:
     for axis in rules.mesh_axes("batch"):
         if axis == "data" or axis not in out:
             continue
-        total = sum(local_elements(s, l, rules, lay.sizes) for _, s, l in param_leaves(w.cfg)
-                    if not any(axis in rules.mesh_axes(n) for n in l))
+        total = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+                    if not any(axis in rules.mesh_axes(n) for n in l) and trained(w, p))
         out[axis].add("all-reduce", total * FP32)
 
 
 def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """Gradient reduction (DP), plus parameter gathers (ZeRO-1 after the update; FSDP in
-    the forward and again in the backward)."""
+    the forward and again in the backward). Under LoRA only the adapters' gradients are
+    reduced and only they are gathered after a ZeRO-1 update."""
     st = get_strategy(lay.strategy)
     sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
-    full = local_param_elements(w, lay.unsharded_over_data())   # this replica's params
+    # this replica's trained params (all of them, or the LoRA adapters)
+    full = local_param_elements(w, lay.unsharded_over_data(), part=_trained_part(w))
     if not sharded_opt:
         t.add("all-reduce", full * FP32)
-    elif not st.fsdp or w.cfg is None:      # ZeRO-1 (or a --params estimate)
+    elif w.cfg is None:                     # a --params estimate: every leaf split
         t.add("reduce-scatter", full * FP32)
         t.add("all-gather", full * w.dtype_bytes, 2 if st.fsdp else 1)
+    elif not st.fsdp:                       # ZeRO-1, by leaf
+        _zero1(w, lay, t)
     else:
         _fsdp(w, lay, t)
+
+
+def _zero1(w: Workload, lay: Layout, t: AxisTraffic) -> None:
+    """ZeRO-1: a trained leaf the optimizer rules split over ``data`` has its gradient
+    reduce-scattered and its update gathered; one they keep whole (a norm scale, an
+    adapter's rank-by-heads B) is all-reduced."""
+    opt = get_strategy(lay.strategy).optimizer_rules
+    whole = get_strategy(lay.unsharded_over_data().strategy).rules
+    for path, shape, logical in param_leaves(w.cfg):
+        if not trained(w, path):
+            continue
+        full = local_elements(shape, logical, whole, lay.sizes)
+        if local_elements(shape, logical, opt, lay.sizes) < full:
+            t.add("reduce-scatter", full * FP32)
+            t.add("all-gather", full * w.dtype_bytes)
+        else:
+            t.add("all-reduce", full * FP32)
 
 
 def fsdp_gathers_table(w: Workload, lay: Layout) -> bool:
@@ -232,31 +297,33 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     table's is reduce-scattered. The embedding table stays split over ``embed``: the
     lookup's activations are exchanged instead (an all-to-all each way), or, where the table
     is the smaller (``fsdp_gathers_table``), the table is gathered for the forward and the
-    backward and its gradient all-reduced."""
+    backward and its gradient all-reduced. A frozen LoRA base leaf is gathered the same but
+    reduces no gradient, and a frozen table moves only in the forward."""
     sharded = get_strategy(lay.strategy).rules
     whole = get_strategy(lay.unsharded_over_data().strategy).rules
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full
+        grad = 1 if trained(w, path) else 0      # a frozen LoRA base leaf reduces nothing
         if pipelined_fsdp(w, lay, "layer") and split and path.startswith("blocks/"):
             gathers, scatters = layer_passes(lay.schedule.split_backward, lay.microbatches)
             t.add("all-gather", full * FP32, gathers)     # per layer per op (pipeline.fsdp)
-            t.add("reduce-scatter", full * FP32, scatters)
+            t.add("reduce-scatter", full * FP32, scatters * grad)
             continue
         if pipelined_fsdp(w, lay) or pipelined_fsdp(w, lay, "layer"):   # every fp32 leaf
-            t.add("reduce-scatter" if split else "all-reduce", full * FP32)   # gathered once
-            if split:                                            # per step, outside the ticks
-                t.add("all-gather", full * FP32)
+            t.add("reduce-scatter" if split else "all-reduce", full * FP32, grad)
+            if split:                                            # gathered once per step,
+                t.add("all-gather", full * FP32)                 # outside the ticks
             continue
         if path.startswith("embed/"):
             if fsdp_gathers_table(w, lay):
-                t.add("all-gather", full * w.dtype_bytes, 2)
-                t.add("all-reduce", full * FP32)
+                t.add("all-gather", full * w.dtype_bytes, 1 + grad)
+                t.add("all-reduce", full * FP32, grad)
                 continue
             tokens = w.batch / lay.batch_shards * w.seq
-            t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 2)
+            t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 1 + grad)
             continue
-        t.add("reduce-scatter" if split else "all-reduce", full * FP32)
+        t.add("reduce-scatter" if split else "all-reduce", full * FP32, grad)
         if split:
             t.add("all-gather", full * w.dtype_bytes, 2 if path.startswith("blocks/") else 1)
 

@@ -12,6 +12,7 @@ import re
 import jax
 import numpy as np
 import pytest
+from lora_helpers import run_steps, start_params
 from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
@@ -35,39 +36,8 @@ CASES = {  # name: (cfg, mesh sizes, strategy, pipeline)
 }
 
 
-def start_params(trainer):
-    """The trainer's init with every B made non-zero (B = 0 would zero A's gradients)."""
-    params = jax.device_get(trainer.init(0)["params"])
-    ad, base = lora.split(params)
-    rng = np.random.default_rng(1)
-    ad = jax.tree_util.tree_map_with_path(
-        lambda p, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
-        if p[-1].key == "b" else x, ad)
-    return lora.join(ad, base)
-
-
-def adam_mu(opt_state):
-    """The first moment of the optimizer chain's Adam (``training.optim.make_optimizer``)."""
-    return next(s.mu for s in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu"))
-                if hasattr(s, "mu"))
-
-
 def run(cfg, mesh, strategy, pipeline, params):
-    tr = Trainer(cfg, mesh, strategy, pipeline=pipeline)
-    compiled = tr.lower(B, T).compile()
-    state = jax.jit(tr.fresh_state, out_shardings=tr.state_shardings)(
-        jax.device_put(params, tr.param_shardings))
-    losses = []
-    for i in range(STEPS):
-        state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))
-        losses.append(float(m["loss"]))
-        if i == 0:
-            b1 = tr.optim.b1
-            grads = jax.tree.map(lambda m: np.asarray(m) / (1 - b1),
-                                 jax.device_get(adam_mu(state["opt_state"])))
-    return dict(loss=losses[0], grads=grads, losses=losses, compiled=compiled, trainer=tr,
-                params=jax.device_get(state["params"]),
-                opt=jax.device_get(state["opt_state"]))
+    return run_steps(cfg, mesh, strategy, pipeline, params, B, T, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -183,8 +183,6 @@ def test_missing_files_are_named(good):
 def test_bad_run_settings_are_refused():
     with pytest.raises(ValueError, match="adapters on MoE expert weights are not supported"):
         config.TINY_MOE.replace(lora=LoraConfig(rank=4))
-    with pytest.raises(ValueError, match="--lora-dropout 0.1: adapter dropout is not supported"):
-        RunConfig(lora_rank=4, lora_dropout=0.1)
     with pytest.raises(ValueError, match="--adapter 'x' continues a PEFT adapter over its base "
                                          "model: give --init-from"):
         RunConfig(lora_rank=4, adapter="x")

@@ -90,8 +90,8 @@ class RunConfig:
     lora_rank: int = _f(0, "train LoRA adapters of this rank over a frozen base (0: full "
                            "fine-tuning)")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapters add x·A·B·alpha/rank")
-    lora_dropout: float = _f(0.0, "dropout on the adapters' input (only 0 is supported: "
-                                  "recorded in an exported adapter_config.json)")
+    lora_dropout: float = _f(0.0, "dropout probability on the adapters' input in training "
+                                  "steps (PEFT's lora_dropout; none at eval or decode)")
     lora_targets: str = _f(",".join(choices.PEFT_TARGETS), "comma-separated PEFT module names "
                                                             "that get adapters")
     base_dtype: str = _f("float32", "how the frozen LoRA base is stored (bfloat16: half the "
@@ -164,12 +164,12 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
-        if self.lora_dropout != 0:
-            raise ValueError(f"--lora-dropout {self.lora_dropout:g}: adapter dropout is not "
-                             f"supported; use --lora-dropout 0")
-        if self.lora_rank == 0 and (self.adapter or self.base_dtype != "float32"):
-            raise ValueError(f"--{'adapter' if self.adapter else 'base-dtype'} needs LoRA: "
-                             f"give --lora-rank R (the adapter's rank)")
+        needs_lora = [flag for flag, on in (("adapter", self.adapter),
+                                            ("base-dtype", self.base_dtype != "float32"),
+                                            ("lora-dropout", self.lora_dropout != 0)) if on]
+        if self.lora_rank == 0 and needs_lora:
+            raise ValueError(f"--{needs_lora[0]} needs LoRA: give --lora-rank R (the "
+                             f"adapter's rank)")
         if self.adapter and not self.init_from:
             raise ValueError(f"--adapter {self.adapter!r} continues a PEFT adapter over its "
                              f"base model: give --init-from BASE_DIR too")
@@ -211,7 +211,7 @@ class RunConfig:
         from triax.models.config import LoraConfig  # loads JAX: see the imports
         targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
         return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets,
-                          base_dtype=self.base_dtype)
+                          base_dtype=self.base_dtype, dropout=self.lora_dropout)
 
     def optim_config(self) -> "OptimConfig":
         """The optimizer, resolved against ``steps`` (warmup and decay filled in)."""
@@ -276,6 +276,8 @@ _BOUNDS = {
     "grad_accum": (*_GE1, "use 1 for no accumulation"),
     "lora_rank": (*_GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
     "lora_alpha": (*_GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
+    "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1, "give the probability of zeroing "
+                     "an adapter input, e.g. --lora-dropout 0.05 (0: none)"),
 }
 
 FIELDS = {f.name for f in dataclasses.fields(RunConfig)}

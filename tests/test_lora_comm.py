@@ -1,0 +1,75 @@
+"""The planner prices a LoRA step's communication from what it moves (``planner.comm``): the
+adapters' gradients only (no all-reduce or reduce-scatter of a frozen base weight), FSDP
+still gathering the base, and the adapters' rank-wide all-reduces over ``tensor``. Checked
+per mesh axis against the compiled HLO's collectives (``planner.verify``, what ``plan
+--verify`` prints), within the 10% the full fine-tuning comm tests use."""
+import pytest
+
+from triax.models import config, lora
+from triax.models.config import LoraConfig
+from triax.pipeline import ScheduleKind
+from triax.planner.comm import traffic
+from triax.planner.verify import verify
+from triax.planner.workload import FP32, Layout, Workload
+
+CASES = {  # name: (base dtype, layers, layout)
+    "dp": ("float32", 2, Layout(data=8, strategy="dp")),
+    "fsdp": ("float32", 2, Layout(data=8, strategy="fsdp")),
+    "zero1": ("float32", 2, Layout(data=8, strategy="zero1")),
+    "tp": ("float32", 2, Layout(data=4, tensor=2, strategy="tp")),
+    "fsdp-int8": ("int8", 2, Layout(data=8, strategy="fsdp")),
+    "pp-fsdp": ("float32", 4, Layout(data=4, pipe=2, strategy="fsdp",
+                                     schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4)),
+}
+
+
+def workload(base_dtype, layers):
+    cfg = config.get("tiny", num_layers=layers).replace(
+        lora=LoraConfig(rank=4, alpha=8.0, base_dtype=base_dtype))
+    return Workload.of(cfg, train=True, dtype="fp32", batch=16, seq=32)
+
+
+@pytest.fixture(scope="module")
+def verified(devices):
+    return {name: verify(workload(*case[:2]), case[2])["comm"] for name, case in CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lora_comm_matches_hlo(name, verified):
+    comm = verified[name]
+    assert comm, "no collectives"
+    for axis, v in comm.items():
+        assert v["predicted"] == pytest.approx(v["compiled"], rel=0.10), (axis, comm)
+
+
+def test_adapters_tensor_all_reduces_match_hlo(verified):
+    """What the adapters add over ``tensor`` (LoRA minus full fine-tuning, the same layout):
+    14 rank-wide all-reduces here (o and down forward, q, k, v, gate and up backward, × 2
+    layers), predicted against the compiled difference."""
+    lay = CASES["tp"][2]
+    w = workload("float32", 2)
+    full = verify(Workload.of(w.cfg.replace(lora=None), train=True, dtype="fp32", batch=16,
+                              seq=32), lay)["comm"]["tensor"]
+    lora_tp = verified["tp"]["tensor"]
+    added = lora_tp["predicted"] - full["predicted"]
+    assert added == pytest.approx(lora_tp["compiled"] - full["compiled"], rel=0.10)
+    tokens = 16 // lay.data * 32
+    assert added == 14 * tokens * w.lora.rank * FP32
+
+
+def test_only_adapter_gradients_are_reduced():
+    """dp: the gradient all-reduce is the adapters' fp32 bytes (``lora.param_count``), not
+    the model's; FSDP reduces no base leaf but gathers the base as full fine-tuning does."""
+    w = workload("float32", 2)
+    dp = traffic(w, Layout(data=8, strategy="dp"))["data"]
+    assert dp.payload_by_kind == {"all-reduce": lora.param_count(w.lora, w.cfg) * FP32}
+    full = Workload.of(w.cfg.replace(lora=None), train=True, dtype="fp32", batch=16, seq=32)
+    fsdp = Layout(data=8, strategy="fsdp")
+    got, ref = traffic(w, fsdp)["data"], traffic(full, fsdp)["data"]
+    reduced = got.payload_by_kind.get("reduce-scatter", 0) + got.payload_by_kind["all-reduce"]
+    assert reduced == lora.param_count(w.lora, w.cfg) * FP32
+    # the base's gathers as in full fine-tuning, plus at most two of each adapter (its
+    # split ones, forward and backward)
+    adapters = lora.param_count(w.lora, w.cfg) * FP32
+    base_gathers = ref.payload_by_kind["all-gather"]
+    assert base_gathers < got.payload_by_kind["all-gather"] <= base_gathers + 2 * adapters

@@ -1,0 +1,100 @@
+"""``--lora-dropout p``: PEFT's ``B(A(dropout(x)))·alpha/r`` in training steps, with masks
+drawn from per-token seeds of the step (``models.lora.dropout_seeds``), so dp and fsdp_tp
+equal one device with dropout on (loss, adapter gradients, 3 steps; fp32); eval and decode
+never drop."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lora_helpers import run_steps, start_params
+from tree_checks import assert_trees_close
+
+from triax.inference.reference import greedy_reference
+from triax.mesh import make_mesh
+from triax.models import config, lora
+from triax.models.config import LoraConfig
+from triax.pipeline.pipelined import PipelineConfig
+from triax.training.config import RunConfig
+from triax.training.step import Trainer
+
+P = 0.25
+DROP = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0, dropout=P))
+PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0))
+B, T, STEPS = 8, 12, 3
+CASES = {"dp": (dict(data=8), "dp"), "fsdp_tp": (dict(data=2, tensor=4), "fsdp_tp")}
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    mesh = make_mesh(devices=devices[:1])
+    init = start_params(Trainer(DROP, mesh, "dp"))
+    return init, {cfg.lora.dropout: run_steps(cfg, mesh, "dp", None, init, B, T, STEPS)
+                  for cfg in (DROP, PLAIN)}
+
+
+def test_dropout_changes_the_training_loss(reference):
+    _, runs = reference
+    on, off = runs[P], runs[0.0]
+    # the same start and batches: only the dropped adapter inputs differ
+    assert abs(on["loss"] - off["loss"]) > 1e-4, (on["loss"], off["loss"])
+    diff = max(np.max(np.abs(a - b)) for a, b in zip(jax.tree.leaves(on["grads"]),
+                                                     jax.tree.leaves(off["grads"])))
+    assert diff > 1e-4, diff
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dropout_sharded_matches_single_device(name, reference):
+    sizes, strategy = CASES[name]
+    init, runs = reference
+    ref = runs[P]
+    got = run_steps(DROP, make_mesh(**sizes), strategy, None, init, B, T, STEPS)
+    np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+    assert_trees_close(got["grads"], ref["grads"], rtol=1e-5, atol=1e-7,
+                       what=f"{name} adapter gradients with dropout")
+    assert_trees_close(got["params"], ref["params"], rtol=1e-5, atol=1e-5,
+                       what=f"{name} params after {STEPS} steps with dropout")
+
+
+def test_the_mask_drops_p_and_rescales_the_rest():
+    """One pair's input under active seeds: a fraction ~p is zero, the rest is x/(1-p);
+    another layer or another target draws another mask; no seeds: x unchanged."""
+    lo = DROP.lora
+    from flax import nnx
+    x = jnp.ones((4, 64, 32), jnp.float32)
+    pairs = [lora.LoraPair((32,), ("embed",), (8,), ("mlp",), lo, nnx.Rngs(0), target=t)
+             for t in ("q_proj", "k_proj")]
+    batch = {lora.DROPOUT_SEEDS: lora.dropout_seeds(3, (4, 64))}
+    assert np.array_equal(pairs[0].dropped(x), x)          # no layer context: no dropout
+    with lora.dropout_in_layer(batch, jnp.int32(0)):
+        q0, k0 = (np.asarray(p.dropped(x)) for p in pairs)
+    with lora.dropout_in_layer(batch, jnp.int32(1)):
+        q1 = np.asarray(pairs[0].dropped(x))
+    with lora.dropout_in_layer({}, jnp.int32(0)):          # eval / decode batches
+        assert np.array_equal(pairs[0].dropped(x), x)
+    for y in (q0, k0, q1):
+        assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - P))}
+        assert abs(np.mean(y == 0) - P) < 0.02, np.mean(y == 0)   # 8192 draws: σ ≈ 0.005
+    assert np.mean(q0 != k0) > 0.2 and np.mean(q0 != q1) > 0.2
+
+
+def test_decode_ignores_dropout(reference):
+    """Greedy decoding with the dropout config equals the same adapters without it."""
+    params = reference[1][P]["params"]   # trained, B non-zero: the adapters matter
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    got_toks, got = greedy_reference(DROP, params, prompts, 4)
+    ref_toks, ref = greedy_reference(PLAIN, params, prompts, 4)
+    assert got_toks == ref_toks
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_bad_dropout_settings_are_refused(devices):
+    with pytest.raises(ValueError, match=r"--lora-dropout 1: must be in \[0, 1\)"):
+        RunConfig(lora_rank=4, lora_dropout=1.0)
+    with pytest.raises(ValueError, match="--lora-dropout needs LoRA: give --lora-rank"):
+        RunConfig(lora_dropout=0.1)
+    with pytest.raises(ValueError, match=r"--lora-dropout -0.1: must be in \[0, 1\)"):
+        LoraConfig(rank=4, dropout=-0.1)
+    with pytest.raises(ValueError, match="--lora-dropout 0.25 is not supported with the "
+                                         "pipeline"):
+        Trainer(DROP, make_mesh(data=4, pipe=2), "dp", pipeline=PipelineConfig("1f1b"))
+    assert RunConfig(lora_rank=4, lora_dropout=0.1).model_config().lora.dropout == 0.1
