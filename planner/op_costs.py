@@ -93,8 +93,8 @@ def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCos
 
 
 @functools.lru_cache(maxsize=None)
-@on_disk
 def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
+    # The device checks stay outside the disk memo: they are this process's, not the code's.
     try:
         cpus = jax.devices("cpu")
     except RuntimeError as e:          # no CPU backend in this process (JAX_PLATFORMS)
@@ -102,6 +102,13 @@ def _measure(schedule: ScheduleKind, remat: str) -> OpCosts:
     if len(cpus) < PROBE_STAGES:
         return assumed(f"this process has {len(cpus)} CPU device(s) and the probe step needs "
                        f"{PROBE_STAGES} (start with JAX_NUM_CPU_DEVICES≥{PROBE_STAGES})")
+    return _compiled_costs(schedule, remat)
+
+
+@on_disk
+def _compiled_costs(schedule: ScheduleKind, remat: str) -> OpCosts:
+    """The op costs read from the compiled probe step (needs ``PROBE_STAGES`` CPU devices)."""
+    cpus = jax.devices("cpu")
     cfg = config.get(PROBE_MODEL, num_layers=PROBE_STAGES)
     mesh = make_mesh(pipe=PROBE_STAGES, devices=cpus[:PROBE_STAGES])
     trainer = Trainer(cfg, mesh, "dp", pipeline=PipelineConfig(schedule.value, PROBE_MICROBATCHES),
