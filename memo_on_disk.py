@@ -9,7 +9,8 @@ before), keyed by the function, the ``repr`` of its arguments (frozen dataclasse
 numbers: stable across processes) and a fingerprint of the code that could change the
 answer: triax's own source files and the jax/jaxlib versions. A changed line anywhere in
 triax, or another JAX, misses the old entries; nothing is ever read that this code would not
-compute.
+compute. So only what depends on nothing else may be memoised: not on the process's devices
+or environment (``planner.op_costs`` checks its devices outside the memo).
 
     >>> import os, tempfile
     >>> previous = os.environ.get(ENV)
@@ -81,5 +82,4 @@ def on_disk(fn):
                 pickle.dump(out, f)
             os.replace(f.name, path)
         return out
-    memoised.uncached = fn
     return memoised

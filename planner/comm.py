@@ -70,15 +70,19 @@ class AxisTraffic:
         return sum(_WIRE[k](self.size) * b for k, b in self.payload_by_kind.items())
 
 
+def _frozen_base(w: Workload) -> bool:
+    return w.lora is not None and w.train
+
+
 def trained(w: Workload, path: str) -> bool:
     """Whether a step reduces the gradient of the parameter at ``path``: every one, or under
     LoRA training only the adapters."""
-    return w.lora is None or not w.train or is_adapter_path(path.split("/"))
+    return not _frozen_base(w) or is_adapter_path(path.split("/"))
 
 
 def _trained_part(w: Workload):
     """``local_param_elements``' ``part`` of the parameters whose gradients are reduced."""
-    return "adapters" if w.lora is not None and w.train else None
+    return "adapters" if _frozen_base(w) else None
 
 
 def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
