@@ -154,8 +154,9 @@ _LAYER: contextvars.ContextVar = contextvars.ContextVar("triax_layer", default=N
 
 
 def current_layer():
-    """Inside :func:`run_stack`'s scan, the running layer's index in the stack it was given
-    (an int32 scalar; None outside): what a block draws per-layer randomness from."""
+    """Inside :func:`run_stack`'s scan, the running layer's index in the whole stack (an
+    int32 scalar; None outside; a pipeline stage passes its chunk's): what a block draws
+    per-layer randomness from."""
     return _LAYER.get()
 
 
@@ -166,13 +167,16 @@ def _block_out(out):
     return out if len(out) == 3 else (*out, None)
 
 
-def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[Any] = None):
+def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[Any] = None,
+              layers: Optional[Any] = None):
     """``(x, aux, cache)``: ``model.block`` scanned over the ``blocks`` stack (any leading
     layer count, so a stage runs it on its own chunk), ``aux`` summed over the layers.
 
     ``cache`` (leaves with the same leading layers axis) is scanned alongside the blocks and
     returned updated (None without one); ``exe.remat`` checkpoints each layer. Each layer's
-    parameters are read through :func:`using_layer_params`' function when one is active."""
+    parameters are read through :func:`using_layer_params`' function when one is active.
+    ``layers`` (int32 ``[n]``) are the blocks' indices in the whole stack that
+    :func:`current_layer` reports (a pipeline chunk's; default ``0..n-1``)."""
     layer_params = _LAYER_PARAMS.get()
     with using_exec(exe):
         prepare = getattr(model, "block_batch", None)
@@ -199,8 +203,12 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
         elif layer_params is not None:   # keep every residual but the made parameters
             body = jax.checkpoint(body, policy=_all_but_layer_params, prevent_cse=False)
         n = jax.tree.leaves(stack)[0].shape[0]
+        layers = jnp.arange(n, dtype=jnp.int32) if layers is None else jnp.asarray(layers)
+        if layers.shape != (n,):
+            raise ValueError(f"run_stack: layers has shape {layers.shape}; give one index per "
+                             f"block of the stack ({n},)")
         (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)),
-                                       (stack, cache, jnp.arange(n, dtype=jnp.int32)))
+                                       (stack, cache, layers.astype(jnp.int32)))
     return x, aux, cache
 
 

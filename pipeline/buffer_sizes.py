@@ -158,7 +158,8 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
     tokens = sd((rows, seq_len), jnp.int32)
     inputs = {"inputs": tokens, "targets": tokens, "weights": sd((rows, seq_len), jnp.float32)}
     consts = {"inv_total_weight": sd((), jnp.float32), "aux_scale": sd((), jnp.float32)}
-    extras = StageInputs(inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_))
+    extras = StageInputs(inputs, consts, sd((), jnp.bool_), sd((), jnp.bool_),
+                         sd((per_chunk,), jnp.int32))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
     with using_constraint(None):

@@ -63,6 +63,7 @@ class StepSpec:
     apply: Any                      # a pipeline.stage.Stage
     stages: int
     dtype: Any
+    layers: Any                     # int32 [S, v, Lc]: StageLayers.layer_ids (numpy)
     state_mb_axis: int = 0          # micro-batch axis of a state leaf, after its chunk axis
 
 
@@ -147,9 +148,10 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     if prog.schedule.has_backward and jax.tree.leaves(state):
         raise ValueError("per-stage state is carried by forward-only schedules only; "
                          f"{prog.schedule.kind.value} has a backward")
-    step, x0, out_sd = _trace_step(spec, blocks, pieces, inputs, consts, state)
-    flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in step.kinds}
     stage = jax.lax.axis_index(PIPE)
+    layers = jnp.asarray(spec.layers)[stage]     # [v, Lc]: this stage's chunks' layers
+    step, x0, out_sd = _trace_step(spec, blocks, pieces, inputs, consts, state, layers)
+    flags = {k: (prog.ticks.kind == int(k)).astype(np.int32) for k in step.kinds}
     out, _ = jax.lax.scan(lambda c, xs: (tick(step, stage, c, xs), None),
                           _initial_carry(step, prog, x0, out_sd, state),
                           jax.tree.map(jnp.asarray, (prog.ticks, flags)))
@@ -159,22 +161,22 @@ def run_ticks(spec: StepSpec, blocks, pieces, inputs, consts, state) -> TickResu
     return TickResult(out.loss, jax.tree.map(lambda a: a[:M], out.out), out.state, grads)
 
 
-def _trace_step(spec: StepSpec, blocks, pieces, inputs, consts, state):
+def _trace_step(spec: StepSpec, blocks, pieces, inputs, consts, state, layers):
     """The step's fixed facts (``tick_kernels.Step``), the activation's zeros and the
     outputs' shapes, from one trace of the stage on chunk 0 and micro-batch 0."""
     prog = spec.program
     apply, loss_apply = spec.apply, loss_only(spec.apply)
     chunk0 = jax.tree.map(lambda a: a[0], blocks)
     inputs0 = jax.tree.map(lambda a: a[0], inputs)
-    extras0 = StageInputs(inputs0, consts, jnp.bool_(True), jnp.bool_(True))
+    extras0 = StageInputs(inputs0, consts, jnp.bool_(True), jnp.bool_(True), layers[0])
     state0 = jax.tree.map(lambda a: take_state(a, 0, 0, spec.state_mb_axis), state)
     x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
     _, loss_sd, out_sd, _ = jax.eval_shape(apply, chunk0, pieces, x0, extras0, state0)
     sb = (StageBackward.trace(loss_apply, chunk0, pieces, x0, extras0)
           if prog.schedule.has_backward else None)
-    step = Step(apply, loss_apply, sb, stash_layout(prog, sb) if sb else None, blocks, pieces,
-                inputs, consts, loss_sd, spec.dtype, spec.stages, spec.state_mb_axis,
+    step = Step(apply, loss_apply, sb, stash_layout(prog, sb) if sb else None, blocks, layers,
+                pieces, inputs, consts, loss_sd, spec.dtype, spec.stages, spec.state_mb_axis,
                 tuple(_used_kinds(prog.ticks)), Arrivals.of(prog),
                 _perms(spec.stages, prog.schedule.wraps))
     return step, x0, out_sd

@@ -246,7 +246,7 @@ class Pipeline:
         pieces = {k: v for k, v in params.items() if k != "blocks"}
         state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, self.exe.dtype,
-                        state_mb_axis=1)
+                        lay.layer_ids(), state_mb_axis=1)
         bspec, pspec, bfsdp, pfsdp, lfsdp = self._manual_specs
         by_layer = self.by_layer and bfsdp.splits
         backward = schedule.has_backward

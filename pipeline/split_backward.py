@@ -26,7 +26,7 @@ and nothing else.
     >>> ints = jax.ShapeDtypeStruct((2, 8), jnp.int32)
     >>> extras = StageInputs({"inputs": ints, "targets": ints,
     ...                       "weights": jax.ShapeDtypeStruct((2, 8), jnp.float32)},
-    ...                      {"inv_total_weight": jnp.float32(1)}, True, True)
+    ...                      {"inv_total_weight": jnp.float32(1)}, True, True, jnp.arange(1))
     >>> x = jax.ShapeDtypeStruct((2, 8, 64), jnp.float32)
     >>> sb = StageBackward.trace(loss_only(Stage(am.graphdef)), am.shapes["blocks"], pieces,
     ...                          x, extras)

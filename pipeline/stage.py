@@ -43,9 +43,10 @@ class Stage:
     """``stage(chunk, pieces, x, extras, state) -> (y, loss, out, state)`` for any
     :class:`PipelineModel`.
 
-    ``extras`` is ``(inputs, consts, first, last)``: this micro-batch's rows of the batch,
-    step-wide constants, and the chunk's place in the model. ``head="loss"``: consts
-    ``inv_total_weight`` (and ``aux_scale`` for a model with auxiliary losses); the last
+    ``extras`` is a ``StageInputs``: this micro-batch's rows of the batch, step-wide
+    constants, the chunk's place in the model and its layers' indices in the whole stack
+    (what a block's per-layer randomness is drawn from: ``protocol.current_layer``).
+    ``head="loss"``: consts ``inv_total_weight`` (and ``aux_scale`` for a model with auxiliary losses); the last
     chunk adds ``head_loss × inv_total_weight`` to the loss, ``out`` and ``state`` are
     empty. A model whose blocks return auxiliary losses (MoE) makes the loss a dict
     (:func:`_with_aux`). ``head="logits"`` (decode): ``state`` is the chunk's KV cache for
@@ -73,20 +74,20 @@ class Stage:
         return jax.eval_shape(embed, chunk, pieces, inputs)
 
     def __call__(self, chunk, pieces, x_in, extras, state):
-        inputs, consts, first, last = extras
+        inputs, consts, first, last, layers = extras
         model = self.model(chunk, pieces)
         with using_exec(self.exe):   # how the model's own methods run (dtype, loss chunks)
             x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype),
                              lambda: x_in)
             if self.head == "loss":
-                y, aux, _ = run_stack(model, x, inputs, self.exe)
+                y, aux, _ = run_stack(model, x, inputs, self.exe, layers=layers)
 
                 def loss():
                     nll = model.head_loss(y, inputs).astype(jnp.float32)
                     return nll * consts["inv_total_weight"]
                 ce = jax.lax.cond(last, loss, lambda: jnp.zeros((), jnp.float32))
                 return y, _with_aux(ce, aux, consts, loss_metric(model)), {}, state
-            y, _, state = run_stack(model, x, inputs, self.exe, cache=state)
+            y, _, state = run_stack(model, x, inputs, self.exe, cache=state, layers=layers)
             logits = lambda: model.head_logits(y, inputs).astype(jnp.float32)  # noqa: E731
             out = jax.lax.cond(last, logits,
                                lambda: jnp.zeros(jax.eval_shape(logits).shape, jnp.float32))

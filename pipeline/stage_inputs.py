@@ -3,7 +3,8 @@
 than by its place among the leaves.
 
     >>> import jax.numpy as jnp
-    >>> si = StageInputs({"tokens": jnp.zeros((2, 8))}, {"inv_total_weight": 1.0}, True, False)
+    >>> si = StageInputs({"tokens": jnp.zeros((2, 8))}, {"inv_total_weight": 1.0}, True, False,
+    ...                  jnp.arange(2))
     >>> leaf_positions(si).last, leaf_positions((jnp.zeros(3), si))[1].last
     (3, 4)
 """
@@ -15,13 +16,14 @@ import jax
 
 
 class StageInputs(NamedTuple):
-    """A stage's ``extras``. A NamedTuple: a pytree whose fields have names, and the
-    stages (``pipeline.stage``) still unpack it as ``inputs, consts, first, last``."""
+    """A stage's ``extras``. A NamedTuple: a pytree whose fields have names (the stages,
+    ``pipeline.stage``, read them by name)."""
 
     inputs: Any      # this micro-batch's inputs, a dict of arrays
     consts: Any      # step-wide values every op sees (``inv_total_weight``, ``aux_scale``)
     first: Any       # bool: the chunk is the model's first (the pre-stack runs)
     last: Any        # bool: the chunk is the model's last (the post-stack runs)
+    layers: Any      # int32 [Lc]: the chunk's layers' indices in the whole stack
 
 
 def leaf_positions(tree):

@@ -17,6 +17,8 @@ weights once per step (see :func:`pipeline_strategy` for uneven L).
     >>> v = StageLayers(num_layers=8, stages=4, virtual=2, v_shape=True)
     >>> v.to_stages(np.arange(8))[:, :, 0].tolist()    # [stage][local chunk] -> first layer
     [[0, 7], [1, 6], [2, 5], [3, 4]]
+    >>> StageLayers(num_layers=3, stages=2).layer_ids().tolist()   # one padding layer
+    [[[0, 1]], [[2, 3]]]
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from triax.pipeline.chunk_routes import routed, to_compute, to_storage
 from triax.sharding.rules import Strategy
@@ -100,18 +103,27 @@ class StageLayers:
 
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
-        S, v, Lc = self.stages, self.virtual, self.per_chunk
+        return jax.tree.map(lambda a: self._placed(
+            jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))), blocks)
 
-        def one(a):
-            a = jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))
-            a = self._legs(a.reshape((v, S, Lc) + a.shape[1:]))
-            return jnp.swapaxes(a, 0, 1)
-        return jax.tree.map(one, blocks)
+    def layer_ids(self) -> np.ndarray:
+        """int32 ``[S, v, Lc]``: each (stage, local chunk, slot)'s index in the whole stack,
+        in compute order (:meth:`to_stages`'); the padding layers continue the count past
+        ``num_layers``. What a layer draws per-layer randomness from (LoRA dropout), so a
+        stage draws what the unpipelined stack draws."""
+        return self._placed(np.arange(self.chunks * self.per_chunk, dtype=np.int32))
+
+    def _placed(self, a):
+        """``[S·v·Lc, ...]`` in layer order → ``[S, v, Lc, ...]`` in compute order (a numpy
+        array stays one: a static fact)."""
+        a = self._legs(a.reshape((self.virtual, self.stages, self.per_chunk) + a.shape[1:]))
+        return a.swapaxes(0, 1)
 
     def _legs(self, a):
         """``[v, S, ...]`` in chunk order ↔ in stage order: a V's second leg runs backwards
         (its own inverse)."""
-        return jnp.concatenate([a[:1], a[1:, ::-1]]) if self.v_shape else a
+        xp = np if isinstance(a, np.ndarray) else jnp
+        return xp.concatenate([a[:1], a[1:, ::-1]]) if self.v_shape else a
 
     def from_stages(self, blocks):
         """Inverse of :meth:`to_stages` (padding dropped)."""

@@ -87,6 +87,7 @@ class Step:
     sb: Any                   # a split_backward.StageBackward; None without a backward
     layout: Any               # the stash slot's StashLayout; None without a backward
     blocks: Any               # the stage's chunks [v, Lc, ...]
+    layers: Any               # int32 [v, Lc]: their layers' indices in the whole stack
     pieces: Any
     inputs: Any               # per-micro-batch inputs [M, b, ...]
     consts: Any
@@ -120,7 +121,7 @@ class Tick:
     def extras(self) -> StageInputs:
         s = self.step
         return StageInputs(jax.tree.map(lambda a: take(a, self.row.mb), s.inputs), s.consts,
-                           self.row.first > 0, self.last)
+                           self.row.first > 0, self.last, take(s.layers, self.row.chunk))
 
     def dy(self, c: Carry):
         """The incoming gradient (the last chunk has none: its loss is the seed)."""

@@ -1,7 +1,8 @@
 """``--lora-dropout p``: PEFT's ``B(A(dropout(x)))·alpha/r`` in training steps, with masks
-drawn from per-token seeds of the step (``models.lora.dropout_seeds``), so dp and fsdp_tp
-equal one device with dropout on (loss, adapter gradients, 3 steps; fp32); eval and decode
-never drop."""
+drawn from per-token seeds of the step (``models.lora.dropout_seeds``) and the layer's index
+in the whole stack, so dp, fsdp_tp and tensor × pipe (1F1B, ZB-H1's split backward, ZB-V in
+its routed V, interleaved over padded chunks) equal one device with dropout on (loss,
+adapter gradients, 3 steps; fp32); eval and decode never drop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,22 +19,35 @@ from triax.training.config import RunConfig
 from triax.training.step import Trainer
 
 P = 0.25
-DROP = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0, dropout=P))
+# 4 layers: even over 2 stages (ZB-V's 4 chunks move whole: routed); 3: padded chunks.
+DROP = config.TINY.replace(num_layers=4, lora=LoraConfig(rank=4, alpha=8.0, dropout=P))
+DROP3 = DROP.replace(num_layers=3)
 PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0))
 B, T, STEPS = 8, 12, 3
-CASES = {"dp": (dict(data=8), "dp"), "fsdp_tp": (dict(data=2, tensor=4), "fsdp_tp")}
+TP_PIPE = dict(data=2, pipe=2, tensor=2)
+CASES = {"dp": (DROP, dict(data=8), "dp", None),
+         "fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
+         "tp_pipe_1f1b": (DROP, TP_PIPE, "tp", PipelineConfig("1f1b")),
+         "tp_pipe_zbh1_padded": (DROP3, TP_PIPE, "tp", PipelineConfig("zb-h1")),
+         "tp_pipe_zbv": (DROP, TP_PIPE, "tp", PipelineConfig("zb-v")),
+         "tp_pipe_interleaved_padded": (DROP3, TP_PIPE, "tp",
+                                        PipelineConfig("interleaved", virtual=2))}
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
+    """Per config, the start and its one-device runs (``dropout: run``; PLAIN: no dropout)."""
     mesh = make_mesh(devices=devices[:1])
-    init = start_params(Trainer(DROP, mesh, "dp"))
-    return init, {cfg.lora.dropout: run_steps(cfg, mesh, "dp", None, init, B, T, STEPS)
-                  for cfg in (DROP, PLAIN)}
+    out = {}
+    for cfg, twins in ((DROP, (DROP, PLAIN)), (DROP3, (DROP3,))):
+        init = start_params(Trainer(cfg, mesh, "dp"))
+        out[cfg] = init, {c.lora.dropout: run_steps(c, mesh, "dp", None, init, B, T, STEPS)
+                          for c in twins}
+    return out
 
 
 def test_dropout_changes_the_training_loss(reference):
-    _, runs = reference
+    _, runs = reference[DROP]
     on, off = runs[P], runs[0.0]
     # the same start and batches: only the dropped adapter inputs differ
     assert abs(on["loss"] - off["loss"]) > 1e-4, (on["loss"], off["loss"])
@@ -44,10 +58,10 @@ def test_dropout_changes_the_training_loss(reference):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_dropout_sharded_matches_single_device(name, reference):
-    sizes, strategy = CASES[name]
-    init, runs = reference
+    cfg, sizes, strategy, pipeline = CASES[name]
+    init, runs = reference[cfg]
     ref = runs[P]
-    got = run_steps(DROP, make_mesh(**sizes), strategy, None, init, B, T, STEPS)
+    got = run_steps(cfg, make_mesh(**sizes), strategy, pipeline, init, B, T, STEPS)
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(got["grads"], ref["grads"], rtol=1e-5, atol=1e-7,
                        what=f"{name} adapter gradients with dropout")
@@ -79,7 +93,7 @@ def test_the_mask_drops_p_and_rescales_the_rest():
 
 def test_decode_ignores_dropout(reference):
     """Greedy decoding with the dropout config equals the same adapters without it."""
-    params = reference[1][P]["params"]   # trained, B non-zero: the adapters matter
+    params = reference[DROP][1][P]["params"]   # trained, B non-zero: the adapters matter
     prompts = [[1, 2, 3, 4], [5, 6]]
     got_toks, got = greedy_reference(DROP, params, prompts, 4)
     ref_toks, ref = greedy_reference(PLAIN, params, prompts, 4)
@@ -94,7 +108,4 @@ def test_bad_dropout_settings_are_refused(devices):
         RunConfig(lora_dropout=0.1)
     with pytest.raises(ValueError, match=r"--lora-dropout -0.1: must be in \[0, 1\)"):
         LoraConfig(rank=4, dropout=-0.1)
-    with pytest.raises(ValueError, match="--lora-dropout 0.25 is not supported with the "
-                                         "pipeline"):
-        Trainer(DROP, make_mesh(data=4, pipe=2), "dp", pipeline=PipelineConfig("1f1b"))
     assert RunConfig(lora_rank=4, lora_dropout=0.1).model_config().lora.dropout == 0.1

@@ -27,15 +27,17 @@ B, T = 2, 8
 
 def _split_vs_full(apply, chunk, pieces, inputs, x):
     consts = {"inv_total_weight": jnp.float32(0.1), "aux_scale": jnp.float32(0.5)}
+    layers = jnp.arange(jax.tree.leaves(chunk)[0].shape[0], dtype=jnp.int32)
     sb = StageBackward.trace(apply, chunk, pieces, x,
-                             StageInputs(inputs, consts, jnp.bool_(True), jnp.bool_(True)))
+                             StageInputs(inputs, consts, jnp.bool_(True), jnp.bool_(True),
+                                         layers))
 
     # XLA's default CPU emitters, as before the suite turned them off (suite_env): the split
     # and full backward reduce the ViT's gradients in different orders, and the legacy
     # emitters' order moves one cancelling patch_CD sum (|g| 0.05, terms ~15) 1.7e-6 apart.
     @functools.partial(jax.jit, compiler_options=DEFAULT_EMITTERS)
     def both(chunk, pieces, x, first, last, dy):
-        extras = StageInputs(inputs, consts, first, last)
+        extras = StageInputs(inputs, consts, first, last, layers)
         (_, loss), stored = sb.forward(apply, chunk, pieces, x, extras)
         # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
         dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)

@@ -83,13 +83,7 @@ class Trainer:
             self.cfg, self.user_model = model, None
             self.abstract = abstract_model(model)
         self.accum_steps = int(accum_steps)  # gradient accumulation: micro-steps per step
-        # LoRA dropout draws per-layer masks from the layer's index in the whole stack; a
-        # pipeline stage runs only its own chunk of it.
         self.lora_cfg = None if self.cfg is None else self.cfg.lora
-        if pipeline is not None and self.lora_cfg is not None and self.lora_cfg.dropout:
-            raise ValueError(f"--lora-dropout {self.lora_cfg.dropout:g} is not supported with "
-                             f"the pipeline (a mesh with pipe > 1): use --lora-dropout 0, or "
-                             f"a mesh without pipe (e.g. --strategy fsdp_tp)")
         # A NaN/inf loss or gradient keeps the old parameters and optimizer state (the step
         # counter still advances with the data), decided on device: no host round trip.
         self.skip_nonfinite = bool(skip_nonfinite)
