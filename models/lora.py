@@ -122,6 +122,17 @@ def maybe_pair(lora: Optional[LoraConfig], target: str, *shape_axes, rngs) -> Op
     return LoraPair(*shape_axes, lora, rngs, target)
 
 
+def pair_leaf(path) -> Optional[tuple[str, str]]:
+    """``(target, "a" | "b")`` of an adapter leaf's path (a sequence of keys): which target's
+    pair and which factor (``a`` on the base's input side, ``b`` on its output side); None
+    for any other leaf."""
+    keys = [str(getattr(k, "key", k)) for k in path]
+    for i, k in enumerate(keys[:-1]):
+        if k.startswith(PREFIX) and keys[i + 1] in ("a", "b"):
+            return k[len(PREFIX):], keys[i + 1]
+    return None
+
+
 def is_adapter_path(path) -> bool:
     """A leaf is an adapter when a key on its path is a ``lora_*`` sub-module."""
     return any(str(getattr(k, "key", k)).startswith(PREFIX) for k in path)

@@ -26,13 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from triax.planner.hardware import Cluster, Link
-from triax.models.lora import is_adapter_path
+from triax.models.lora import is_adapter_path, pair_leaf
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
 from triax.planner.activations import tensor_local
 from triax.pipeline.fsdp import layer_passes
 from triax.planner.memory import pipelined_fsdp
-from triax.planner.param_layout import local_elements, local_param_elements, param_leaves
+from triax.planner.param_layout import (layout_rules, local_elements, local_param_elements,
+                                        param_leaves)
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.planner.pipeline_math import schedule_table
 from triax.planner.workload import FP32, Layout, Workload, ceil_div
@@ -182,7 +183,7 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
     kv = act * K * H / w.cfg.embed_dim if replicated else act
     t.add("all-reduce", kv, 2 * train * layers)   # the input gradients of k and v
     if w.lora is not None:
-        _lora_tensor(w, t, act, layers, kv_split=not replicated)
+        _lora_tensor(w, lay, t, act, layers)
     if w.cfg.moe is None:
         t.add("all-reduce", act, (2 + 2 * train) * layers + passes)
         return
@@ -190,23 +191,22 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
     t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
 
 
-# Under Megatron's layout a row-parallel base (its input split over tensor) has its adapter
-# sum ``x·A`` (tokens × rank) over tensor in the forward; a column-parallel one (output
-# split) sums the rank-wide gradient ``dy·Bᵀ`` in the backward.
-_ROW_PARALLEL = ("o_proj", "down_proj")
-
-
-def _lora_tensor(w: Workload, t: AxisTraffic, act: float, layers: int,
-                 kv_split: bool) -> None:
-    """The adapters' own all-reduces over ``tensor``: one ``tokens × rank`` buffer per
-    row-parallel target per forward (a remat's recomputed forward too) and per
-    column-parallel target per backward (k and v only where tensor splits the KV heads)."""
+def _lora_tensor(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: int) -> None:
+    """The adapters' own all-reduces over ``tensor``, one ``tokens × rank`` buffer each,
+    where the rules split a factor over ``tensor`` (``Rules.splits_over``): an ``A`` (a
+    row-parallel base: its input split) sums ``x·A`` per forward (a remat's recomputed
+    forward too); a ``B`` (column-parallel: its output split) sums the backward's ``dy·Bᵀ``
+    (KV heads that ``tensor`` does not divide are whole: k's and v's sum nothing)."""
     rank = act / w.cfg.embed_dim * w.lora.rank          # one tokens × rank buffer's bytes
     forwards = 2 if w.train and w.remat != "none" else 1
-    for target in w.lora.targets:
-        if target in _ROW_PARALLEL:
+    rules = layout_rules(w, lay)
+    for path, shape, logical in param_leaves(w.cfg):
+        leaf = pair_leaf(path.split("/"))
+        if leaf is None or not rules.splits_over(logical, shape, lay.sizes, "tensor"):
+            continue
+        if leaf[1] == "a":
             t.add("all-reduce", rank, forwards * layers)
-        elif w.train and (kv_split or target not in ("k_proj", "v_proj")):
+        elif w.train:
             t.add("all-reduce", rank, layers)
 
 

@@ -126,6 +126,21 @@ class Rules:
         n = self.split_size(logical, sizes)
         return size // split_pieces(logical, size, axes, n, logical)
 
+    def splits_over(self, logical_axes: Sequence[Optional[str]], shape: Sequence[int],
+                    sizes: Mapping[str, int], mesh_axis: str) -> bool:
+        """Whether an array (``logical_axes``, ``shape``), placed by :meth:`spec` on a mesh of
+        ``sizes``, is split over ``mesh_axis`` (a ``REPLICABLE`` dimension the axis does not
+        divide is whole).
+
+            >>> from triax.sharding.rules import get_strategy
+            >>> r = get_strategy("tp").rules
+            >>> r.splits_over(("kv_heads", "head_dim"), (2, 8), {"tensor": 2}, "tensor")
+            True
+            >>> r.splits_over(("kv_heads", "head_dim"), (2, 8), {"tensor": 4}, "tensor")
+            False
+        """
+        return any(mesh_axis in _as_tuple(e) for e in self.spec(logical_axes, shape, sizes))
+
     def unknown_names_error(self, where: Mapping[str, Optional[str]]) -> ShardingError:
         """One error for every unknown name (``{name: where it was met}``), with the fix."""
         names = sorted(where)
