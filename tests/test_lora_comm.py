@@ -17,6 +17,8 @@ CASES = {  # name: (base dtype, layers, layout)
     "fsdp": ("float32", 2, Layout(data=8, strategy="fsdp")),
     "zero1": ("float32", 2, Layout(data=8, strategy="zero1")),
     "tp": ("float32", 2, Layout(data=4, tensor=2, strategy="tp")),
+    # tiny's 2 KV heads on tensor=4: k's and v's adapters are whole (no backward all-reduce)
+    "tp-kv-replicated": ("float32", 2, Layout(data=2, tensor=4, strategy="tp")),
     "fsdp-int8": ("int8", 2, Layout(data=8, strategy="fsdp")),
     "pp-fsdp": ("float32", 4, Layout(data=4, pipe=2, strategy="fsdp",
                                      schedule=ScheduleKind.ONE_F_ONE_B, microbatches=4)),
@@ -42,19 +44,21 @@ def test_lora_comm_matches_hlo(name, verified):
         assert v["predicted"] == pytest.approx(v["compiled"], rel=0.10), (axis, comm)
 
 
-def test_adapters_tensor_all_reduces_match_hlo(verified):
-    """What the adapters add over ``tensor`` (LoRA minus full fine-tuning, the same layout):
-    14 rank-wide all-reduces here (o and down forward, q, k, v, gate and up backward, × 2
-    layers), predicted against the compiled difference."""
-    lay = CASES["tp"][2]
+@pytest.mark.parametrize("name, buffers", [("tp", 14), ("tp-kv-replicated", 10)])
+def test_adapters_tensor_all_reduces_match_hlo(name, buffers, verified):
+    """What the adapters add over ``tensor`` (LoRA minus full fine-tuning, the same layout),
+    predicted against the compiled difference: rank-wide all-reduces (o and down forward, q,
+    k, v, gate and up backward, × 2 layers: 14); with the KV heads whole on every tensor
+    rank, k's and v's add none (10)."""
+    lay = CASES[name][2]
     w = workload("float32", 2)
     full = verify(Workload.of(w.cfg.replace(lora=None), train=True, dtype="fp32", batch=16,
                               seq=32), lay)["comm"]["tensor"]
-    lora_tp = verified["tp"]["tensor"]
+    lora_tp = verified[name]["tensor"]
     added = lora_tp["predicted"] - full["predicted"]
     assert added == pytest.approx(lora_tp["compiled"] - full["compiled"], rel=0.10)
     tokens = 16 // lay.data * 32
-    assert added == 14 * tokens * w.lora.rank * FP32
+    assert added == buffers * tokens * w.lora.rank * FP32
 
 
 def test_only_adapter_gradients_are_reduced():
