@@ -8,9 +8,10 @@ maps to no mesh axis). ``B`` starts at zero, so step 0 computes the base model.
 
 Dropout (PEFT's ``lora_dropout``: ``B(A(dropout(x)))·alpha/r``) runs only where the batch
 carries per-token seeds (:func:`dropout_seeds`, which the training step adds; eval and decode
-never do). Each token's keep-mask is drawn from its own seed, the layer and the target, so it
-travels with the token through the zigzag context layout and micro-batches and is the same
-on every sharding.
+never do). Each token's keep-mask is drawn from its own seed, the layer (its index in the
+whole stack, ``protocol.current_layer``, which a pipeline stage passes for its chunk) and the
+target, so it travels with the token through the zigzag context layout, micro-batches and
+pipeline stages and is the same on every sharding.
 
 Adapter parameters live in sub-modules named ``lora_<peft module>`` (``lora_q_proj``, …);
 :func:`is_adapter_path` is the one test of "trainable", and :func:`freeze_base` stops the
