@@ -87,10 +87,14 @@ class KVPool:
     def total_blocks(self) -> int:
         return self.groups * self.blocks
 
+    @property
+    def positions(self) -> int:
+        """KV positions the whole pool holds (what the planner's KV term counts)."""
+        return self.total_blocks * self.block_size
+
     def bytes_per_device(self) -> int:
         """Bytes of pool (k and v) each device holds."""
-        return 2 * math.prod(self.sharding.shard_shape(self.shape)) * \
-            jnp.dtype(CACHE_DTYPE).itemsize
+        return _per_device(self.shape, self.sharding)
 
 
 def _placed(cfg, mesh, strategy, groups, blocks, block_size):

@@ -120,7 +120,10 @@ def paged_write_read(layer_cache: Cache, k_BTKH, v_BTKH, block_BT, place_BT):
     for n, new in (("k", k_BTKH), ("v", v_BTKH)):
         pool, view = jax.vmap(one)(layer_cache[n], grouped(new), grouped(block_BT),
                                    grouped(place_BT), grouped(table_BM))
-        out[n] = (constrain(pool, PAGED_AXES[1:]), view.reshape(B, *view.shape[2:]))
+        # Both keep the strategy's layout: left free, XLA split the gathered view its own
+        # way (KV heads replicated over tensor) and regathered it every layer.
+        out[n] = (constrain(pool, PAGED_AXES[1:]),
+                  constrain(view.reshape(B, *view.shape[2:]), CACHE_AXES[1:]))
     return {"k": out["k"][0], "v": out["v"][0]}, out["k"][1], out["v"][1]
 
 
