@@ -18,7 +18,7 @@ decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``c
     >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])     # slot 0 <- prompt
     >>> active = np.array([True, False])
     >>> nxt = eng.decode(np.array([int(first[0]), 0]), active, seeds=np.zeros(2))
-    >>> eng.kv.in_use, eng.kv.tables[0, 0]            # one block of 16 positions
+    >>> eng.kv.in_use, int(eng.kv.tables[0, 0])       # one block of 16 positions
     (1, 0)
     >>> eng.release(0); eng.kv.in_use
     0
