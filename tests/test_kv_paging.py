@@ -136,8 +136,9 @@ def test_a_request_waits_for_blocks_and_cancel_gives_them_back(params, reference
     assert server.cancel(long)
     server._step()                           # the cancel frees the blocks; short is admitted
     assert server.result(long).finish_reason == "cancelled"
-    server.run()
-    assert server.result(short).tokens == reference[0][:4]
+    for _ in range(8):                       # bounded: without the blocks back it would wait
+        server._step()
+    assert server.future(short).done() and server.result(short).tokens == reference[0][:4]
     assert server.kv_blocks_in_use == 0 and server.engines[0].kv.committed == 0
 
 
@@ -185,3 +186,21 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     with pytest.raises(OutOfMemoryPredicted, match="KV pool of 12 blocks"):
         check_serving_memory(CFG, mesh, st, dataclasses.replace(ecfg, kv_memory=0,
                                                                 kv_blocks=12), capacity=fits)
+
+
+# ---- the flags -----------------------------------------------------------------------------------
+def test_the_serve_flags_size_the_pool(devices):
+    from triax.cli.main import build_parser
+    from triax.cli.serving_flags import build_from_args
+    from triax.inference.sampling import SamplingConfig
+    base = ["serve", "--model", "tiny", "--num-layers", "1", "--mesh", "tensor=1", "--slots",
+            "4", "--max-len", "32"]
+    args = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-block-size", "8"])
+    server = build_from_args(args, SamplingConfig(), longest=32, max_new_tokens=0,
+                             devices=devices[:1])
+    kv = server.engines[0].kv
+    assert (kv.total, kv.block_size, kv.max_blocks) == (6, 8, 4)
+    both = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-memory", "1MiB"])
+    with pytest.raises(ValueError, match="one of --kv-blocks and --kv-memory"):
+        build_from_args(both, SamplingConfig(), longest=32, max_new_tokens=0,
+                        devices=devices[:1])

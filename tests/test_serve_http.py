@@ -85,6 +85,8 @@ def test_ready_line_health_and_models(served):
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert [m.id for m in _client(served).models.list().data] == [MODEL]
     # Four replicas' pools, by default slots × max_len's blocks of 16 positions each.
+    text = httpx.get(served["url"] + "/metrics").text
+    assert re.search(r"^triax_kv_blocks_in_use \S+$", text, re.M), text
     assert _metric(served, "triax_kv_blocks_total") == 4 * SLOTS * MAX_LEN // 16
     assert _metric(served, "triax_kv_blocks_in_use") == 0
 
