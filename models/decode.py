@@ -39,6 +39,16 @@ own way. The model never names a mesh.
     >>> logits_BTV, aux, cache = model(jnp.zeros((2, 8), jnp.int32), pos, cache=cache)
     >>> cache["k"].shape
     (4, 2, 32, 2, 8)
+
+Paged: row 0's position 3 goes to its block 2 (place 3), row 1's position 17 to its second
+block, 3 (place 1); table entry 4 (no block) would be dropped.
+
+    >>> pool = jnp.zeros((4, 1, 4, 16, 2, 8))                        # 1 group of 4 blocks
+    >>> table = jnp.broadcast_to(jnp.array([[2, 4], [0, 3]]), (4, 2, 2))
+    >>> paged = {"k": pool, "v": pool, "table": table}
+    >>> _, _, paged = model(jnp.zeros((2, 1), jnp.int32), jnp.array([[3], [17]]), cache=paged)
+    >>> [(int(b), int(p)) for b, p in zip(*jnp.nonzero(paged["k"][0, 0, :, :, 0, 0]))]
+    [(2, 3), (3, 1)]
 """
 from __future__ import annotations
 
