@@ -119,7 +119,7 @@ def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None)
 
     def suggest(capacity_bytes: int) -> str:
         from triax.planner import Workload  # above inference: asked only when it does not fit
-        # Served as triax serves: fp32 weights and cache (Engine's CACHE_DTYPE).
+        # Served as triax serves: fp32 weights and pool (kv_pool.CACHE_DTYPE).
         w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len,
                         kv_positions=pool.positions)
         return planner_suggestion(w, capacity_bytes,
