@@ -50,6 +50,11 @@ PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 PLAN_MODES = ("flags", "auto")
 OBJECTIVES = ("throughput", "latency")
 
+# Positions per block of the serving engine's paged KV pool (``inference.kv_pool``): small
+# enough that a short sequence wastes little of its last block, large enough that the block
+# table and its gather stay small.
+KV_BLOCK_SIZE = 16
+
 # What a NaN/inf loss does (``triax.training.faults``).
 NONFINITE_MODES = ("stop", "skip", "rollback")
 

@@ -28,8 +28,8 @@ def add_parser(sub) -> None:
                    "127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0: any free "
                    "port, printed when ready)")
-    p.add_argument("--max-len", type=int, default=0, help="KV cache positions per slot: a "
-                   "request's prompt plus max_tokens (default: the model's context)")
+    p.add_argument("--max-len", type=int, default=0, help="KV positions one sequence may hold: "
+                   "a request's prompt plus max_tokens (default: the model's context)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot at "
                    "most; more get 429 with Retry-After (default: 64)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds a request may "
@@ -72,7 +72,9 @@ def run(args) -> int:
     e = server.engines[0].ecfg
     layout = (f"{len(server.engines)} replica(s): "
               + "; ".join(describe(eng.mesh) for eng in server.engines)
-              + f"; {e.max_batch} slots × {e.max_len} KV positions each")
+              + f"; {e.max_batch} slots each, sequences up to {e.max_len} positions; KV pool "
+              + ", ".join(f"{eng.kv.total} blocks × {eng.kv.block_size}"
+                          for eng in server.engines))
     app = create_app(server, tokenizer, _model_name(args), load_chat_template(args.model_dir),
                      args.request_timeout, layout)
 

@@ -30,7 +30,10 @@ def add_model_flags(p, mesh_note: str = "") -> None:
                                  "separated by ';'" + mesh_note})
     p.add_argument("--replicas", type=int, help="split the devices into R replicas (default: 1, "
                    "or with --plan auto searched)")
-    p.add_argument("--slots", type=int, default=8, help="decode slots per replica")
+    p.add_argument("--slots", type=int, default=8, help="decode slots per replica (each "
+                   "takes KV blocks as its sequence grows: with a pool smaller than slots × "
+                   "the longest sequence, requests are admitted as blocks are free)")
+    add_run_flags(p, ["kv_blocks", "kv_memory", "kv_block_size"], fill=True)
     p.add_argument("--skip-memory-check", action="store_true",
                    help="load even when a replica's weights and KV cache per device exceed a "
                         "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
@@ -67,7 +70,7 @@ def choose_layout(args, longest: int, max_new_tokens: int):
                             longest=longest, max_new_tokens=max_new_tokens, slots=args.slots,
                             objective=args.objective, device_memory=args.device_memory,
                             mesh_sizes=mesh, replicas=replicas,
-                            context_attention=args.context_attention)
+                            context_attention=args.context_attention, pool=pool_of(args))
     return choice.mesh_sizes, choice.replicas, choice
 
 
@@ -81,6 +84,16 @@ def load_tokenizer_for(args):
     return get_tokenizer(args.tokenizer)
 
 
+def pool_of(args) -> dict:
+    """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size`` as ``build_server`` takes them
+    (checked as ``RunConfig`` checks them)."""
+    from triax.training.config import RunConfig
+    run = RunConfig(kv_blocks=args.kv_blocks, kv_memory=args.kv_memory,
+                    kv_block_size=args.kv_block_size)
+    return {"kv_blocks": run.kv_blocks or 0, "kv_memory": run.kv_memory_bytes(),
+            "block_size": run.kv_block_size}
+
+
 def build_from_args(args, sampling, longest: int, max_new_tokens: int, layout=None, **kw):
     """The ``Server`` the flags describe (``inference.build_server``); ``layout``: a
     ``choose_layout`` result already made (else it is made here)."""
@@ -90,4 +103,5 @@ def build_from_args(args, sampling, longest: int, max_new_tokens: int, layout=No
                         longest, max_new_tokens, args.slots,
                         num_layers=args.num_layers, model_dir=args.model_dir,
                         check_memory=not args.skip_memory_check,
-                        context_attention=args.context_attention, adapter=args.adapter, **kw)
+                        context_attention=args.context_attention, adapter=args.adapter,
+                        **pool_of(args), **kw)

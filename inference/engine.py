@@ -1,12 +1,15 @@
-"""One model copy on one (sub-)mesh: a sharded KV cache, jitted prefill and decode.
+"""One model copy on one (sub-)mesh: a sharded, paged KV cache, jitted prefill and decode.
 
-The engine owns ``max_batch`` decode slots. ``prefill`` writes prompts into chosen slots
+The engine owns ``max_batch`` decode slots and one pool of KV blocks
+(``triax.inference.kv_pool``); each slot's sequence holds a block table
+(``triax.inference.kv_blocks``), takes blocks as it grows, and gives them back when
+``release``d. ``prefill`` writes prompts into chosen slots
 and samples their first token; ``decode`` advances every slot by one token. Shapes are
 bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
 all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
 decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis
 (and no ``pipe``) the cache is split along its positions and the prompt along its tokens
-(``triax.sharding.context_cache``).
+(``triax.sharding.context_cache``), each block's positions striped over it.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
@@ -15,6 +18,10 @@ decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``c
     >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])     # slot 0 <- prompt
     >>> active = np.array([True, False])
     >>> nxt = eng.decode(np.array([int(first[0]), 0]), active, seeds=np.zeros(2))
+    >>> eng.kv.in_use, int(eng.kv.tables[0, 0])       # one block of 16 positions
+    (1, 0)
+    >>> eng.release(0); eng.kv.in_use
+    0
 """
 from __future__ import annotations
 
@@ -27,37 +34,35 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
+from triax import choices
+from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 (re-exported)
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
+from triax.inference.kv_blocks import KVBlocks
+from triax.inference.kv_pool import (CACHE_DTYPE, decode_microbatches, kv_pool, scratch_layout,
+                                     split_context, write_prompt)
 from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
-from triax.models.decode import CACHE_AXES, cache_shape
 from triax.models.layers import ExecConfig
 from triax.models.moe import inference_routing
-from triax.pipeline.pipelined import default_decode_microbatches
-from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
 
 
-class InferenceError(ValueError):
-    """A request or engine setting that cannot be served; the message says the fix."""
-
-
-class CacheFullError(InferenceError):
-    """A decode slot has no cache position left."""
-
-
 @dataclass(frozen=True)
 class EngineConfig:
-    """Static serving shapes: decode slots, cache length, prompt buckets, micro-batches."""
+    """Static serving shapes: decode slots, a sequence's longest, prompt buckets,
+    micro-batches, and the KV pool's size (``inference.kv_pool.kv_pool``)."""
 
     max_batch: int = 8
-    max_len: int = 128           # cache positions per slot (prompt + generated tokens)
+    max_len: int = 128           # positions a sequence may hold (prompt + generated tokens)
     min_bucket: int = 16         # prompt buckets: min_bucket·2^k, capped at max_len
     microbatches: int = 0        # pipeline decode; 0: default_decode_microbatches(pipe)
+    kv_blocks: int = 0           # pool blocks (all row groups); 0: from kv_memory, or
+    kv_memory: int = 0           # pool bytes per device; both 0: max_batch × max_len's
+    block_size: int = choices.KV_BLOCK_SIZE   # positions per block
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], self.min_bucket
@@ -65,32 +70,6 @@ class EngineConfig:
             out.append(b)
             b *= 2
         return tuple(out) + (self.max_len,)
-
-
-CACHE_DTYPE = jnp.float32
-
-
-def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
-    """The context-split cache layout an engine on ``mesh`` uses, or None: no context axis,
-    or pipeline decode (whose stages run whole over ``context``)."""
-    if mesh_sizes(mesh)["pipe"] > 1:
-        return None
-    return context_cache(mesh, strategy.rules, strategy.context_attention)
-
-
-def kv_cache_layout(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, batch: int,
-                    max_len: int) -> tuple[tuple[int, ...], NamedSharding]:
-    """Shape and placement of the KV cache of ``batch`` slots × ``max_len`` positions on
-    ``mesh``: the strategy's rules, with the positions split over ``context`` (rounded up to
-    a multiple of it) where ``split_context`` says so."""
-    ctx = split_context(mesh, strategy)
-    if ctx is None:
-        shape = cache_shape(cfg, batch, max_len)
-        spec = strategy.rules.spec(CACHE_AXES, shape, mesh_sizes(mesh), what="KV cache")
-    else:
-        shape = cache_shape(cfg, batch, ctx.length(max_len))
-        spec = ctx.spec(shape)
-    return shape, NamedSharding(mesh, spec)
 
 
 def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy,
@@ -102,10 +81,7 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     weights = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
-    shape, sharding = kv_cache_layout(cfg, mesh, st, ecfg.max_batch, ecfg.max_len)
-    cache = sharding.shard_shape(shape)
-    return {"weights": weights,
-            "KV cache": 2 * math.prod(cache) * jnp.dtype(CACHE_DTYPE).itemsize}
+    return {"weights": weights, "KV cache": kv_pool(cfg, mesh, st, ecfg).bytes_per_device()}
 
 
 class Engine:
@@ -131,7 +107,7 @@ class Engine:
             else jax.device_put(params, self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
-        self.microbatches = ecfg.microbatches or default_decode_microbatches(self.sizes["pipe"])
+        self.microbatches = decode_microbatches(mesh, ecfg.microbatches)
         self.context = split_context(mesh, self.strategy)
         if self.pipelined:
             check_pipeline(self.am, mesh, B, self.microbatches)
@@ -142,12 +118,15 @@ class Engine:
         if B % self.sizes["data"]:
             raise InferenceError(f"max_batch={B} decode slots must divide over "
                                  f"data={self.sizes['data']}; choose a multiple")
-        _, self.cache_sharding = self._cache_layout(B)
-        self.cache = self._abstract_cache(B) if self.abstract else self._zeros_cache(B)
+        self.pool = kv_pool(cfg, mesh, self.strategy, ecfg)
+        self.cache_sharding = self.pool.sharding
+        self.kv = KVBlocks(self.pool.groups, self.pool.blocks, self.pool.block_size, B,
+                           self.pool.max_blocks)
+        self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(6,))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(5,))
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7,))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6,))
         self.compiles = {"prefill": set(), "decode": set()}
 
     @classmethod
@@ -157,50 +136,51 @@ class Engine:
         return cls(cfg, params, mesh, strategy, **kw)
 
     # ---- placement -------------------------------------------------------------------------
-    def _cache_layout(self, batch: int, length: Optional[int] = None):
-        return kv_cache_layout(self.cfg, self.mesh, self.strategy, batch,
-                               length or self.ecfg.max_len)
-
-    def _zeros_cache(self, batch: int):
-        shape, sh = self._cache_layout(batch)
+    def _zeros_cache(self):
+        shape, sh = self.pool.shape, self.pool.sharding
         make = jax.jit(lambda: {"k": jnp.zeros(shape, CACHE_DTYPE),
                                 "v": jnp.zeros(shape, CACHE_DTYPE)},
                        out_shardings={"k": sh, "v": sh})
         return make()
 
-    def _abstract_cache(self, batch: int):
-        shape, sh = self._cache_layout(batch)
-        return {n: jax.ShapeDtypeStruct(shape, CACHE_DTYPE, sharding=sh) for n in ("k", "v")}
+    def _abstract_cache(self):
+        return {n: jax.ShapeDtypeStruct(self.pool.shape, CACHE_DTYPE, sharding=self.pool.sharding)
+                for n in ("k", "v")}
 
     def lower_decode(self):
         """The decode step of every slot, lowered on abstract inputs (nothing allocated):
         ``.compile().memory_analysis()`` is a replica's per-device serving peak."""
         B = self.ecfg.max_batch
         row = jax.ShapeDtypeStruct((B,), jnp.int32)
+        table = jax.ShapeDtypeStruct(self.kv.tables.shape, jnp.int32)
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
-        return self._decode_jit.lower(self.params, self.cache, row, row, row, self._rule(), rows)
+        return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
+                                      self._rule(), rows)
 
     def recover(self) -> None:
         """After a failed prefill or decode: a fresh cache if the failed program consumed
         the donated one (its slots' requests have failed; the server refills them)."""
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
-            self.cache = self._zeros_cache(self.ecfg.max_batch)
+            self.cache = self._zeros_cache()
 
     def cache_bytes_per_device(self) -> int:
-        """Bytes of KV cache each device holds (its shard of k and v)."""
+        """Bytes of KV pool each device holds (its shard of k and v)."""
         k = self.cache["k"]
         return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
 
     # ---- traced programs ---------------------------------------------------------------------
-    def _prefill(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule, rows=None):
+    def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
+                 rows=None):
         with inference_routing():  # MoE: dropless, so padding and batch-mates take nothing
-            return self._prefill_body(params, cache, tokens_bT, lengths_b, slots_b, seeds_b,
-                                      rule, rows)
+            return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
+                                      seeds_b, rule, rows)
 
-    def _prefill_body(self, params, cache, tokens_bT, lengths_b, slots_b, seeds_b, rule, rows):
+    def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
+                      rule, rows):
         b, T = tokens_bT.shape
-        shape, sh = self._cache_layout(b, T)   # the prompt's scratch cache
+        # The prompt attends within a scratch cache of its bucket, then enters the pool.
+        shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, T)
         tmp = jax.lax.with_sharding_constraint(
             {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}, sh)
         # The position of each token as it enters: in order, or striped over `context`.
@@ -211,17 +191,24 @@ class Engine:
         last_b = index[lengths_b - 1]
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
         tok = sample(last_bV, rule, seeds_b, lengths_b, rows)
+        group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         if self.context is None:
-            cache = {n: cache[n].at[:, slots_b, :T].set(tmp[n], mode="drop") for n in cache}
+            cache = write_prompt(cache, tmp, table_bM, group_b)
         else:
-            cache = self.context.write_prompt(cache, tmp, slots_b)
+            cache = self.context.write_prompt(cache, tmp, table_bM, group_b)
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 
-    def _decode(self, params, cache, tokens_B, positions_B, seeds_B, rule, rows=None):
+    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule, rows=None):
+        # Every layer reads the same table: it rides in the cache, scanned with the layers
+        # (and split over pipeline stages and micro-batches like the pool).
+        paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
+                                                               *table_BM.shape))}
         with inference_routing():
-            logits_B1V, cache = self._fwd(params, tokens_B[:, None], positions_B[:, None],
-                                          cache)
+            logits_B1V, paged = self._fwd(params, tokens_B[:, None], positions_B[:, None],
+                                          paged)
+        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},
+                                                 self.cache_sharding)
         tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         return cache, tok, logits_B1V[:, 0]
 
@@ -245,11 +232,23 @@ class Engine:
             raise InferenceError(f"prompt of {n_tokens} tokens is longer than the model's "
                                  f"context ({self.cfg.max_seq_len}); shorten it")
         # The last generated token is returned, never fed back, so it needs no position.
-        if n_tokens + max_new_tokens - 1 > self.ecfg.max_len:
+        need = self.positions_needed(n_tokens, max_new_tokens)
+        if need > self.ecfg.max_len:
             raise InferenceError(
                 f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} does not "
                 f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
                 f"max_new_tokens, or raise max_len (at most {self.cfg.max_seq_len})")
+        if self.kv.need(need) > self.kv.blocks:
+            raise InferenceError(
+                f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} needs "
+                f"{self.kv.need(need)} KV blocks of {self.kv.block_size} positions, and the "
+                f"pool holds {self.kv.blocks} per row group; raise --kv-blocks or --kv-memory "
+                f"(or shorten the request)")
+
+    @staticmethod
+    def positions_needed(n_tokens: int, max_new_tokens: int) -> int:
+        """Cache positions a request may fill: its prompt and every fed-back token."""
+        return n_tokens + max(max_new_tokens, 1) - 1
 
     def check_token_ids(self, prompt: Sequence) -> list[int]:
         """The prompt as a list of ints; raise if an entry is not an integer id in the
@@ -280,6 +279,7 @@ class Engine:
         return lo, self.ecfg.max_batch
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None):
+        table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
         n = len(prompts)
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
@@ -289,9 +289,10 @@ class Engine:
             tokens[i, :len(p)] = p
             lengths[i] = len(p)
         slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
+        table[:n] = self.kv.tables[list(slots)]
         self.compiles["prefill"].add((b, T))
         self.cache, tok, self.last_logits = self._prefill_jit(
-            self.params, self.cache, tokens, lengths, slot_arr, seed_arr, self._rule(),
+            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
             self._rows(b, settings))
         return tok[:n]
 
@@ -299,10 +300,16 @@ class Engine:
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None
                 ) -> jax.Array:
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
-        ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's."""
+        ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
+        A slot's sequence takes its prompt's blocks (from its reservation, ``kv.reserve``,
+        else from the free ones); a sequence still in the slot ends first."""
         lens = [len(p) for p in prompts]
         for n in lens:
             self.check_prompt(n, 1)
+        for s, n in zip(slots, lens):
+            if self.kv.held[s]:
+                self.release(s)
+            self.kv.grow(s, n)
         lo, hi = self._prefill_batches()
         tok = self._run_prefill(slots, prompts, seeds, lo if len(prompts) <= lo else hi,
                                 self._bucket(max(lens)), settings)
@@ -329,10 +336,18 @@ class Engine:
             raise CacheFullError(
                 f"KV cache full for slot(s) {np.flatnonzero(full).tolist()}: all "
                 f"{self.ecfg.max_len} positions used; finish or free the slot, or raise max_len")
+        for s in np.flatnonzero(active):   # the new token's position needs its block
+            self.kv.grow(int(s), int(self.lengths[s]) + 1)
         positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
         self.compiles["decode"].add(tokens.shape)
         self.cache, tok, self.last_logits = self._decode_jit(
-            self.params, self.cache, np.asarray(tokens, np.int32), positions,
+            self.params, self.cache, self.kv.tables.copy(), np.asarray(tokens, np.int32),
+            positions,
             np.asarray(seeds, np.int32), self._rule(), self._rows(len(tokens), settings))
         self.lengths[active] += 1
         return tok
+
+    def release(self, slot: int) -> None:
+        """The sequence in ``slot`` ended: its blocks go back to the pool."""
+        self.kv.release(slot)
+        self.lengths[slot] = 0

@@ -17,12 +17,14 @@ from triax.hf.load import read_model_config
 from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
+from triax.inference.kv_pool import kv_pool
 from triax.inference.sampling import SamplingConfig
 from triax.inference.replicas import replica_meshes
 from triax.inference.server import Server
 from triax.text.byte_tokenizer import ByteTokenizer
 from triax.mesh import describe
 from triax.mesh import mesh_sizes as sizes_of
+from triax.choices import KV_BLOCK_SIZE
 from triax.models import config as model_config
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import get_strategy
@@ -33,16 +35,19 @@ TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer
 
 
 def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
-                      longest: int, max_new_tokens: int, slots: int = 8) -> EngineConfig:
-    """Cache just long enough for the longest request (rounded to 16, capped at the context);
-    slots rounded up so they split over ``data`` (and pipeline micro-batches), on every
-    replica when ``mesh_sizes`` lists one layout per replica."""
+                      longest: int, max_new_tokens: int, slots: int = 8, kv_blocks: int = 0,
+                      kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE) -> EngineConfig:
+    """Sequences just long enough for the longest request (rounded to 16, capped at the
+    context); slots rounded up so they split over ``data`` (and pipeline micro-batches), on
+    every replica when ``mesh_sizes`` lists one layout per replica; the KV pool's size
+    (``inference.kv_pool``: blocks, or bytes per device; neither: slots × max_len's)."""
     need = longest + max_new_tokens
     max_len = min(cfg.max_seq_len, 16 * math.ceil(need / 16))
     layouts = [mesh_sizes] if isinstance(mesh_sizes, Mapping) else list(mesh_sizes)
     unit = math.lcm(*(m.get("data", 1) * m.get("pipe", 1) for m in layouts))
     return EngineConfig(max_batch=unit * math.ceil(slots / unit), max_len=max_len,
-                        min_bucket=min(16, max_len))
+                        min_bucket=min(16, max_len), kv_blocks=kv_blocks, kv_memory=kv_memory,
+                        block_size=block_size)
 
 
 def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, seed: int = 0,
@@ -53,7 +58,8 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
                  num_layers: Optional[int] = None, devices=None,
                  model_dir: Optional[str] = None, check_memory: bool = True,
                  context_attention: str = "all-gather", max_queue: Optional[int] = None,
-                 adapter: Optional[str] = None) -> Server:
+                 adapter: Optional[str] = None, kv_blocks: int = 0, kv_memory: int = 0,
+                 block_size: int = KV_BLOCK_SIZE) -> Server:
     """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
     come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
     preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
@@ -61,7 +67,9 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
     ``context_attention``: the prefill's attention across a ``context`` axis (all-gather or
     ring; docs/long_context.md). ``mesh_sizes``: one replica's layout, or a list with one
     per replica (``replica_meshes``). ``max_queue``: waiting requests at most (``Server``).
-    ``adapter``: a PEFT LoRA directory over ``model_dir``'s base, used unmerged."""
+    ``adapter``: a PEFT LoRA directory over ``model_dir``'s base, used unmerged.
+    ``kv_blocks`` / ``kv_memory`` (bytes per device) / ``block_size``: each replica's KV
+    pool (``engine_config_for``)."""
     mesh_sizes = dict(mesh_sizes or {}) if isinstance(mesh_sizes, (Mapping, type(None))) \
         else [dict(m) for m in mesh_sizes]
     strategy = dataclasses.replace(get_strategy(strategy),
@@ -72,9 +80,10 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
     if adapter is not None and model_dir is None:
         raise InferenceError(f"--adapter {adapter!r} adapts a Hugging Face base: give "
                              f"--model-dir BASE_DIR")
+    pool = {"kv_blocks": kv_blocks, "kv_memory": kv_memory, "block_size": block_size}
     if check_memory:
         cfg = source_config(checkpoint, model, num_layers, model_dir, adapter)
-        ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
+        ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots, **pool)
         for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
             check_serving_memory(cfg, mesh, strategy, ecfg)
     if adapter is not None:
@@ -84,7 +93,7 @@ def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, 
     else:
         cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
                                   num_layers=num_layers)
-    ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots)
+    ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots, **pool)
     server = Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
     server.max_queue = max_queue
     return server
@@ -106,16 +115,20 @@ def source_config(checkpoint, model, num_layers, model_dir, adapter=None):
 def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None) -> None:
     """One replica's weights and KV cache per device against a device's memory
     (``triax.training.memory_check``); the planner suggests a serving layout if they don't fit."""
+    pool = kv_pool(cfg, mesh, get_strategy(strategy), ecfg)
+
     def suggest(capacity_bytes: int) -> str:
         from triax.planner import Workload  # above inference: asked only when it does not fit
-        # Served as triax serves: fp32 weights and cache (Engine's CACHE_DTYPE).
-        w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len)
+        # Served as triax serves: fp32 weights and pool (kv_pool.CACHE_DTYPE).
+        w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len,
+                        kv_positions=pool.positions)
         return planner_suggestion(w, capacity_bytes,
                                   {"mesh": sizes_of(mesh), "remat": "none",
                                    "strategy": get_strategy(strategy).name},
                                   devices=mesh.devices.size)
 
-    check_fits(f"serving {cfg.name} ({ecfg.max_batch} slots × {ecfg.max_len} cache positions)",
+    check_fits(f"serving {cfg.name} ({ecfg.max_batch} slots, a KV pool of {pool.total_blocks} "
+               f"blocks × {pool.block_size} positions)",
                held_bytes_per_device(cfg, mesh, strategy, ecfg), capacity, suggest)
 
 

@@ -4,10 +4,11 @@ Each replica is an ``Engine`` on its own sub-mesh with a full copy of the model 
 pipeline-parallel inside). Replicas multiply throughput; they do **not** pool memory: every
 replica must hold the whole model and its own KV cache.
 
-Every loop iteration: each replica pulls waiting requests into its free slots and prefills
-them; then every replica with live slots decodes one token. All replicas' work is
-dispatched before any result is read, so the sub-meshes run concurrently. A sequence that
-stops frees its slot at once, and the next iteration fills it.
+Every loop iteration: each replica admits waiting requests into its free slots, as many as
+its KV pool has blocks for (``triax.inference.batching``), and prefills them; then every
+replica with live slots decodes one token. All replicas' work is dispatched before any
+result is read, so the sub-meshes run concurrently. A sequence that stops frees its slot
+and its KV blocks at once, and the next iteration fills them.
 
     >>> import jax
     >>> from triax.models import config
@@ -25,8 +26,8 @@ stops frees its slot at once, and the next iteration fills it.
     ...     rid = server.submit([72, 105], max_new_tokens=4)
     ...     server.result(rid, timeout=60).tokens == results[0].tokens[:4]
     True
-    >>> server.free_slots == server.total_slots   # every slot back
-    True
+    >>> server.free_slots == server.total_slots, server.kv_blocks_in_use   # all back
+    (True, 0)
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
 from triax.inference.request import QueueFullError, Result, _Live
@@ -48,7 +50,7 @@ from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
 
 
-class Server:
+class Server(Batching):
     """Continuous-batching request server over one or more replica engines.
 
     ``submit`` is thread-safe. Serve either with ``run()`` (blocks until everything queued,
@@ -64,7 +66,8 @@ class Server:
         self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
-                      "decode_steps": 0, "generated_tokens": 0}
+                      "decode_steps": 0, "generated_tokens": 0,
+                      "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
         # observers touch them from other threads while the serving loop runs.
@@ -197,6 +200,23 @@ class Server:
                            for i, s in enumerate(row) if s is not None))
 
     @property
+    def kv_blocks_in_use(self) -> int:
+        """KV pool blocks the live requests hold, over all replicas."""
+        with self._lock:
+            return sum(e.kv.in_use for e in self.engines)
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """KV pool blocks over all replicas."""
+        return sum(e.kv.total for e in self.engines)
+
+    @property
+    def running(self) -> int:
+        """Requests in a decode slot now."""
+        with self._lock:
+            return sum(s is not None for row in self.slots for s in row)
+
+    @property
     def queued(self) -> int:
         """Requests waiting for a slot."""
         with self._lock:
@@ -287,6 +307,10 @@ class Server:
             if fatal:
                 self._error = exc
             self.queue.clear()
+            for eng, row in zip(self.engines, self.slots):
+                for slot, live in enumerate(row):
+                    if live is not None:
+                        eng.release(slot)
             self.slots = [[None] * len(row) for row in self.slots]
             futures, self._futures = self._futures, {}
             self._failed.update(dict.fromkeys(futures, exc))
@@ -311,109 +335,6 @@ class Server:
             self.stats["decode_steps"] += 1
         return True
 
-    # ---- one iteration -----------------------------------------------------------------------
-    def _reap_cancelled(self) -> None:
-        """Free the slots of cancelled requests (only the serving thread frees slots)."""
-        now = time.perf_counter()
-        for row in self.slots:
-            for live in row:
-                if live is not None and live.cancelled:
-                    self._finish(live, "cancelled", now)
-
-    def _engine_failed(self, r: int, lives: Sequence[_Live], exc: BaseException) -> None:
-        """An engine error fails only the requests it touched; the replica serves on (with a
-        fresh cache if the failed program consumed its donated one)."""
-        err = InferenceError(f"replica {r} failed while serving this request: {exc!r}")
-        err.__cause__ = exc
-        with self._lock:
-            for live in lives:
-                rid = live.result.request_id
-                live.result.replica = r
-                self.slots[r] = [None if x is live else x for x in self.slots[r]]
-                self._failed[rid] = err
-                fut = self._futures.pop(rid, None)
-                if fut is not None:
-                    fut.set_exception(err)
-        self.engines[r].recover()
-
-    def _prefill_all(self) -> int:
-        launched = []
-        for r, eng in enumerate(self.engines):
-            with self._lock:  # take requests and claim their slots in one step
-                free = [i for i, s in enumerate(self.slots[r]) if s is None]
-                batch = [self.queue.popleft() for _ in range(min(len(free), len(self.queue)))]
-                slots = free[:len(batch)]
-                for slot, live in zip(slots, batch):
-                    self.slots[r][slot] = live
-            if not batch:
-                continue
-            try:
-                toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
-                                   [x.seed for x in batch], [x.sampling or eng.sampling
-                                                             for x in batch])
-            except Exception as e:
-                self._engine_failed(r, batch, e)
-                continue
-            launched.append((r, slots, batch, toks))
-        for r, slots, batch, toks in launched:
-            try:
-                toks = np.asarray(toks)
-            except Exception as e:  # an asynchronous device error surfaces here
-                self._engine_failed(r, batch, e)
-                continue
-            now = time.perf_counter()
-            for slot, live, tok in zip(slots, batch, toks):
-                live.result.replica, live.result.slot, live.result.first_token = r, slot, now
-                self.slot_uses[r][slot] += 1
-                self.stats["prefill_tokens"] += len(live.result.prompt)
-                self._accept(r, slot, int(tok), now)
-        return len(launched)
-
-    def _decode_all(self) -> int:
-        launched = []
-        for r, eng in enumerate(self.engines):
-            live = list(self.slots[r])  # only this thread fills or frees slots
-            active = np.array([s is not None for s in live])
-            if not active.any():
-                continue
-            last = np.array([s.result.tokens[-1] if s else 0 for s in live], np.int32)
-            seeds = np.array([s.seed if s else 0 for s in live], np.int32)
-            settings = [(s.sampling if s else None) or eng.sampling for s in live]
-            try:
-                launched.append((r, active, live, eng.decode(last, active, seeds, settings)))
-            except Exception as e:
-                self._engine_failed(r, [s for s in live if s is not None], e)
-        for r, active, live, toks in launched:
-            try:
-                toks = np.asarray(toks)
-            except Exception as e:
-                self._engine_failed(r, [s for s in live if s is not None], e)
-                continue
-            now = time.perf_counter()
-            for slot in np.flatnonzero(active):
-                self.stats["decode_tokens"] += 1
-                self._accept(r, int(slot), int(toks[slot]), now)
-        return len(launched)
-
-    def _accept(self, r: int, slot: int, tok: int, now: float) -> None:
-        """Record a sampled token; finish the request (freeing its slot) on stop or length."""
-        live = self.slots[r][slot]
-        if live.cancelled:
-            self._finish(live, "cancelled", now)
-            return
-        res = live.result
-        stop = tok in (live.sampling or self.engines[r].sampling).stop_tokens
-        if not stop:
-            res.tokens.append(tok)
-            self.stats["generated_tokens"] += 1
-            if live.on_token is not None:
-                try:
-                    live.on_token(tok, now)
-                except Exception:  # a listener that fails (its client gone) ends its request
-                    live.cancelled = True
-        if stop or len(res.tokens) >= live.max_new:
-            self._finish(live, "stop" if stop else "length", now)
-
     def _finish(self, live: _Live, reason: str, now: float) -> None:
         """Resolve a request's future with its ``Result`` and free its slot."""
         res = live.result
@@ -422,6 +343,7 @@ class Server:
             self.results[res.request_id] = res
             if res.replica >= 0 and self.slots[res.replica][res.slot] is live:
                 self.slots[res.replica][res.slot] = None
+                self.engines[res.replica].release(res.slot)   # its KV blocks back
             fut = self._futures.pop(res.request_id, None)
         if fut is not None:
             fut.set_result(res)  # outside the lock: a done-callback may submit again

@@ -13,6 +13,16 @@ request; the cache's visibility (``models.visibility.Visibility.cache``) hides t
 are overwritten before any query can see them (a position is always written in the same call
 that first attends to it).
 
+**Paged** (what a serving engine holds): the cache is a pool of fixed-size blocks,
+``k_LGNPKH`` / ``v_LGNPKH`` (layers, row groups, blocks per group, positions per block, KV
+heads, head dim; logical axes ``PAGED_AXES``), and ``cache["table"]`` (``[L, B, M]``, the
+same ``[B, M]`` for every layer) lists each row's blocks: position ``p`` of row ``b`` lives
+in block ``table[b, p // P]`` at place ``p % P`` of the pool of ``b``'s group (the rows split
+into G contiguous groups, one per data shard or pipeline micro-batch, each with its own
+blocks). A table entry past the group's blocks (``N``) is no block: writes there are
+dropped. Reading gathers a row's blocks into the ``[B, M·P, K, H]`` view of a slot cache and
+attends with the same ``Visibility.cache``, so the math (and every token) is unchanged.
+
 **Hook** (:func:`cached_attention`): writing a layer's new keys/values and attending over
 its cache is one step that a parallelism may replace while tracing
 (:func:`using_cache_attention`), as ``models.attention.using_attention`` replaces attention:
@@ -29,6 +39,16 @@ own way. The model never names a mesh.
     >>> logits_BTV, aux, cache = model(jnp.zeros((2, 8), jnp.int32), pos, cache=cache)
     >>> cache["k"].shape
     (4, 2, 32, 2, 8)
+
+Paged: row 0's position 3 goes to its block 2 (place 3), row 1's position 17 to its second
+block, 3 (place 1); table entry 4 (no block) would be dropped.
+
+    >>> pool = jnp.zeros((4, 1, 4, 16, 2, 8))                        # 1 group of 4 blocks
+    >>> table = jnp.broadcast_to(jnp.array([[2, 4], [0, 3]]), (4, 2, 2))
+    >>> paged = {"k": pool, "v": pool, "table": table}
+    >>> _, _, paged = model(jnp.zeros((2, 1), jnp.int32), jnp.array([[3], [17]]), cache=paged)
+    >>> [(int(b), int(p)) for b, p in zip(*jnp.nonzero(paged["k"][0, 0, :, :, 0, 0]))]
+    [(2, 3), (3, 1)]
 """
 from __future__ import annotations
 
@@ -46,6 +66,7 @@ from triax.models.config import ModelConfig
 
 CACHE_AXES = ("layers", "batch", "kv_seq", "act_kv_heads", "act_head_dim")
 Cache = dict  # {"k": [L, B, S, K, H], "v": [L, B, S, K, H]}; one layer's: [B, S, K, H]
+#               paged: {"k": [L, G, N, P, K, H], "v": ..., "table": [L, B, M]}
 
 
 def cache_shape(cfg: ModelConfig, batch: int, length: int) -> tuple[int, ...]:
@@ -72,6 +93,59 @@ def write_layer(layer_cache: Cache, k_BTKH, v_BTKH, positions_BT) -> Cache:
             "v": constrain(write_rows(layer_cache["v"], v_BTKH, start_B), CACHE_AXES[1:])}
 
 
+PAGED_AXES = ("layers", "batch", "kv_blocks", "kv_seq", "act_kv_heads", "act_head_dim")
+
+
+def is_paged(cache: Cache) -> bool:
+    return "table" in cache
+
+
+def pages(table_BM, positions_BT, block_size: int):
+    """``(block_BT, place_BT)``: the block (from each row's table) and the place in it of
+    every position."""
+    index_BT = jnp.clip(positions_BT // block_size, 0, table_BM.shape[1] - 1)
+    return jnp.take_along_axis(table_BM, index_BT, axis=1), positions_BT % block_size
+
+
+def paged_write_read(layer_cache: Cache, k_BTKH, v_BTKH, block_BT, place_BT):
+    """``(pool, k_BSKH, v_BSKH)``: the layer's pool ``{"k", "v"}: [G, N, P', K, H]`` with the
+    new entries written at ``(block, place)`` of each row's group (``block >= N``: dropped),
+    and every row's blocks read back through its table as ``S = M·P'`` positions in table
+    order. P' is the positions of a block held here (all P, or a context rank's share)."""
+    table_BM = layer_cache["table"]
+    G, B = layer_cache["k"].shape[0], table_BM.shape[0]
+
+    def grouped(x):
+        return x.reshape(G, B // G, *x.shape[1:])
+
+    def one(pool_NPKH, new_bTKH, block_bT, place_bT, table_bM):
+        pool_NPKH = pool_NPKH.at[block_bT, place_bT].set(new_bTKH.astype(pool_NPKH.dtype),
+                                                          mode="drop")
+        # Entries past the group's blocks are not read: clip, not fill (a NaN would poison
+        # the masked weights' sum); the positions they stand for are hidden anyway.
+        view_bMPKH = jnp.take(pool_NPKH, table_bM, axis=0, mode="clip")
+        return pool_NPKH, view_bMPKH.reshape(view_bMPKH.shape[0], -1, *view_bMPKH.shape[3:])
+
+    out = {}
+    for n, new in (("k", k_BTKH), ("v", v_BTKH)):
+        pool, view = jax.vmap(one)(layer_cache[n], grouped(new), grouped(block_BT),
+                                   grouped(place_BT), grouped(table_BM))
+        # Both keep the strategy's layout: left free, XLA split the gathered view its own
+        # way (KV heads replicated over tensor) and regathered it every layer.
+        out[n] = (constrain(pool, PAGED_AXES[1:]),
+                  constrain(view.reshape(B, *view.shape[2:]), CACHE_AXES[1:]))
+    return {"k": out["k"][0], "v": out["v"][0]}, out["k"][1], out["v"][1]
+
+
+def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation):
+    block_BT, place_BT = pages(layer_cache["table"], positions_BT, layer_cache["k"].shape[2])
+    pool, k_BSKH, v_BSKH = paged_write_read(layer_cache, k_BTKH, v_BTKH, block_BT, place_BT)
+    vis = Visibility.cache(positions_BT, k_BSKH.shape[1])
+    o_BTNH = attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), vis,
+                       implementation)
+    return o_BTNH, {**pool, "table": layer_cache["table"]}
+
+
 # (q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation) -> (o_BTNH, layer_cache)
 CacheAttentionFn = Callable[..., tuple[jax.Array, Cache]]
 _HOOK: contextvars.ContextVar[Optional[CacheAttentionFn]] = contextvars.ContextVar(
@@ -81,11 +155,15 @@ _HOOK: contextvars.ContextVar[Optional[CacheAttentionFn]] = contextvars.ContextV
 def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: Cache, positions_BT,
                      implementation: str = "reference"):
     """``(o_BTNH, layer_cache)``: the ``T`` new keys/values written at ``positions_BT``, then
-    the queries attend over every cache slot at or before their position; or whatever the
-    installed hook does with the same arguments."""
+    the queries attend over every cache slot at or before their position (through the
+    block table of a paged cache); or whatever the installed hook does with the same
+    arguments."""
     hook = _HOOK.get()
     if hook is not None:
         return hook(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation)
+    if is_paged(layer_cache):
+        return _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT,
+                                implementation)
     layer_cache = write_layer(layer_cache, k_BTKH, v_BTKH, positions_BT)
     k_BSKH, v_BSKH = (layer_cache[n].astype(q_BTNH.dtype) for n in ("k", "v"))
     vis = Visibility.cache(positions_BT, k_BSKH.shape[1])

@@ -233,8 +233,8 @@ class Pipeline:
 
         ``inputs``: ``{name: [B, ...]}``, rows split over data shards, then into micro-batches;
         ``consts``: replicated values every op sees; ``state``: None, or per-layer, per-row
-        arrays ``[L, B, ...]`` (a KV cache), split over stages like the blocks and over rows
-        like the batch. Returns a :class:`~triax.pipeline.executor.RunResult`: outputs are
+        arrays ``[L, R, ...]`` (a KV cache: R rows, or a pool's row groups, as many per
+        micro-batch), split over stages like the blocks and over rows like the batch. Returns a :class:`~triax.pipeline.executor.RunResult`: outputs are
         ``[S, B, ...]`` per stage (the last stage's are the model's), grads ``{}`` for a
         forward-only schedule.
         """
@@ -250,7 +250,7 @@ class Pipeline:
         bspec, pspec, bfsdp, pfsdp, lfsdp = self._manual_specs
         by_layer = self.by_layer and bfsdp.splits
         backward = schedule.has_backward
-        rows = lambda a, n: a.reshape(a.shape[:n] + (M * micro,) + a.shape[n + 2:])  # noqa: E731
+        rows = lambda a, n: a.reshape(a.shape[:n] + (-1,) + a.shape[n + 2:])  # noqa: E731
 
         def routes(tree, move, **into):  # [1, v, ...] leaves between storage and compute order
             if not lay.routed:
@@ -266,8 +266,9 @@ class Pipeline:
             state = routes(state, lay.to_compute)
             pieces = pfsdp.gather(pieces)
             inputs = jax.tree.map(lambda a: a.reshape((M, micro) + a.shape[1:]), inputs)
-            # [1, v, Lc, B/data, ...] -> [v, Lc, M, micro, ...]: micro-batch axis 1 after v.
-            state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, micro) + a.shape[4:]),
+            # [1, v, Lc, R/data, ...] -> [v, Lc, M, R/(data·M), ...]: micro-batch axis 1 after
+            # v. R: the batch rows, or a paged KV pool's row groups (one per micro-batch).
+            state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, -1) + a.shape[4:]),
                                  state)
             # Activation constraints would name manual axes; parameters carry TP instead.
             with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())), \

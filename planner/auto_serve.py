@@ -103,10 +103,14 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
                    objective: str = "throughput", device_memory: Optional[str] = None,
                    mesh_sizes: Optional[Mapping[str, int]] = None,
                    replicas: Optional[int] = None, context_attention: str = "all-gather",
-                   budget: Optional[Budget] = None, max_compiles: int = 6) -> ServeChoice:
-    """The serving layout for ``cfg`` on the devices present (see the module doc)."""
+                   budget: Optional[Budget] = None, max_compiles: int = 6,
+                   pool: Optional[Mapping] = None) -> ServeChoice:
+    """The serving layout for ``cfg`` on the devices present (see the module doc).
+    ``pool``: the KV pool's size (``engine_config_for``'s kv_blocks, kv_memory, block_size);
+    the KV term counts each candidate's pool (``inference.kv_pool``)."""
     from triax.inference.engine import Engine      # inference sits below; built here only
     from triax.inference.generate import engine_config_for
+    from triax.inference.kv_pool import kv_pool
     from triax.inference.replicas import replica_meshes
     from triax.sharding.introspect import memory_from_compiled
     budget = budget or budget_for(device_memory)
@@ -115,9 +119,13 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
     n = jax.device_count()
     ranked = []
     for sizes, r in splits(n, cfg.num_layers, mesh_sizes, replicas):
-        ecfg = engine_config_for(cfg, sizes, longest, max_new_tokens, slots)
+        ecfg = engine_config_for(cfg, sizes, longest, max_new_tokens, slots, **(pool or {}))
+        try:
+            kv = kv_pool(cfg, replica_meshes(sizes, r)[0], st, ecfg).positions
+        except (ValueError, ShardingError):
+            continue
         w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch,
-                        seq=ecfg.max_len, backend=jax.devices()[0].platform)
+                        seq=ecfg.max_len, backend=jax.devices()[0].platform, kv_positions=kv)
         p = sizes.get("pipe", 1)
         lay = Layout(tensor=sizes.get("tensor", 1), pipe=p, data=sizes.get("data", 1),
                      context=sizes.get("context", 1), strategy="tp",
@@ -153,5 +161,5 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
         f"--plan auto: nothing fits: serving {cfg.name} on {n} devices needs at least "
         + (f"{human_bytes(need)} per device" if need else "a layout that builds")
         + f" against {human_bytes(budget.usable)} usable ({budget.describe()}). To fit, "
-          f"try: more devices, fewer --slots, a shorter prompt or --max-new-tokens, or "
-          f"fewer --replicas")
+          f"try: more devices, fewer --slots, a smaller --kv-blocks or --kv-memory, a "
+          f"shorter prompt or --max-new-tokens, or fewer --replicas")

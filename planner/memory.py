@@ -70,14 +70,17 @@ class Memory:
 
 
 def kv_cache_bytes(w: Workload, lay: Layout) -> float:
-    """Layers × 2 (K and V) × kv_heads × head_dim × sequence × batch × bytes, per device."""
+    """Layers × 2 (K and V) × kv_heads × head_dim × positions × bytes, per device: a paged
+    pool's positions (``w.kv_positions``) or a slot cache's sequence × batch, split like the
+    batch."""
     cfg = w.cfg
     if cfg is None or w.train:
         return 0.0
     layers = ceil_div(cfg.num_layers, lay.pipe)
     kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor,
                       get_strategy(lay.strategy).rules) * cfg.head_dim
-    return layers * 2 * kv * w.seq * (w.batch / lay.batch_shards) * w.dtype_bytes
+    positions = w.kv_positions or w.seq * w.batch
+    return layers * 2 * kv * (positions / lay.batch_shards) * w.dtype_bytes
 
 
 # ---- the whole picture ---------------------------------------------------------------------

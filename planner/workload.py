@@ -48,6 +48,8 @@ class Workload:
     attention: str = "auto"        # the step's --attention (models.attention.resolve)
     backend: str = "gpu"           # where it runs, which picks `auto`'s kernel: the planner
     #                                plans GPUs; --verify's CPU compile predicts for "cpu"
+    kv_positions: int = 0          # serving: KV positions of a replica's paged pool (its one
+    #                                home: inference.kv_pool.KVPool.positions); 0: batch × seq
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":

@@ -1,5 +1,5 @@
 """The server's Prometheus metrics (``prometheus_client``), one registry per app: queue depth,
-busy slots and KV cache positions in use read from the ``Server`` at each scrape; generated
+busy slots, KV cache positions and KV pool blocks in use read from the ``Server`` at each scrape; generated
 tokens and requests counted; time to first token, inter-token latency and request latency
 as histograms (seconds)."""
 from __future__ import annotations
@@ -32,6 +32,10 @@ class Metrics:
               registry=r).set_function(lambda: server.total_slots)
         Gauge("triax_kv_positions_in_use", "KV cache positions held by live requests, all "
               "replicas", registry=r).set_function(lambda: server.kv_positions_in_use)
+        Gauge("triax_kv_blocks_in_use", "KV pool blocks held by live requests, all replicas",
+              registry=r).set_function(lambda: server.kv_blocks_in_use)
+        Gauge("triax_kv_blocks_total", "KV pool blocks over all replicas",
+              registry=r).set_function(lambda: server.kv_blocks_total)
         r.register(_CoreCounters(server))
         self.requests = Counter("triax_requests", "requests finished",
                                 ["endpoint", "finish_reason", "replica"], registry=r)

@@ -16,11 +16,17 @@ the queries, keys and values of the prompt stay split along the sequence; attent
 the split is the training hook's (``context_attention``: all-gather or ring), and each rank
 writes its own K/V block into its cache slice.
 
-**Decode** (fewer new tokens than cache positions): the new token's query, key and value are
-whole on every context rank (one token does not split). The rank that owns its position
-writes its K/V; every rank attends to its own S/C cache positions (``accumulate``), and the
-C partial results are gathered over ``context`` and combined with the online-softmax
-``merge``. What crosses ``context`` per layer is one query row's partial, ``[B, T, N, H]`` and
+**Paged pool** (what decode reads, ``models.decode``'s paged cache): every block's P
+positions are striped inside it, place ``o`` at index ``(o % C)·P/C + o // C``, so split
+over ``context`` rank r holds places r, r+C, … of every block: position p still lives on
+rank ``p % C`` (P a multiple of C). The prompt's striped scratch enters the pool with no
+communication (:meth:`ContextCache.write_prompt`).
+
+**Decode** (a paged cache): the new token's query, key and value are whole on every context
+rank (one token does not split). The rank that owns its position writes its K/V into its
+share of the block; every rank reads its share of the row's blocks through the block table
+and attends to those positions (``accumulate``), and the C partial results are combined with
+the online-softmax statistics. What crosses ``context`` per layer is one query row's partial, ``[B, T, N, H]`` and
 two ``[B, N, T]`` statistics from each rank, never the cache.
 
     >>> striped_order(8, 2).tolist()
@@ -41,12 +47,12 @@ from triax.mesh.build import mesh_sizes
 from triax.models.online_softmax import accumulate, combine, empty_partial, finish
 from triax.models.visibility import Visibility
 from triax.models.axes import constrain, using_constraint
-from triax.models.decode import CACHE_AXES, CacheAttentionFn
+from triax.models.decode import (CACHE_AXES, CacheAttentionFn, is_paged, pages,
+                                 paged_write_read)
 from triax.sharding.context import (check_scheme, context_attention, context_axis, context_size,
                                     split_batch_axes)
 from triax.sharding.rules import Rules, ShardingError
 
-_SEQ = CACHE_AXES.index("kv_seq")   # the cache's positions dimension
 
 
 def striped_order(T: int, C: int) -> np.ndarray:
@@ -79,9 +85,12 @@ class ContextCache:
         """The position of each of a ``T``-token prompt's tokens, in the order they enter."""
         return striped_order(T, self.size)
 
-    def spec(self, shape) -> P:
-        """``[L, B, S, K, H]``: the strategy's cache spec with S split over the context axis."""
-        base = self.rules.spec(CACHE_AXES, shape, mesh_sizes(self.mesh), what="KV cache")
+    def spec(self, shape, axes=CACHE_AXES) -> P:
+        """The strategy's spec of a cache with logical ``axes`` (``[L, B, S, K, H]``, or the
+        paged pool's ``[L, G, N, P, K, H]``) with its positions (``kv_seq``) split over the
+        context axis."""
+        _SEQ = axes.index("kv_seq")
+        base = self.rules.spec(axes, shape, mesh_sizes(self.mesh), what="KV cache")
         parts = list(base) + [None] * (len(shape) - len(base))
         if parts[_SEQ] is not None:
             raise ShardingError(f"the rules map the cache's 'kv_seq' to {parts[_SEQ]!r}; under "
@@ -110,7 +119,7 @@ class ContextCache:
                 x, NamedSharding(jax.sharding.get_abstract_mesh(), spec))
         return fn
 
-    def _write(self, cache, k_BTKH, v_BTKH, positions_BT):
+    def _write(self, cache, k_BTKH, v_BTKH, positions_BT):   # the prompt's scratch
         """Inside the shard_map: each new token whose position this rank owns goes to its
         local slot ``p // C``; the others are dropped (their owner writes them)."""
         rank = jax.lax.axis_index(self.axis)
@@ -135,25 +144,43 @@ class ContextCache:
             # The automatic axes (tensor) keep the strategy's layout in here: unconstrained,
             # XLA split the cache's KV heads its own way and regathered the cache every layer.
             with using_constraint(self._auto_constraint()):
-                cache = {n: constrain(c, CACHE_AXES[1:])
-                         for n, c in self._write(cache, k_BTKH, v_BTKH, positions_BT).items()}
-                B, S = cache["k"].shape[:2]
                 rank = jax.lax.axis_index(axis)
-                order_BS = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32) * C + rank, (B, S))
+                N, share = cache["k"].shape[1:3]   # blocks, the places of a block held here
+                P = share * C
+                block_BT, place_BT = pages(cache["table"], positions_BT, P)
+                mine_BT = positions_BT % C == rank   # the owner writes; the others drop it
+                pool, k_BSKH, v_BSKH = paged_write_read(
+                    cache, k_BTKH, v_BTKH, jnp.where(mine_BT, block_BT, N), place_BT // C)
+                B, M = cache["table"].shape
+                # Table entry j, local place i: position j·P + i·C + rank.
+                order_S = (jnp.arange(M, dtype=jnp.int32)[:, None] * P
+                           + jnp.arange(share, dtype=jnp.int32)[None, :] * C + rank)
                 part = accumulate(empty_partial(q_BTNH), q_BTNH,
-                                  cache["k"].astype(q_BTNH.dtype),
-                                  cache["v"].astype(q_BTNH.dtype),
-                                  Visibility(positions_BT, order_BS))
+                                  k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype),
+                                  Visibility(positions_BT,
+                                             jnp.broadcast_to(order_S.reshape(-1),
+                                                              (B, M * share))))
                 # Gathering the C partials and folding them with ``merge`` would do: but a
                 # gather over a manual axis makes XLA replicate the automatic ones first
                 # (the heads regathered over tensor); pmax and psum keep them split.
                 whole_part = combine(part, functools.partial(jax.lax.pmax, axis_name=axis),
                                      functools.partial(jax.lax.psum, axis_name=axis))
-                return finish(whole_part, q_BTNH.dtype), cache
+                return finish(whole_part, q_BTNH.dtype), pool
 
         def hook(q_BTNH, k_BTKH, v_BTKH, cache, positions_BT, implementation: str):
-            cache_specs = jax.tree.map(lambda _: split, cache)
             T = k_BTKH.shape[1]
+            if is_paged(cache):
+                # Decode: each rank attends to its share of the row's blocks; the partials
+                # combine.
+                rows = self.rows or None
+                pool_spec = P(rows, None, axis)
+                specs = {"k": pool_spec, "v": pool_spec, "table": P(rows)}
+                o, pool = jax.shard_map(decode_local, mesh=self.mesh, axis_names=names,
+                                        in_specs=(whole, whole, whole, specs, whole),
+                                        out_specs=(whole, {"k": pool_spec, "v": pool_spec}))(
+                    q_BTNH, k_BTKH, v_BTKH, cache, positions_BT)
+                return o, {**pool, "table": cache["table"]}
+            cache_specs = jax.tree.map(lambda _: split, cache)
             if T == cache["k"].shape[1]:
                 if T % C:
                     raise ShardingError(f"a prompt of {T} tokens over {axis}={C}: pad it to "
@@ -166,27 +193,35 @@ class ContextCache:
                                                              positions_BT)
                 vis = Visibility.self_attention(positions_BT)
                 return attend(q_BTNH, k_BTKH, v_BTKH, vis, implementation), cache
-            # Decode: each rank attends to its slice of the cache; the partials combine.
-            return jax.shard_map(decode_local, mesh=self.mesh, axis_names=names,
-                                 in_specs=(whole, whole, whole, cache_specs, whole),
-                                 out_specs=(whole, cache_specs))(
-                q_BTNH, k_BTKH, v_BTKH, cache, positions_BT)
+            raise ShardingError(f"{T} new tokens into a cache of {cache['k'].shape[1]} "
+                                f"positions over {axis}={C}: decode reads the paged pool "
+                                f"(a cache with a block table, models.decode); a slot cache "
+                                f"takes only a whole prompt")
         return hook
 
-    def write_prompt(self, cache, scratch, slots_b):
-        """``cache`` with the prompt's ``scratch`` cache ``[L, b, T, K, H]`` in decode slots
-        ``slots_b`` (slots ``>= B`` dropped). Both are striped, so rank r's T/C prompt
-        positions go to the first T/C local slots of its own S/C: seen as ``[L, B, C, S/C,
-        K, H]``, the copy runs along the context-split dimension, with no communication."""
+    def write_prompt(self, pool, scratch, table_bM, group_b):
+        """The pool with each prefill row's striped ``scratch`` ``[L, b, T, K, H]`` written
+        through its block table (a padding row's group ``>= G`` and entries past the blocks
+        dropped). Seen as ``[L, b, C, T/C, K, H]``, rank c's j-th position ``j·C + c`` goes to
+        table entry ``j // (P/C)``, place ``j % (P/C)`` of its share ``[..., C, P/C, ...]`` of
+        the block: neither depends on c, so the copy runs along the context-split dimension,
+        with no communication."""
         C = self.size
 
-        def write(c_LBSKH, s_LbTKH):
-            L, B, S = c_LBSKH.shape[:3]
-            c = c_LBSKH.reshape(L, B, C, S // C, *c_LBSKH.shape[3:])
-            s = s_LbTKH.reshape(*s_LbTKH.shape[:2], C, -1, *s_LbTKH.shape[3:])
-            c = c.at[:, slots_b, :, :s.shape[3]].set(s.astype(c.dtype), mode="drop")
-            return c.reshape(c_LBSKH.shape)
-        return {n: write(cache[n], scratch[n]) for n in cache}
+        def write(p_LGNPKH, s_LbTKH):
+            L, G, N, Pb = p_LGNPKH.shape[:4]
+            b, T = s_LbTKH.shape[1:3]
+            p = p_LGNPKH.reshape(L, G, N, C, Pb // C, *p_LGNPKH.shape[4:])
+            s = s_LbTKH.reshape(L, b, C, T // C, *s_LbTKH.shape[3:])
+            j = np.arange(T // C)
+            block_bJ = jnp.take(table_bM, jnp.asarray(j // (Pb // C)), axis=1)
+            group_bJ = jnp.broadcast_to(group_b[:, None], block_bJ.shape)
+            place_bJ = jnp.broadcast_to(jnp.asarray(j % (Pb // C), jnp.int32), block_bJ.shape)
+            # The indexed dimensions lead the update (numpy's rule): [b, J, L, C, K, H].
+            p = p.at[:, group_bJ, block_bJ, :, place_bJ].set(
+                s.transpose(1, 3, 0, 2, 4, 5).astype(p.dtype), mode="drop")
+            return p.reshape(p_LGNPKH.shape)
+        return {n: write(pool[n], scratch[n]) for n in ("k", "v")}
 
 
 def context_cache(mesh: Mesh, rules: Rules, scheme: str = "all-gather"

@@ -30,7 +30,8 @@ MeshAxes = Union[None, str, tuple[str, ...]]
 PARAM_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
               "expert_mlp", "norm", "lora_rank")
 ACTIVATION_AXES = ("batch", "seq", "res_seq", "kv_seq", "act_embed", "act_heads", "act_kv_heads",
-                   "act_head_dim", "act_mlp", "act_vocab", "act_experts", "capacity")
+                   "act_head_dim", "act_mlp", "act_vocab", "act_experts", "capacity",
+                   "kv_blocks")
 LOGICAL_AXES = PARAM_AXES + ACTIVATION_AXES
 
 # Logical axes whose sharding degrades to replication when the mesh axis is larger than the

@@ -2,7 +2,7 @@
 tokens and logits equal one device's and the no-cache reference's, for both prefill schemes;
 the compiled prefill attends across the split prompt by its scheme and gathers no
 activation; the compiled decode moves only per-slice attention partials over ``context``;
-the cache per device is 1/C of the whole; ``triax generate --mesh context=2,tensor=4``."""
+the paged pool per device is 1/C of the whole (each block's positions striped); ``triax generate --mesh context=2,tensor=4``."""
 import dataclasses
 import importlib
 import json
@@ -107,7 +107,8 @@ def over_context(compiled, eng):
 
 def prefill_compiled(eng, T):
     b = ECFG.max_batch
-    args = (eng.params, eng.cache, np.zeros((b, T), np.int32), np.ones(b, np.int32),
+    args = (eng.params, eng.cache, eng.kv.tables[:b], np.zeros((b, T), np.int32),
+            np.ones(b, np.int32),
             np.zeros(b, np.int32), np.zeros(b, np.int32), eng._rule())
     return eng._prefill_jit.lower(*args).compile()
 
@@ -147,7 +148,7 @@ def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engi
     eng = engines[layout, "all-gather"]
     C, data, T, rows, kv, heads = shapes(eng)
     B = ECFG.max_batch
-    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
+    args = (eng.params, eng.cache, eng.kv.tables) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
     compiled = eng._decode_jit.lower(*args).compile()
     # Over `context`: each rank's partial for the one query, o [B, 1, N, H] with its row max
     # and sum [B, N, 1], reduced (pmax, psum), per layer; and no other collective at all.
@@ -155,10 +156,14 @@ def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engi
     partial = rows * heads * (CFG.head_dim + 2) * F32
     assert all(c.kind == "all-reduce" for c in coll), coll
     assert sum(c.bytes_per_device * c.count for c in coll) == partial * CFG.num_layers, coll
-    # The cache per device: 1/C of its positions (and 1/data of its rows), donated in place.
-    S = eng.cache["k"].shape[2]
-    assert S == -(-ECFG.max_len // C) * C   # the cache length rounds up to a multiple of C
-    whole = 2 * CFG.num_layers * B * S * CFG.num_kv_heads * CFG.head_dim * F32
+    # The paged pool per device: 1/C of every block's positions (and 1/data of its row
+    # groups), donated in place. By default it holds slots × max_len's blocks.
+    pool = eng.pool
+    assert eng.cache["k"].shape == (CFG.num_layers, data, pool.blocks, pool.block_size,
+                                    CFG.num_kv_heads, CFG.head_dim)
+    assert pool.total_blocks == B * -(-ECFG.max_len // pool.block_size)
+    whole = 2 * CFG.num_layers * pool.total_blocks * pool.block_size * CFG.num_kv_heads \
+        * CFG.head_dim * F32
     per_device = whole * kv // CFG.num_kv_heads // (C * data)
     assert eng.cache_bytes_per_device() == per_device
     assert compiled.memory_analysis().alias_size_in_bytes == per_device

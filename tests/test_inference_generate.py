@@ -57,7 +57,7 @@ def _check_pipeline_decode_hlo(eng, sizes):
     micro-batch activation per tick (collective-permute) and only logits-sized results."""
     assert eng.pipelined and eng.cache["k"].sharding.spec[0] == "pipe"
     B, S, M = ECFG.max_batch, sizes["pipe"], eng.microbatches
-    args = (eng.params, eng.cache) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
+    args = (eng.params, eng.cache, eng.kv.tables) + (np.zeros(B, np.int32),) * 3 + (eng._rule(),)
     over_pipe = [c for c in collectives_from_compiled(eng._decode_jit.lower(*args).compile(),
                                                       eng.mesh) if "pipe" in c.axes]
     rows = B // M // sizes.get("data", 1)  # one micro-batch's rows on one device
@@ -73,7 +73,8 @@ def _check_pipeline_decode_hlo(eng, sizes):
 def test_cached_decode_logits_equal_full_recompute(params, reference, devices):
     """Teacher-forced along the reference tokens on a sharded cache (data=2 × tensor=2)."""
     eng = Engine(CFG, params, make_mesh(data=2, tensor=2, devices=devices[:4]), "tp", ECFG)
-    assert eng.cache["k"].sharding.spec == jax.sharding.PartitionSpec(None, "data", None,
+    # The pool's row groups over data, its KV heads over tensor.
+    assert eng.cache["k"].sharding.spec == jax.sharding.PartitionSpec(None, "data", None, None,
                                                                         "tensor")
     ref_tokens, ref_logits = reference
     n = len(PROMPTS)

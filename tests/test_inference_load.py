@@ -136,7 +136,7 @@ def test_no_slot_leaks_and_served_alone_matches(served):
     for i in sample:  # the same engines, one request at a time through run()
         rid = server.submit(reqs[i][0], reqs[i][1])
         assert server.run()[rid].tokens == outcome[i].tokens, f"request {i}"
-    assert server.free_slots == server.total_slots
+    assert server.free_slots == server.total_slots and server.kv_blocks_in_use == 0
 
 
 def test_one_serving_loop_at_a_time(served):
@@ -167,8 +167,9 @@ def test_a_failed_step_fails_its_requests_frees_their_slots_and_serves_on(served
     finally:
         for eng in server.engines:
             del eng.decode
-    assert server.free_slots == server.total_slots
+    assert server.free_slots == server.total_slots and server.kv_blocks_in_use == 0
     rid = server.submit(prompt, m)  # ... and the server serves on
     assert len(server.result(rid, timeout=60).tokens) == m
     server.stop()
     assert server.free_slots == server.total_slots and server.pending == 0
+    assert all(e.kv.committed == 0 for e in server.engines)   # every KV block back

@@ -116,7 +116,7 @@ def test_generate_stops_before_loading_when_a_replica_does_not_fit(monkeypatch, 
     captured = capsys.readouterr()
     assert captured.out == ""                      # nothing was generated
     err = captured.err
-    assert "serving tiny (8 slots × 16 cache positions) needs" in err
+    assert "serving tiny (8 slots, a KV pool of 8 blocks × 16 positions) needs" in err
     assert "largest terms: weights" in err and "KV cache" in err
     assert "Instead: the planner" in err and "--skip-memory-check" in err
 

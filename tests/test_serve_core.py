@@ -6,7 +6,8 @@ template renders as Hugging Face renders it."""
 import numpy as np
 from fastapi.testclient import TestClient
 
-from triax.inference.engine import EngineConfig, InferenceError
+from triax.inference.engine import Engine, EngineConfig, InferenceError
+from triax.inference.kv_blocks import KVBlocks
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server
 from triax.serving.app import create_app
@@ -23,7 +24,13 @@ class FakeEngine:
         self.ecfg = EngineConfig(max_batch=slots, max_len=64)
         self.sampling = SamplingConfig()
         self.lengths = np.zeros(slots, np.int64)
+        self.kv = KVBlocks(groups=1, blocks=4 * slots, block_size=16, slots=slots, max_blocks=4)
         self.recovered = 0
+
+    positions_needed = staticmethod(Engine.positions_needed)
+
+    def release(self, slot):
+        self.kv.release(slot)
 
     def check_token_ids(self, prompt):
         return [int(t) for t in prompt]
@@ -33,12 +40,16 @@ class FakeEngine:
             raise InferenceError("empty prompt")
 
     def prefill(self, slots, prompts, seeds, settings=None):
+        for s, p in zip(slots, prompts):
+            self.kv.grow(s, len(p))
         self.lengths[list(slots)] = [len(p) for p in prompts]
         return np.array([p[-1] + 1 for p in prompts])
 
     def decode(self, tokens, active, seeds, settings=None):
         if (active & (tokens == POISON)).any():
             raise RuntimeError("device fault")
+        for s in np.flatnonzero(active):
+            self.kv.grow(int(s), int(self.lengths[s]) + 1)
         self.lengths[active] += 1
         return tokens + 1
 
@@ -57,7 +68,8 @@ def test_engine_error_fails_only_the_requests_it_touched():
         again = server.submit([20], 3)     # the failed replica serves on
         assert server.result(again, 10).tokens == [21, 22, 23]
     assert server.engines[0].recovered == 1 and server.engines[1].recovered == 0
-    assert server.free_slots == server.total_slots
+    assert server.free_slots == server.total_slots and server.kv_blocks_in_use == 0
+    assert all(e.kv.committed == 0 for e in server.engines)   # no block left reserved
 
 
 def test_http_engine_error_is_a_500_and_the_server_serves_on():
@@ -71,19 +83,21 @@ def test_http_engine_error_is_a_500_and_the_server_serves_on():
         r = http.post("/v1/chat/completions", json={
             "model": "fake", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
-    assert server.free_slots == server.total_slots
+    assert server.free_slots == server.total_slots and server.engines[0].kv.committed == 0
 
 
 def test_cancel_frees_queued_and_live_requests():
     server = Server([FakeEngine()])
     live, queued = server.submit([1], 50), server.submit([2], 50)
     server._step()                           # `live` takes the only slot
+    assert server.engines[0].kv.committed == 4   # 50 positions: 4 blocks set aside
     assert server.cancel(queued) and server.result(queued).finish_reason == "cancelled"
     assert server.cancel(live)
     server._step()
     res = server.result(live, 1)
     assert res.finish_reason == "cancelled" and len(res.tokens) < 50
     assert server.free_slots == 1 and not server.cancel(live)
+    assert server.engines[0].kv.committed == 0   # the cancelled request's blocks came back
 
 
 def test_chat_template_renders_as_hugging_face_does():

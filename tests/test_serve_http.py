@@ -69,9 +69,11 @@ def _metric(s, name: str) -> float:
 
 
 def _settled(s) -> bool:
-    """Every slot and KV position is back (bounded wait: cancellation is one step away)."""
+    """Every slot, KV position and KV pool block is back (bounded wait: cancellation is one
+    step away)."""
     for _ in range(200):
-        if _metric(s, "triax_busy_slots") == 0 and _metric(s, "triax_kv_positions_in_use") == 0:
+        if _metric(s, "triax_busy_slots") == 0 and _metric(s, "triax_kv_positions_in_use") == 0 \
+                and _metric(s, "triax_kv_blocks_in_use") == 0:
             return True
         time.sleep(0.02)
     return False
@@ -82,6 +84,11 @@ def test_ready_line_health_and_models(served):
     h = httpx.get(served["url"] + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert [m.id for m in _client(served).models.list().data] == [MODEL]
+    # Four replicas' pools, by default slots × max_len's blocks of 16 positions each.
+    text = httpx.get(served["url"] + "/metrics").text
+    assert re.search(r"^triax_kv_blocks_in_use \S+$", text, re.M), text
+    assert _metric(served, "triax_kv_blocks_total") == 4 * SLOTS * MAX_LEN // 16
+    assert _metric(served, "triax_kv_blocks_in_use") == 0
 
 
 def test_greedy_completions_equal_the_golden_tokens_on_every_replica(served):

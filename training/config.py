@@ -146,6 +146,14 @@ class RunConfig:
                                             "auto and the memory check; simulated CPU "
                                             "devices: else host memory ÷ devices)",
                                       default_help="the device's own, or $TRIAX_DEVICE_MEMORY")
+    # The serving engine's paged KV pool (``inference.kv_pool``; triax serve / generate).
+    kv_blocks: Optional[int] = _f(None, "blocks in each replica's paged KV pool",
+                                  default_help="--kv-memory's, else slots × the longest "
+                                               "sequence's blocks")
+    kv_memory: Optional[str] = _f(None, "bytes of paged KV pool per device, e.g. 2GiB (as many "
+                                        "whole blocks as fit; instead of --kv-blocks)")
+    kv_block_size: int = _f(choices.KV_BLOCK_SIZE, "positions per KV pool block (a multiple "
+                                                   "of the context axis)")
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")
@@ -164,6 +172,10 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
+        if self.kv_memory is not None:
+            if self.kv_blocks is not None:
+                raise ValueError("give one of --kv-blocks and --kv-memory (both size the pool)")
+            self.kv_memory_bytes()
         needs_lora = [flag for flag, on in (("adapter", self.adapter),
                                             ("base-dtype", self.base_dtype != "float32"),
                                             ("lora-dropout", self.lora_dropout != 0)) if on]
@@ -190,6 +202,18 @@ class RunConfig:
         if n <= 0:
             raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
                              f"--device-memory 40GiB")
+        return n
+
+    def kv_memory_bytes(self) -> int:
+        """``--kv-memory`` in bytes (0: not given)."""
+        if self.kv_memory is None:
+            return 0
+        try:
+            n = parse_bytes(self.kv_memory)
+        except ValueError as e:
+            raise ValueError(f"--kv-memory: {e}") from None
+        if n <= 0:
+            raise ValueError(f"--kv-memory {self.kv_memory}: must be > 0, e.g. --kv-memory 2GiB")
         return n
 
     def replace(self, **kw) -> "RunConfig":
@@ -274,6 +298,8 @@ _BOUNDS = {
     "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
     "max_seq_len": (*_GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
     "grad_accum": (*_GE1, "use 1 for no accumulation"),
+    "kv_blocks": (*_GE1, "give the pool's blocks, e.g. --kv-blocks 512, or leave it out"),
+    "kv_block_size": (*_GE1, "give positions per block, e.g. --kv-block-size 16"),
     "lora_rank": (*_GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
     "lora_alpha": (*_GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
     "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1, "give the probability of zeroing "

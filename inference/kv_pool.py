@@ -1,0 +1,164 @@
+"""The paged KV pool of one engine, in one home: its shape, placement and size, and how a
+prompt's keys/values enter it.
+
+The pool is ``[L, G, N, P, K, H]`` per k and v (``models.decode.PAGED_AXES``): G row groups
+(the decode slots split over the batch mesh axes and, under pipeline decode, into its
+micro-batches: each group's rows run on the devices that hold its blocks), N blocks per
+group of P positions. The strategy's rules split it as they split a slot cache: KV heads
+over ``tensor``, layers over ``pipe``, the groups over ``data``; under context parallelism
+each block's P positions are striped over ``context`` (rank r holds places r, r+C, …, so a
+position lives on the rank that owns it in the prompt's striped order,
+``triax.sharding.context_cache``).
+
+Size: ``--kv-blocks`` (blocks over all groups), or ``--kv-memory`` (bytes of pool per
+device: as many whole blocks per group as fit), or by default as many blocks as slots ×
+``max_len`` positions need (the memory of a slot-reserved cache). Bytes per block per device
+are ``bytes_per_block`` (2 · L/pipe · P/context · K/tensor · H · 4 for fp32).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from triax.inference.errors import InferenceError
+from triax.mesh.build import mesh_sizes
+from triax.models.config import ModelConfig
+from triax.models.decode import CACHE_AXES, PAGED_AXES, cache_shape
+from triax.pipeline.pipelined import default_decode_microbatches
+from triax.sharding.context_cache import ContextCache, context_cache
+from triax.sharding.rules import Strategy
+
+CACHE_DTYPE = jnp.float32
+
+
+def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
+    """The context-split cache layout an engine on ``mesh`` uses, or None: no context axis,
+    or pipeline decode (whose stages run whole over ``context``)."""
+    if mesh_sizes(mesh)["pipe"] > 1:
+        return None
+    return context_cache(mesh, strategy.rules, strategy.context_attention)
+
+
+def decode_microbatches(mesh: Mesh, microbatches: int) -> int:
+    """Pipeline decode's micro-batches (``EngineConfig.microbatches``, 0: the default)."""
+    return microbatches or default_decode_microbatches(mesh_sizes(mesh)["pipe"])
+
+
+def row_groups(mesh: Mesh, strategy: Strategy, microbatches: int) -> int:
+    """The pool's row groups: one per batch shard, times the pipeline's micro-batches."""
+    sizes = mesh_sizes(mesh)
+    if sizes["pipe"] > 1:   # the pipeline splits rows over `data` only
+        return sizes["data"] * decode_microbatches(mesh, microbatches)
+    return math.prod(sizes.get(a, 1) for a in strategy.rules.mesh_axes("batch"))
+
+
+def scratch_layout(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, batch: int,
+                   length: int) -> tuple[tuple[int, ...], NamedSharding]:
+    """Shape and placement of a prefill's scratch cache (``[L, b, T, K, H]``, a slot cache
+    of the prompt's bucket): the rules', its positions over ``context`` where split."""
+    ctx = split_context(mesh, strategy)
+    if ctx is None:
+        shape = cache_shape(cfg, batch, length)
+        spec = strategy.rules.spec(CACHE_AXES, shape, mesh_sizes(mesh), what="KV cache")
+    else:
+        shape = cache_shape(cfg, batch, ctx.length(length))
+        spec = ctx.spec(shape)
+    return shape, NamedSharding(mesh, spec)
+
+
+@dataclass(frozen=True)
+class KVPool:
+    """One engine's pool: ``groups`` × ``blocks`` blocks of ``block_size`` positions; a
+    sequence holds at most ``max_blocks`` (its ``max_len``)."""
+
+    groups: int
+    blocks: int          # per group
+    block_size: int
+    max_blocks: int
+    shape: tuple[int, ...]
+    sharding: NamedSharding
+
+    @property
+    def total_blocks(self) -> int:
+        return self.groups * self.blocks
+
+    @property
+    def positions(self) -> int:
+        """KV positions the whole pool holds (what the planner's KV term counts)."""
+        return self.total_blocks * self.block_size
+
+    def bytes_per_device(self) -> int:
+        """Bytes of pool (k and v) each device holds."""
+        return _per_device(self.shape, self.sharding)
+
+
+def _placed(cfg, mesh, strategy, groups, blocks, block_size):
+    shape = (cfg.num_layers, groups, blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    ctx = split_context(mesh, strategy)
+    spec = strategy.rules.spec(PAGED_AXES, shape, mesh_sizes(mesh), what="KV pool") \
+        if ctx is None else ctx.spec(shape, PAGED_AXES)
+    return shape, NamedSharding(mesh, spec)
+
+
+def _per_device(shape, sh) -> int:
+    return 2 * math.prod(sh.shard_shape(shape)) * jnp.dtype(CACHE_DTYPE).itemsize
+
+
+def bytes_per_block(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, block_size: int,
+                    microbatches: int = 0) -> int:
+    """Bytes one block (k and v) takes on each device that holds a share of it."""
+    G = row_groups(mesh, strategy, microbatches)
+    shape, sh = _placed(cfg, mesh, strategy, G, 1, block_size)
+    return _per_device(shape, sh) // sh.shard_shape(shape)[1]   # over the groups held here
+
+
+def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg) -> KVPool:
+    """The pool ``ecfg`` (an ``EngineConfig``) asks for on ``mesh``; a clear error when its
+    size or block size cannot be."""
+    P, C = ecfg.block_size, mesh_sizes(mesh)["context"]
+    ctx = split_context(mesh, strategy)
+    if P < 1 or (ctx is not None and P % ctx.size):
+        raise InferenceError(f"--kv-block-size {P}: choose a positive multiple of "
+                             f"context={C} (a block's positions stripe over context)")
+    G = row_groups(mesh, strategy, ecfg.microbatches)
+    if ecfg.max_batch % G:
+        raise InferenceError(f"{ecfg.max_batch} decode slots do not split into the KV pool's "
+                             f"{G} row groups (batch shards × micro-batches); choose --slots "
+                             f"a multiple of {G}")
+    M = -(-ecfg.max_len // P)
+    if ecfg.kv_blocks:
+        if ecfg.kv_blocks % G:
+            raise InferenceError(f"--kv-blocks {ecfg.kv_blocks} does not split into the "
+                                 f"pool's {G} row groups; choose a multiple of {G}")
+        total = ecfg.kv_blocks
+    elif ecfg.kv_memory:
+        # A device holds its groups' blocks: n per group cost n × one block of each of them.
+        one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P))
+        if ecfg.kv_memory < one:
+            raise InferenceError(
+                f"--kv-memory {ecfg.kv_memory} bytes holds no KV block: one block per row "
+                f"group takes {one} bytes per device (--kv-block-size {P}); give at least "
+                f"{one} bytes, or a smaller --kv-block-size")
+        total = ecfg.kv_memory // one * G
+    else:   # what slot-reserved caches of max_len positions would take
+        total = ecfg.max_batch * M
+    shape, sh = _placed(cfg, mesh, strategy, G, total // G, P)
+    return KVPool(G, total // G, P, M, shape, sh)
+
+
+def write_prompt(pool: dict, scratch: dict, table_bM, group_b) -> dict:
+    """The pool with each prefill row's scratch ``[L, b, T, K, H]`` written through its
+    block table: position t to block ``table[t // P]``, place ``t % P``, of the row's group
+    (a padding row's group, ``>= G``, and table entries past the blocks are dropped)."""
+    P, T = pool["k"].shape[3], scratch["k"].shape[2]
+    t = np.arange(T)
+    block_bT = jnp.take(table_bM, jnp.asarray(t // P), axis=1)
+    group_bT = jnp.broadcast_to(group_b[:, None], block_bT.shape)
+    place_bT = jnp.broadcast_to(jnp.asarray(t % P, jnp.int32), block_bT.shape)
+    return {n: pool[n].at[:, group_bT, block_bT, place_bT].set(
+        scratch[n].astype(pool[n].dtype), mode="drop") for n in ("k", "v")}

@@ -1,0 +1,206 @@
+"""The paged KV cache (``inference.kv_pool``, ``inference.kv_blocks``): the allocator's
+bookkeeping; greedy tokens through scattered blocks equal the no-cache reference on one
+device, tensor=2, pipe=2 and context=2; at equal KV memory a mixed workload runs more
+sequences at once than slot-reserved caches could hold; blocks come back on cancel; a pool
+too small says which flag to raise; the memory check and the planner count the pool."""
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from triax.inference import Engine, EngineConfig, InferenceError, Server
+from triax.inference.engine import CacheFullError, held_bytes_per_device
+from triax.inference.generate import check_serving_memory
+from triax.inference.kv_blocks import KVBlocks, KVBlocksError
+from triax.inference.kv_pool import bytes_per_block
+from triax.inference.reference import greedy_reference
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.planner.memory import kv_cache_bytes
+from triax.planner.workload import Layout, Workload
+from triax.sharding.partition import abstract_model, init_params
+from triax.sharding.rules import get_strategy
+from triax.training.config import RunConfig
+from triax.training.memory_check import OutOfMemoryPredicted
+
+CFG = config.TINY.replace(num_layers=2)
+BS = 4   # small blocks: a sequence spans many, so the table's order matters
+PROMPTS = [[5, 6, 7], list(range(30, 47)), [200, 1], list(range(60, 69))]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def params(devices):
+    return jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
+                                      "tp", seed=0))
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return greedy_reference(CFG, params, PROMPTS, 24)[0]
+
+
+# ---- the allocator ---------------------------------------------------------------------------
+def test_blocks_are_reserved_taken_as_the_sequence_grows_and_freed():
+    kv = KVBlocks(groups=1, blocks=6, block_size=4, slots=3, max_blocks=4)
+    kv.reserve(0, 10)                        # 3 blocks set aside, none taken yet
+    assert (kv.in_use, kv.committed, kv.available(1)) == (0, 3, 3)
+    kv.grow(0, 3)
+    assert kv.tables[0].tolist() == [0, 6, 6, 6] and kv.in_use == 1
+    kv.grow(0, 9)                            # into its third block
+    assert kv.tables[0].tolist() == [0, 1, 2, 6] and (kv.in_use, kv.committed) == (3, 3)
+    assert not kv.can_reserve(1, 13)         # 4 blocks: only 3 left unreserved
+    kv.reserve(1, 12)
+    with pytest.raises(KVBlocksError, match="already holds"):
+        kv.reserve(1, 4)
+    with pytest.raises(CacheFullError, match="0 free"):
+        kv.reserve(2, 1)                     # every block is taken or reserved
+    kv.release(0)
+    assert kv.tables[0].tolist() == [6] * 4 and (kv.in_use, kv.committed) == (0, 3)
+    with pytest.raises(KVBlocksError, match="released twice"):
+        kv.release(0)
+    kv.grow(2, 12)                           # direct use: free blocks, no reservation
+    assert kv.held[2] == 3 and kv.available(0) == 0
+    kv.release_all()
+    assert (kv.in_use, kv.committed, kv.available(0)) == (0, 0, 6)
+
+
+def test_growth_past_the_pool_or_the_sequence_cap_is_refused():
+    kv = KVBlocks(groups=2, blocks=2, block_size=4, slots=4, max_blocks=3)
+    kv.grow(0, 8)                            # group 0's two blocks
+    with pytest.raises(CacheFullError, match="--kv-blocks"):
+        kv.grow(1, 1)                        # slot 1 shares group 0
+    kv.grow(2, 8)                            # group 1 has its own
+    assert kv.tables[2, :2].tolist() == [0, 1] and kv.in_use == 4
+    with pytest.raises(CacheFullError, match="exceed the 12"):
+        kv.grow(3, 13)
+
+
+# ---- exact tokens through scattered blocks, on every layout -------------------------------------
+LAYOUTS = {"one": {}, "tensor2": {"tensor": 2}, "pipe2": {"pipe": 2}, "context2": {"context": 2}}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_tokens_through_a_scattered_pool_equal_the_reference(layout, params, reference,
+                                                             devices):
+    sizes = LAYOUTS[layout]
+    n = int(np.prod(list(sizes.values()) or [1]))
+    mesh = make_mesh(devices=devices[:n], **(sizes or {"tensor": 1}))
+    ecfg = EngineConfig(max_batch=4, max_len=32, min_bucket=32, block_size=BS)
+    eng = Engine(CFG, params, mesh, "tp", ecfg)
+    rng = np.random.default_rng(0)
+    for free in eng.kv._free:                # hand out blocks in a scrambled order
+        rng.shuffle(free)
+    first = np.asarray(eng.prefill(range(4), [np.array(p) for p in PROMPTS], [0] * 4))
+    out = [[int(t)] for t in first]
+    cur, active = first.astype(np.int32), np.ones(4, bool)
+    for _ in range(NEW - 1):
+        cur = np.asarray(eng.decode(cur, active, np.zeros(4, np.int32)))
+        for row, t in zip(out, cur):
+            row.append(int(t))
+    assert out == [r[:NEW] for r in reference]
+    assert (np.diff(eng.kv.tables[1, :eng.kv.held[1]]) != 1).any()   # really out of order
+    assert eng.kv.in_use == sum(-(-(len(p) + NEW - 1) // BS) for p in PROMPTS)
+    for s in range(4):
+        eng.release(s)
+    assert eng.kv.in_use == 0
+
+
+# ---- admission by free blocks --------------------------------------------------------------------
+def test_a_mixed_workload_runs_more_sequences_at_once_than_slot_reserved_caches(params,
+                                                                               reference,
+                                                                               devices):
+    """16 blocks of 8 positions: slot-reserved caches of max_len=32 hold 4 sequences. Paged,
+    2 long requests (4 blocks each) and 8 short ones (1 block each) all run at once."""
+    ecfg = EngineConfig(max_batch=10, max_len=32, min_bucket=32, kv_blocks=16, block_size=8)
+    server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ecfg)
+    pool = server.engines[0].pool
+    slot_reserved = pool.total_blocks * pool.block_size // ecfg.max_len
+    assert slot_reserved == 4
+    jobs = [(1, 16), (1, 16)] + [(2 * (i % 2), 4) for i in range(8)]   # (prompt, max_new)
+    ids = [server.submit(PROMPTS[p], k) for p, k in jobs]
+    results = server.run()
+    assert server.stats["peak_running"] == len(jobs) > slot_reserved
+    assert [results[i].tokens for i in ids] == [reference[p][:k] for p, k in jobs]
+    assert server.kv_blocks_in_use == 0 and server.engines[0].kv.committed == 0
+
+
+def test_a_request_waits_for_blocks_and_cancel_gives_them_back(params, reference, devices):
+    ecfg = EngineConfig(max_batch=4, max_len=32, min_bucket=32, kv_blocks=4, block_size=8)
+    server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ecfg)
+    long = server.submit(PROMPTS[1], 16)     # 32 positions: the whole pool
+    short = server.submit(PROMPTS[0], 4)     # waits, though 3 slots are free
+    server._step()
+    assert server.running == 1 and server.queued == 1 and server.kv_blocks_in_use == 3
+    assert server.cancel(long)
+    server._step()                           # the cancel frees the blocks; short is admitted
+    assert server.result(long).finish_reason == "cancelled"
+    for _ in range(8):                       # bounded: without the blocks back it would wait
+        server._step()
+    assert server.future(short).done() and server.result(short).tokens == reference[0][:4]
+    assert server.kv_blocks_in_use == 0 and server.engines[0].kv.committed == 0
+
+
+# ---- too small a pool ----------------------------------------------------------------------------
+def test_a_pool_too_small_is_refused_naming_the_flags(params, devices):
+    mesh = make_mesh(devices=devices[:1])
+    small = EngineConfig(max_batch=2, max_len=32, min_bucket=32, kv_blocks=2, block_size=8)
+    server = Server.from_params(CFG, params, [mesh], "tp", small)
+    with pytest.raises(InferenceError, match=r"needs 3 KV blocks.*--kv-blocks or --kv-memory"):
+        server.submit(PROMPTS[1], 4)         # 20 positions never fit 2 blocks of 8
+    assert server.queued == 0
+    one = bytes_per_block(CFG, mesh, get_strategy("tp"), 8)
+    with pytest.raises(InferenceError, match=rf"--kv-memory {one - 1} bytes holds no KV block"):
+        Engine(CFG, None, mesh, "tp", dataclasses.replace(small, kv_blocks=0,
+                                                          kv_memory=one - 1))
+    with pytest.raises(InferenceError, match="--kv-block-size 3.*context=2"):
+        Engine(CFG, None, make_mesh(context=2, devices=devices[:2]), "tp",
+               dataclasses.replace(small, block_size=3))
+    with pytest.raises(InferenceError, match="--kv-blocks 3.*multiple of 2"):
+        Engine(CFG, None, make_mesh(data=2, devices=devices[:2]), "tp",
+               dataclasses.replace(small, kv_blocks=3))
+    with pytest.raises(ValueError, match="one of --kv-blocks and --kv-memory"):
+        RunConfig(kv_blocks=4, kv_memory="1GiB")
+    with pytest.raises(ValueError, match="--kv-memory"):
+        RunConfig(kv_memory="lots")
+
+
+# ---- the memory check and the planner count the pool -------------------------------------------
+def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
+    mesh = make_mesh(tensor=2, devices=devices[:2])
+    st = get_strategy("tp")
+    one = bytes_per_block(CFG, mesh, st, 16)
+    # fp32 k and v of one block: layers × positions × KV heads (split over tensor) × head dim
+    assert one == 2 * CFG.num_layers * 16 * (CFG.num_kv_heads // 2) * CFG.head_dim * 4
+    ecfg = EngineConfig(max_batch=4, max_len=64, kv_memory=10 * one + one // 2)
+    eng = Engine(CFG, None, mesh, "tp", ecfg)
+    assert eng.pool.total_blocks == 10 and eng.cache_bytes_per_device() == 10 * one
+    assert held_bytes_per_device(CFG, mesh, "tp", ecfg)["KV cache"] == 10 * one
+    w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64,
+                    kv_positions=eng.pool.positions)
+    assert kv_cache_bytes(w, Layout(tensor=2, strategy="tp")) == 10 * one
+    # The memory check counts the pool, not slots × max_len.
+    fits = (sum(held_bytes_per_device(CFG, mesh, "tp", ecfg).values()), "test")
+    check_serving_memory(CFG, mesh, st, ecfg, capacity=fits)
+    with pytest.raises(OutOfMemoryPredicted, match="KV pool of 12 blocks"):
+        check_serving_memory(CFG, mesh, st, dataclasses.replace(ecfg, kv_memory=0,
+                                                                kv_blocks=12), capacity=fits)
+
+
+# ---- the flags -----------------------------------------------------------------------------------
+def test_the_serve_flags_size_the_pool(devices):
+    from triax.cli.main import build_parser
+    from triax.cli.serving_flags import build_from_args
+    from triax.inference.sampling import SamplingConfig
+    base = ["serve", "--model", "tiny", "--num-layers", "1", "--mesh", "tensor=1", "--slots",
+            "4", "--max-len", "32"]
+    args = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-block-size", "8"])
+    server = build_from_args(args, SamplingConfig(), longest=32, max_new_tokens=0,
+                             devices=devices[:1])
+    kv = server.engines[0].kv
+    assert (kv.total, kv.block_size, kv.max_blocks) == (6, 8, 4)
+    both = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-memory", "1MiB"])
+    with pytest.raises(ValueError, match="one of --kv-blocks and --kv-memory"):
+        build_from_args(both, SamplingConfig(), longest=32, max_new_tokens=0,
+                        devices=devices[:1])
