@@ -35,7 +35,7 @@ from flax import nnx
 from triax.models.layers import ExecConfig
 from triax.models.lora import freeze_base
 from triax.models.protocol import (PipelineModel, loss_metric, run_stack, using_exec,
-                                   weighted_aux)
+                                   using_layer_count, weighted_aux)
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,8 +43,9 @@ class Stage:
     """``stage(chunk, pieces, x, extras, state) -> (y, loss, out, state)`` for any
     :class:`PipelineModel`.
 
-    ``extras`` is ``(inputs, consts, first, last)``: this micro-batch's rows of the batch,
-    step-wide constants, and the chunk's place in the model. ``head="loss"``: consts
+    ``extras`` is a ``StageInputs`` ``(inputs, consts, first, last, count)``: this
+    micro-batch's rows of the batch, step-wide constants, the chunk's place in the model, and
+    (uneven stages) how many of the chunk's layer slots run. ``head="loss"``: consts
     ``inv_total_weight`` (and ``aux_scale`` for a model with auxiliary losses); the last
     chunk adds ``head_loss × inv_total_weight`` to the loss, ``out`` and ``state`` are
     empty. A model whose blocks return auxiliary losses (MoE) makes the loss a dict
@@ -73,9 +74,10 @@ class Stage:
         return jax.eval_shape(embed, chunk, pieces, inputs)
 
     def __call__(self, chunk, pieces, x_in, extras, state):
-        inputs, consts, first, last = extras
+        inputs, consts, first, last = extras.inputs, extras.consts, extras.first, extras.last
         model = self.model(chunk, pieces)
-        with using_exec(self.exe):   # how the model's own methods run (dtype, loss chunks)
+        # how the model's own methods run (dtype, loss chunks); which slots run
+        with using_exec(self.exe), using_layer_count(extras.count):
             x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype),
                              lambda: x_in)
             if self.head == "loss":

@@ -16,12 +16,15 @@ import jax
 
 class StageInputs(NamedTuple):
     """A stage's ``extras``. A NamedTuple: a pytree whose fields have names, and the
-    stages (``pipeline.stage``) still unpack it as ``inputs, consts, first, last``."""
+    stages (``pipeline.stage``) read it by field."""
 
     inputs: Any      # this micro-batch's inputs, a dict of arrays
     consts: Any      # step-wide values every op sees (``inv_total_weight``, ``aux_scale``)
     first: Any       # bool: the chunk is the model's first (the pre-stack runs)
     last: Any        # bool: the chunk is the model's last (the post-stack runs)
+    # int32: layers of the chunk's slots that run, the rest skipped (uneven stages,
+    # ``StageLayers.slot_counts``); None (no leaf): every slot runs
+    count: Any = None
 
 
 def leaf_positions(tree):

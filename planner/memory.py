@@ -159,7 +159,8 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     stacked gradients, which the executor then adds into the stage's accumulator)."""
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
-        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual).per_chunk
+        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                             counts=lay.stage_layers).per_chunk
     if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
         return _block_grad_elements(w, lay) + blocks * ceil_div(
             _block_grad_elements(w, lay), lay.data)
