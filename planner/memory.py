@@ -104,8 +104,7 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         params = p_local * FP32
         # Pipelined FSDP accumulates the stage's gradients whole over ``data`` in the tick
         # loop and reduce-scatters them once per step (``pipeline.fsdp.FSDP.reduce``).
-        acc = local_param_elements(w, lay.unsharded_over_data()) if pipelined_fsdp(w, lay) \
-            else o_local
+        acc = _stage_elements(w, lay) if pipelined_fsdp(w, lay) else o_local
         grads = acc * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
     else:
@@ -124,7 +123,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     if not w.train or w.cfg is None:
         return 0.0
     if pipelined_fsdp(w, lay):   # the stage's weights, gathered once per step (pipeline.fsdp)
-        return local_param_elements(w, lay.unsharded_over_data()) * FP32
+        return _stage_elements(w, lay) * FP32
     if pipelined_fsdp(w, lay, "layer"):   # one block's fp32 weights, gathered as it runs
         return _block_grad_elements(w, lay) * FP32 + (
             _block_grad_elements(w, lay) * w.dtype_bytes if w.mixed else 0)
@@ -141,6 +140,18 @@ def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
     once per step, outside the tick loop; ``layer``, one block at a time per op."""
     return lay.pipe > 1 and w.cfg is not None and get_strategy(lay.strategy).fsdp \
         and lay.data > 1 and lay.pipeline_fsdp == mode
+
+
+def _stage_elements(w: Workload, lay: Layout) -> int:
+    """A pipeline stage's own parameters whole over ``data`` (what pipelined FSDP gathers and
+    accumulates): the pre/post-stack and its ``v`` chunks of ``per_chunk`` blocks, even where
+    the stack is stored whole on every stage (uneven layers or stages)."""
+    rules = layout_rules(w, lay.unsharded_over_data())
+    pieces = sum(local_elements(s, l, rules, lay.sizes)
+                 for p, s, l in param_leaves(w.cfg) if not p.startswith("blocks/"))
+    chunk = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                        counts=lay.stage_layers).per_chunk
+    return pieces + lay.virtual * chunk * _block_grad_elements(w, lay)
 
 
 def _block_grad_elements(w: Workload, lay: Layout) -> int:

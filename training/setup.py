@@ -11,7 +11,7 @@ schedule / micro-batch combination fails before anything compiles.
     >>> run = build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
     ...                           batch_size=8, seq_len=16))
     >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
-    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage'), 4)
+    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage', stage_layers=None), 4)
     >>> build_run(RunConfig(mesh="data=8", batch_size=12))
     Traceback (most recent call last):
     ...
