@@ -116,6 +116,9 @@ def test_the_flag_reaches_the_pipeline_and_the_saved_config():
     with pytest.raises(ValueError, match=r"--stage-layers: stage_layers '3;1': give one layer "
                                          r"count per pipeline stage, comma-separated"):
         RunConfig(stage_layers="3;1")
+    with pytest.raises(ValueError, match=r"--stage-layers fixes uneven stages, which --plan "
+                                         r"auto does not search: use --plan flags"):
+        run.replace(plan="auto")
     with pytest.raises(ValueError, match=r"--stage-layers 3,1 needs a pipelined mesh "
                                          r"\(pipe >= 2\), got pipe=1; add pipe=2"):
         build_run(run.replace(mesh="data=8"))

@@ -176,6 +176,10 @@ class RunConfig:
                              ScheduleKind.parse(self.schedule).split_backward)
             except ValueError as e:
                 raise ValueError(f"--stage-layers: {e}") from None
+            if self.plan == "auto":   # the search lays out even stages only
+                raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
+                                 "not search: use --plan flags with --mesh (triax plan --gpu "
+                                 "KIND:N,KIND:N proposes a split)")
         needs_lora = [flag for flag, on in (("adapter", self.adapter),
                                             ("base-dtype", self.base_dtype != "float32"),
                                             ("lora-dropout", self.lora_dropout != 0)) if on]
