@@ -1,8 +1,8 @@
 """Uneven pipeline stages (``stage_layers``): loss and every gradient equal one device (fp32,
-rtol 1e-5) under 1F1B and GPipe; a short stage skips its padded slots at run time (padded
-with real layers, the loss is still the model's) and in the compiled program (its ops'
-matmul FLOPs); bad counts are refused naming the fix; the flag reaches the pipeline and the
-checkpointed config."""
+rtol 1e-5) under 1F1B and GPipe, and on a 3D mesh under FSDP + TP; a short stage skips its
+padded slots at run time (padded with real layers, the loss is still the model's) and in the
+compiled program (its ops' matmul FLOPs); bad counts are refused naming the fix; the flag
+reaches the pipeline and the checkpointed config."""
 import jax
 import numpy as np
 import pytest
@@ -56,6 +56,18 @@ def test_uneven_stages_equal_one_device(reference, kind, S, M, counts):
     (loss, _), grads = tr.grads(params, batch)
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
     assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"{kind} {counts} grads")
+
+
+@pytest.mark.parametrize("fsdp", ["stage", "layer"])
+def test_uneven_stages_on_a_3d_mesh_under_fsdp_tp(reference, fsdp):
+    """data=2 × tensor=2 × pipe=2: the stage's FSDP gather (once per step, or per layer inside
+    the slot's conditional) and TP under uneven stages."""
+    cfg, params, batch, loss0, grads0 = reference(4)
+    tr = Trainer(cfg, make_mesh(data=2, tensor=2, pipe=2), "fsdp_tp",
+                 pipeline=PipelineConfig("1f1b", 4, fsdp=fsdp, stage_layers=(3, 1)))
+    (loss, _), grads = tr.grads(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+    assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"fsdp by {fsdp} grads")
 
 
 def test_padded_slots_are_skipped_at_run_time(reference, monkeypatch):
