@@ -134,21 +134,18 @@ class StageLayers:
     def leave(self, blocks):
         return self.from_stored_chunks(blocks) if self.routed else self.from_stages(blocks)
 
-    def _slots(self) -> np.ndarray:
-        """Uneven stages: ``[S, Lc]``, the stored layer in each stage slot (``L``: a zero
-        block appended to the stack)."""
-        idx = np.full((self.stages, self.per_chunk), self.num_layers, np.int32)
-        for s, (o, c) in enumerate(zip(offsets(self.counts), self.counts)):
-            idx[s, :c] = np.arange(o, o + c)
-        return idx
+    def _padding(self, a, n: int):
+        """``n`` slots after a short stage's layers: zero blocks (skipped at run time)."""
+        return jnp.zeros((n,) + a.shape[1:], a.dtype)
 
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
         S, v, Lc = self.stages, self.virtual, self.per_chunk
-        if self.counts is not None:
-            idx = self._slots()
-            return jax.tree.map(lambda a: jnp.concatenate(
-                [a, jnp.zeros_like(a[:1])])[idx][:, None], blocks)
+        if self.counts is not None:   # static slices: each stage's layers, then padding
+            def one(a):
+                return jnp.stack([jnp.concatenate([a[o:o + c], self._padding(a, Lc - c)])
+                                  for o, c in zip(offsets(self.counts), self.counts)])[:, None]
+            return jax.tree.map(one, blocks)
 
         def one(a):
             a = jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))
@@ -164,8 +161,8 @@ class StageLayers:
     def from_stages(self, blocks):
         """Inverse of :meth:`to_stages` (padding dropped)."""
         if self.counts is not None:
-            where = np.argsort(self._slots().ravel(), kind="stable")[:self.num_layers]
-            return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[3:])[where], blocks)
+            return jax.tree.map(lambda a: jnp.concatenate(
+                [a[s, 0, :c] for s, c in enumerate(self.counts)]), blocks)
 
         def one(a):
             a = self._legs(jnp.swapaxes(a, 0, 1))
