@@ -5,6 +5,8 @@ checks the top plans by compiling them on simulated CPU devices.
     triax plan --params 7e9 --train --gpu a100-40gb --gpus-per-node 8 --nodes 2 --json
     triax plan --model llama3-8b --train --seq-len 131072 --gpu h100-80gb --gpus-per-node 8 \
         --nodes 4 --mesh data=8,context=4 --strategy fsdp --context-attention ring
+    triax plan --model llama3-8b --train --batch-size 32 --remat full \
+        --gpu h100-80gb:8,a100-80gb:8        # mixed generations: uneven pipeline stages
 """
 from __future__ import annotations
 
@@ -40,9 +42,11 @@ def add_parser(sub) -> None:
     job = p.add_mutually_exclusive_group(required=True)
     job.add_argument("--train", action="store_true")
     job.add_argument("--inference", action="store_true")
-    p.add_argument("--gpu", required=True, help="device kind, e.g. h100-80gb")
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpu", required=True, help="device kind, e.g. h100-80gb; or mixed "
+                   "generations as KIND:COUNT groups, e.g. h100-80gb:8,a100-80gb:8 (one "
+                   "pipeline stage per group, layers sized by speed; docs/planner.md)")
+    p.add_argument("--gpus-per-node", type=int, help="with one --gpu kind (required there)")
+    p.add_argument("--nodes", type=int, help="with one --gpu kind (required there)")
     # The flags a run shares, from RunConfig's fields (one help, one set of choices); a
     # plan's defaults: a search over meshes and strategies, at a longer sequence.
     add_run_flags(p, RUN_FLAGS, PLAN_DEFAULTS, notes=PLAN_NOTES, fill=True)
@@ -93,7 +97,12 @@ def run(args) -> int:
     from triax.planner.workload import Workload
 
     cat = hardware.load_catalog(args.hardware)
-    cluster = cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
+    mixed = ":" in args.gpu
+    if not mixed and (args.gpus_per_node is None or args.nodes is None):
+        raise ValueError(f"--gpu {args.gpu} needs --gpus-per-node and --nodes (or give "
+                         f"KIND:COUNT groups for mixed generations, e.g. "
+                         f"h100-80gb:8,a100-80gb:8)")
+    cluster = None if mixed else cat.cluster(args.gpu, args.gpus_per_node, args.nodes)
     cfg = config.get(args.model, args.num_layers) if args.model else None
     if args.model_dir:
         from triax.hf.load import read_model_config
@@ -111,6 +120,8 @@ def run(args) -> int:
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
                     remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)
+    if mixed:
+        return _mixed(args, w, cat)
     schemes = (args.context_attention,) if args.context_attention else choices.CONTEXT_SCHEMES
     rec = plan(w, cluster, top=args.top, layout=_layout(args), schemes=schemes)
     out = rec.to_json()
@@ -118,4 +129,17 @@ def run(args) -> int:
         from triax.planner.verify import verify
         out["verify"] = [verify(p.workload, p.layout) for p in rec.plans]
     print(json.dumps(out, indent=2) if args.json else text_report(rec, out.get("verify")))
+    return 0
+
+
+def _mixed(args, w, cat) -> int:
+    """Mixed generations (``planner.mixed``): the uneven split against equal stages."""
+    from triax.planner.hardware import parse_gpu
+    from triax.planner.mixed import plan_mixed
+    if args.mesh is not None:
+        raise ValueError("--mesh does not go with mixed --gpu groups: the stages are the "
+                         "groups (each stage's devices its data axis)")
+    m = plan_mixed(w, parse_gpu(args.gpu, cat), args.strategy or "fsdp",
+                   ScheduleKind.parse(args.schedule or "1f1b"), args.microbatches, cat)
+    print(json.dumps(m.to_json(), indent=2) if args.json else m.describe())
     return 0

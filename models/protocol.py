@@ -150,6 +150,26 @@ def _all_but_layer_params(prim, *_, **params) -> bool:
     return True
 
 
+_LAYER_COUNT: contextvars.ContextVar = contextvars.ContextVar("triax_layer_count",
+                                                              default=None)
+# The named scope of the conditional that runs or skips one slot of the stack
+# (:func:`using_layer_count`): how the compiled program's layer slots are found.
+LAYER_SLOT_SCOPE = "layer_slot"
+
+
+@contextlib.contextmanager
+def using_layer_count(count):
+    """While active (``count``: an int32 scalar, may be traced), :func:`run_stack` runs only
+    the stack's first ``count`` layers and skips the rest under a ``lax.cond``: a pipeline
+    stage shorter than the longest (uneven stages) holds padded slots that cost nothing.
+    None: every layer runs (no conditional)."""
+    token = _LAYER_COUNT.set(count)
+    try:
+        yield
+    finally:
+        _LAYER_COUNT.reset(token)
+
+
 _LAYER: contextvars.ContextVar = contextvars.ContextVar("triax_layer", default=None)
 
 
@@ -174,10 +194,11 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
 
     ``cache`` (leaves with the same leading layers axis) is scanned alongside the blocks and
     returned updated (None without one); ``exe.remat`` checkpoints each layer. Each layer's
-    parameters are read through :func:`using_layer_params`' function when one is active.
-    ``layers`` (int32 ``[n]``) are the blocks' indices in the whole stack that
-    :func:`current_layer` reports (a pipeline chunk's; default ``0..n-1``)."""
-    layer_params = _LAYER_PARAMS.get()
+    parameters are read through :func:`using_layer_params`' function when one is active;
+    under :func:`using_layer_count` the layers past the count are skipped. ``layers`` (int32
+    ``[n]``) are the blocks' indices in the whole stack that :func:`current_layer` reports (a
+    pipeline chunk's; default ``0..n-1``)."""
+    layer_params, count = _LAYER_PARAMS.get(), _LAYER_COUNT.get()
     with using_exec(exe):
         prepare = getattr(model, "block_batch", None)
         batch = batch if prepare is None else prepare(batch, cache is not None)
@@ -186,7 +207,7 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
 
         def body(carry, layer):
             x, aux = carry
-            layer_state, layer_cache, index = layer
+            layer_state, layer_cache, index, _ = layer
             extra = () if layer_cache is None else (layer_cache,)
             if layer_params is not None:   # made again by the backward, never saved
                 layer_state = layer_params(layer_state)
@@ -198,6 +219,12 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
                 _LAYER.reset(token)
             return (y.astype(x.dtype), jax.tree.map(jnp.add, aux, a)), layer_cache
 
+        if count is not None:
+            def body(carry, layer, run=body):
+                with jax.named_scope(LAYER_SLOT_SCOPE):
+                    # the slot's place in this chunk (not its index in the stack)
+                    return jax.lax.cond(layer[3] < count, run, lambda c, l: (c, l[1]),
+                                        carry, layer)
         if exe.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[exe.remat], prevent_cse=False)
         elif layer_params is not None:   # keep every residual but the made parameters
@@ -207,8 +234,9 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
         if layers.shape != (n,):
             raise ValueError(f"run_stack: layers has shape {layers.shape}; give one index per "
                              f"block of the stack ({n},)")
-        (x, aux), cache = jax.lax.scan(body, (x, aux_zeros(model)),
-                                       (stack, cache, layers.astype(jnp.int32)))
+        (x, aux), cache = jax.lax.scan(
+            body, (x, aux_zeros(model)),
+            (stack, cache, layers.astype(jnp.int32), jnp.arange(n, dtype=jnp.int32)))
     return x, aux, cache
 
 

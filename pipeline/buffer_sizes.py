@@ -62,7 +62,9 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     """``activation_buffer_bytes``, cached: the planner asks the same question for every
     strategy that shares a pipeline layout."""
     schedule = config.build(stages)
-    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual).per_chunk
+    # Uneven stages: every stage's buffers are the longest's (one SPMD program).
+    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual,
+                            counts=config.stage_layers).per_chunk
     inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
     program = compile_program(schedule)
     layouts = slot_layouts(inputs, schedule.kind.split_backward) \

@@ -65,6 +65,7 @@ class StepSpec:
     dtype: Any
     layers: Any                     # int32 [S, v, Lc]: StageLayers.layer_ids (numpy)
     state_mb_axis: int = 0          # micro-batch axis of a state leaf, after its chunk axis
+    slot_counts: Any = None         # uneven stages: [S, v] int32 (StageLayers.slot_counts)
 
 
 class TickResult(NamedTuple):
@@ -168,7 +169,9 @@ def _trace_step(spec: StepSpec, blocks, pieces, inputs, consts, state, layers):
     apply, loss_apply = spec.apply, loss_only(spec.apply)
     chunk0 = jax.tree.map(lambda a: a[0], blocks)
     inputs0 = jax.tree.map(lambda a: a[0], inputs)
-    extras0 = StageInputs(inputs0, consts, jnp.bool_(True), jnp.bool_(True), layers[0])
+    # Uneven stages: a count leaf, traced like the real one (the slots' conditional stays).
+    count0 = None if spec.slot_counts is None else jnp.int32(spec.slot_counts.max())
+    extras0 = StageInputs(inputs0, consts, jnp.bool_(True), jnp.bool_(True), layers[0], count0)
     state0 = jax.tree.map(lambda a: take_state(a, 0, 0, spec.state_mb_axis), state)
     x_sd = apply.activation(chunk0, pieces, inputs0)
     x0 = jnp.zeros(x_sd.shape, spec.dtype)
@@ -178,7 +181,7 @@ def _trace_step(spec: StepSpec, blocks, pieces, inputs, consts, state, layers):
     step = Step(apply, loss_apply, sb, stash_layout(prog, sb) if sb else None, blocks, layers,
                 pieces, inputs, consts, loss_sd, spec.dtype, spec.stages, spec.state_mb_axis,
                 tuple(_used_kinds(prog.ticks)), Arrivals.of(prog),
-                _perms(spec.stages, prog.schedule.wraps))
+                _perms(spec.stages, prog.schedule.wraps), spec.slot_counts)
     return step, x0, out_sd
 
 

@@ -98,12 +98,14 @@ class PipelineConfig:
     ``fsdp``: how a stage holds weights FSDP splits over `data` (``choices.
     PIPELINE_FSDP_MODES``): ``stage`` gathers them once per step, ``layer`` per layer per op
     (``pipeline.fsdp``); ``auto`` is resolved before a pipeline is built
-    (``training.setup.pipeline_fsdp_for``)."""
+    (``training.setup.pipeline_fsdp_for``). ``stage_layers``: uneven stages, the layers each
+    stage runs (``pipeline.stage_counts``; None: as even as the count allows)."""
 
     schedule: str = "1f1b"
     microbatches: int = 0
     virtual: int = 1
     fsdp: str = "stage"
+    stage_layers: Optional[tuple[int, ...]] = None
 
     def __post_init__(self):
         check("pipeline_fsdp", self.fsdp, PIPELINE_FSDP_CHOICES)
@@ -140,7 +142,8 @@ class Pipeline:
         self.by_layer = config.fsdp == "layer"
         self.mesh, self.exe, self.config = mesh, exe, config
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
-        self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages)
+        self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages,
+                                          config.stage_layers)
         # A stack of experts (a parameter named "experts", e.g. models.moe.MoE) routes its
         # tokens with an all-to-all over the expert axis, whoever wrote the model.
         self.experts = any("experts" in names for names in
@@ -149,7 +152,7 @@ class Pipeline:
         if reason is not None:
             raise ScheduleError(f"mesh {sizes}, strategy {self.strategy.name}: {reason}")
         self.schedule = config.build(self.stages)
-        self.layout = StageLayers.of(num_layers, self.schedule)
+        self.layout = StageLayers.of(num_layers, self.schedule, config.stage_layers)
         self.abstract = am
         self.data = sizes.get(DATA, 1)
 
@@ -241,12 +244,12 @@ class Pipeline:
         B = jax.tree.leaves(inputs)[0].shape[0]
         M = schedule.microbatches
         micro = self._check_batch(B, M)
-        lay = StageLayers.of(self.layout.num_layers, schedule)
+        lay = StageLayers.of(self.layout.num_layers, schedule, self.layout.counts)
         blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
         state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, self.exe.dtype,
-                        lay.layer_ids(), state_mb_axis=1)
+                        lay.layer_ids(), state_mb_axis=1, slot_counts=lay.slot_counts)
         bspec, pspec, bfsdp, pfsdp, lfsdp = self._manual_specs
         by_layer = self.by_layer and bfsdp.splits
         backward = schedule.has_backward

@@ -35,7 +35,7 @@ from flax import nnx
 from triax.models.layers import ExecConfig
 from triax.models.lora import freeze_base
 from triax.models.protocol import (PipelineModel, loss_metric, run_stack, using_exec,
-                                   weighted_aux)
+                                   using_layer_count, weighted_aux)
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,8 +44,9 @@ class Stage:
     :class:`PipelineModel`.
 
     ``extras`` is a ``StageInputs``: this micro-batch's rows of the batch, step-wide
-    constants, the chunk's place in the model and its layers' indices in the whole stack
-    (what a block's per-layer randomness is drawn from: ``protocol.current_layer``).
+    constants, the chunk's place in the model, its layers' indices in the whole stack (what a
+    block's per-layer randomness is drawn from: ``protocol.current_layer``) and (uneven
+    stages) how many of the chunk's layer slots run.
     ``head="loss"``: consts ``inv_total_weight`` (and ``aux_scale`` for a model with auxiliary losses); the last
     chunk adds ``head_loss × inv_total_weight`` to the loss, ``out`` and ``state`` are
     empty. A model whose blocks return auxiliary losses (MoE) makes the loss a dict
@@ -74,9 +75,11 @@ class Stage:
         return jax.eval_shape(embed, chunk, pieces, inputs)
 
     def __call__(self, chunk, pieces, x_in, extras, state):
-        inputs, consts, first, last, layers = extras
+        inputs, consts, first, last = extras.inputs, extras.consts, extras.first, extras.last
+        layers = extras.layers
         model = self.model(chunk, pieces)
-        with using_exec(self.exe):   # how the model's own methods run (dtype, loss chunks)
+        # how the model's own methods run (dtype, loss chunks); which slots run
+        with using_exec(self.exe), using_layer_count(extras.count):
             x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype),
                              lambda: x_in)
             if self.head == "loss":

@@ -24,6 +24,9 @@ class StageInputs(NamedTuple):
     first: Any       # bool: the chunk is the model's first (the pre-stack runs)
     last: Any        # bool: the chunk is the model's last (the post-stack runs)
     layers: Any      # int32 [Lc]: the chunk's layers' indices in the whole stack
+    # int32: layers of the chunk's slots that run, the rest skipped (uneven stages,
+    # ``StageLayers.slot_counts``); None (no leaf): every slot runs
+    count: Any = None
 
 
 def leaf_positions(tree):

@@ -7,6 +7,12 @@ stack is padded with zero blocks, which are exact identities (a zero attention o
 projection and a zero MLP down projection leave the residual stream unchanged); their
 gradients are dropped again by :meth:`StageLayers.from_stages`.
 
+**Uneven stages** (``counts``, ``pipeline.stage_counts``: stage ``s`` runs its own
+``counts[s]`` layers, one chunk per stage): the stage array is ``[S, 1, max(counts), ...]``,
+each stage's layers first and zero blocks after; the stage skips those padded slots at run
+time (:attr:`slot_counts`, ``models.protocol.using_layer_count``), so a short stage computes
+less. Storage is kept whole on every pipe rank, as for uneven L.
+
 Storage stays the model's ``[L, ...]`` (checkpoints do not depend on the schedule). With
 ``L % S == 0`` and ``v == 1`` the reshape is local to each device; otherwise XLA moves the
 weights once per step (see :func:`pipeline_strategy` for uneven L).
@@ -19,17 +25,24 @@ weights once per step (see :func:`pipeline_strategy` for uneven L).
     [[0, 7], [1, 6], [2, 5], [3, 4]]
     >>> StageLayers(num_layers=3, stages=2).layer_ids().tolist()   # one padding layer
     [[[0, 1]], [[2, 3]]]
+    >>> u = StageLayers(num_layers=5, stages=2, counts=(4, 1))
+    >>> u.to_stages(np.arange(1, 6))[:, 0].tolist()     # stage 1: layer 5, then 3 zero slots
+    [[1, 2, 3, 4], [5, 0, 0, 0]]
+    >>> u.layer_ids()[:, 0].tolist()                    # skipped slots numbered past the stack
+    [[0, 1, 2, 3], [4, 5, 6, 7]]
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from triax.pipeline.chunk_routes import routed, to_compute, to_storage
+from triax.pipeline.stage_counts import check_counts, offsets
 from triax.sharding.rules import Strategy
 
 
@@ -39,11 +52,28 @@ class StageLayers:
     stages: int
     virtual: int = 1
     v_shape: bool = False     # ZB-V's placement (schedules.chunk_stage)
+    counts: Optional[tuple[int, ...]] = None   # uneven stages: layers per stage (v = 1)
+    split_backward: bool = False               # the schedule's (refused with counts)
+
+    def __post_init__(self):
+        if self.counts is not None:   # equal counts are the plain layout
+            counts = check_counts(self.counts, self.num_layers, self.stages, self.virtual,
+                                  self.split_backward)
+            object.__setattr__(self, "counts", None if len(set(counts)) == 1 else counts)
 
     @classmethod
-    def of(cls, num_layers: int, schedule) -> "StageLayers":
-        """The layout a ``pipeline.Schedule`` runs."""
-        return cls(num_layers, schedule.stages, schedule.virtual, schedule.kind.v_shape)
+    def of(cls, num_layers: int, schedule, counts=None) -> "StageLayers":
+        """The layout a ``pipeline.Schedule`` runs (``counts``: uneven stages)."""
+        return cls(num_layers, schedule.stages, schedule.virtual, schedule.kind.v_shape,
+                   None if counts is None else tuple(counts), schedule.kind.split_backward)
+
+    @property
+    def slot_counts(self) -> Optional[np.ndarray]:
+        """``[S, v]`` int32: the layers each (stage, local chunk) runs of its ``per_chunk``
+        slots, the rest skipped; None for the padded layout, whose slots all run."""
+        if self.counts is None:
+            return None
+        return np.asarray(self.counts, np.int32).reshape(self.stages, 1)
 
     @property
     def chunks(self) -> int:
@@ -51,6 +81,8 @@ class StageLayers:
 
     @property
     def per_chunk(self) -> int:
+        if self.counts is not None:
+            return max(self.counts)
         return math.ceil(self.num_layers / self.chunks)
 
     @property
@@ -60,9 +92,14 @@ class StageLayers:
 
     @property
     def even(self) -> bool:
-        return self.num_layers % self.stages == 0
+        return self.num_layers % self.stages == 0 and (
+            self.counts is None or len(set(self.counts)) == 1)
 
     def describe(self) -> str:
+        if self.counts is not None:
+            return (f"{self.num_layers} layers over {self.stages} uneven stages: "
+                    f"{', '.join(map(str, self.counts))} (padded to {self.per_chunk}, the "
+                    f"padded slots skipped)")
         pad = f", {self.padding} identity padding layer(s)" if self.padding else ""
         shape = " in a V" if self.v_shape else ""
         return (f"{self.num_layers} layers over {self.stages} stages x {self.virtual} "
@@ -73,7 +110,7 @@ class StageLayers:
     def routed(self) -> bool:
         """Interleaved with whole chunks per stage: the chunks enter the pipeline in storage
         order (:meth:`stored_chunks`) and ``chunk_routes`` moves them inside ``shard_map``."""
-        return routed(self.num_layers, self.stages, self.virtual)
+        return self.counts is None and routed(self.num_layers, self.stages, self.virtual)
 
     def to_compute(self, tree, axis: str):
         """Inside ``shard_map``: stored chunks → the chunks this stage runs (``routed``)."""
@@ -101,8 +138,18 @@ class StageLayers:
     def leave(self, blocks):
         return self.from_stored_chunks(blocks) if self.routed else self.from_stages(blocks)
 
+    def _padding(self, a, n: int):
+        """``n`` slots after a short stage's layers: zero blocks (skipped at run time)."""
+        return jnp.zeros((n,) + a.shape[1:], a.dtype)
+
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
+        if self.counts is not None:   # static slices: each stage's layers, then padding
+            def one(a):
+                pad = lambda c: self._padding(a, self.per_chunk - c)  # noqa: E731
+                return jnp.stack([jnp.concatenate([a[o:o + c], pad(c)])
+                                  for o, c in zip(offsets(self.counts), self.counts)])[:, None]
+            return jax.tree.map(one, blocks)
         return jax.tree.map(lambda a: self._placed(
             jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))), blocks)
 
@@ -110,7 +157,14 @@ class StageLayers:
         """int32 ``[S, v, Lc]``: each (stage, local chunk, slot)'s index in the whole stack,
         in compute order (:meth:`to_stages`'); the padding layers continue the count past
         ``num_layers``. What a layer draws per-layer randomness from (LoRA dropout), so a
-        stage draws what the unpipelined stack draws."""
+        stage draws what the unpipelined stack draws. Uneven stages: a stage's layers, then
+        its skipped slots numbered past ``num_layers``."""
+        if self.counts is not None:
+            real = np.arange(self.per_chunk) < np.asarray(self.counts)[:, None]   # [S, Lc]
+            ids = np.empty(real.shape, np.int32)
+            ids[real] = np.arange(self.num_layers)                  # row-major: stage order
+            ids[~real] = np.arange(self.num_layers, real.size)      # skipped slots after
+            return ids[:, None]
         return self._placed(np.arange(self.chunks * self.per_chunk, dtype=np.int32))
 
     def _placed(self, a):
@@ -127,6 +181,10 @@ class StageLayers:
 
     def from_stages(self, blocks):
         """Inverse of :meth:`to_stages` (padding dropped)."""
+        if self.counts is not None:
+            return jax.tree.map(lambda a: jnp.concatenate(
+                [a[s, 0, :c] for s, c in enumerate(self.counts)]), blocks)
+
         def one(a):
             a = self._legs(jnp.swapaxes(a, 0, 1))
             a = a.reshape((self.chunks * self.per_chunk,) + a.shape[3:])
@@ -134,14 +192,16 @@ class StageLayers:
         return jax.tree.map(one, blocks)
 
 
-def pipeline_strategy(strategy: Strategy, num_layers: int, stages: int) -> Strategy:
+def pipeline_strategy(strategy: Strategy, num_layers: int, stages: int,
+                      counts=None) -> Strategy:
     """The strategy the pipeline trains with.
 
-    ``layers → pipe`` needs ``stages | num_layers`` (JAX shardings must divide evenly). For
-    an uneven count the block stack is kept whole on every pipe rank instead (each stage
-    slices its own layers locally; the layer gradients are gathered over ``pipe`` once per
-    step). Even counts are returned unchanged.
+    ``layers → pipe`` needs ``stages | num_layers`` (JAX shardings must divide evenly) and
+    equal stages. For an uneven count or uneven ``counts`` (``stage_layers``) the block stack
+    is kept whole on every pipe rank instead (each stage slices its own layers locally; the
+    layer gradients are gathered over ``pipe`` once per step). Even splits are returned
+    unchanged.
     """
-    if num_layers % stages == 0:
+    if num_layers % stages == 0 and (counts is None or len(set(counts)) == 1):
         return strategy
     return strategy.with_updates(layers=None)

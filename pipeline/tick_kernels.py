@@ -98,6 +98,7 @@ class Step:
     kinds: tuple              # the op kinds the program runs
     arrivals: Arrivals
     perms: tuple              # the up and down channels' (source, target) pairs
+    slot_counts: Any = None   # uneven stages: [S, v] layers run per chunk (StageLayers)
 
     @property
     def backward(self) -> bool:
@@ -113,6 +114,7 @@ class Tick:
     on: dict                  # {OpKind: 1 where that op runs this tick}
     last: Any                 # bool: the chunk is the model's last (once per tick, not per op)
     dloss: Any                # the loss seed (ones): every chunk's loss is differentiated
+    count: Any = None         # uneven stages: the layers this op's chunk runs
 
     def chunk(self):
         """This op's chunk of the stage's layers (read inside the op that needs it)."""
@@ -121,7 +123,8 @@ class Tick:
     def extras(self) -> StageInputs:
         s = self.step
         return StageInputs(jax.tree.map(lambda a: take(a, self.row.mb), s.inputs), s.consts,
-                           self.row.first > 0, self.last, take(s.layers, self.row.chunk))
+                           self.row.first > 0, self.last, take(s.layers, self.row.chunk),
+                           self.count)
 
     def dy(self, c: Carry):
         """The incoming gradient (the last chunk has none: its loss is the seed)."""
@@ -268,4 +271,5 @@ def tick(s: Step, stage, c: Carry, xs) -> Carry:
     # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
     # chunk that is not the last has a constant zero loss). The loss may be a dict.
     dloss = jax.tree.map(lambda sd: jnp.ones(sd.shape, sd.dtype), s.loss_sd)
-    return send(s, run_ops(Tick(s, row, on, last, dloss), c), row)
+    count = None if s.slot_counts is None else jnp.asarray(s.slot_counts)[stage, row.chunk]
+    return send(s, run_ops(Tick(s, row, on, last, dloss, count), c), row)

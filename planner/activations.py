@@ -231,7 +231,8 @@ def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     so they are divided by ``tensor`` (the activations passed between stages are not
     split)."""
     sched = lay.schedule or ScheduleKind.ONE_F_ONE_B
-    config = PipelineConfig(sched.value, lay.microbatches, lay.virtual)
+    config = PipelineConfig(sched.value, lay.microbatches, lay.virtual,
+                            stage_layers=lay.stage_layers)
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
     buf = activation_buffer_bytes(w.cfg, lay.pipe, config, exe, rows, w.seq)   # cached there

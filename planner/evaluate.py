@@ -83,7 +83,9 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
     peak = cluster.device.peak_flops(w.dtype)
     uneven = 1.0
     if w.cfg is not None and lay.pipe > 1:   # the largest stage sets the pace
-        uneven = ceil_div(w.cfg.num_layers, lay.pipe) * lay.pipe / w.cfg.num_layers
+        longest = max(lay.stage_layers) if lay.stage_layers else ceil_div(w.cfg.num_layers,
+                                                                          lay.pipe)
+        uneven = longest * lay.pipe / w.cfg.num_layers
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward

@@ -153,6 +153,26 @@ class Catalog:
                        self.link(inter or "ib-400"))
 
 
+def parse_gpu(text: str, catalog: Optional[Catalog] = None) -> tuple[tuple[Device, int], ...]:
+    """``"h100-80gb:8,a100-80gb:8"`` → ``((Device h100-80gb, 8), (Device a100-80gb, 8))``: a
+    mixed cluster's groups (kind, count), in order; an unknown kind or a bad count names the
+    catalogue's kinds.
+
+        >>> [(d.name, n) for d, n in parse_gpu("h100-80gb:8,a100-80gb:8")]
+        [('h100-80gb', 8), ('a100-80gb', 8)]
+    """
+    cat = catalog or Catalog()
+    groups = []
+    for part in str(text).split(","):
+        name, sep, count = part.strip().partition(":")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--gpu {text!r}: give KIND:COUNT groups, comma-separated, e.g. "
+                             f"h100-80gb:8,a100-80gb:8 (COUNT ≥ 1); kinds: "
+                             f"{', '.join(cat.devices)}")
+        groups.append((cat.device(name.strip()), int(count)))
+    return tuple(groups)
+
+
 def cluster(gpu: str, gpus_per_node: int = 8, nodes: int = 1, intra: Optional[str] = None,
             inter: Optional[str] = None, catalog: Optional[Catalog] = None) -> Cluster:
     """A cluster of a catalogued device; links default from the form factor and IB-400."""

@@ -107,8 +107,7 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         params = p_local * FP32
         # Pipelined FSDP accumulates the stage's gradients whole over ``data`` in the tick
         # loop and reduce-scatters them once per step (``pipeline.fsdp.FSDP.reduce``).
-        acc = local_param_elements(w, lay.unsharded_over_data()) if pipelined_fsdp(w, lay) \
-            else o_local
+        acc = _stage_elements(w, lay) if pipelined_fsdp(w, lay) else o_local
         grads = acc * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
     else:
@@ -127,7 +126,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     if not w.train or w.cfg is None:
         return 0.0
     if pipelined_fsdp(w, lay):   # the stage's weights, gathered once per step (pipeline.fsdp)
-        return local_param_elements(w, lay.unsharded_over_data()) * FP32
+        return _stage_elements(w, lay) * FP32
     if pipelined_fsdp(w, lay, "layer"):   # one block's fp32 weights, gathered as it runs
         return _block_grad_elements(w, lay) * FP32 + (
             _block_grad_elements(w, lay) * w.dtype_bytes if w.mixed else 0)
@@ -146,6 +145,18 @@ def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
         and lay.data > 1 and lay.pipeline_fsdp == mode
 
 
+def _stage_elements(w: Workload, lay: Layout) -> int:
+    """A pipeline stage's own parameters whole over ``data`` (what pipelined FSDP gathers and
+    accumulates): the pre/post-stack and its ``v`` chunks of ``per_chunk`` blocks, even where
+    the stack is stored whole on every stage (uneven layers or stages)."""
+    rules = layout_rules(w, lay.unsharded_over_data())
+    pieces = sum(local_elements(s, l, rules, lay.sizes)
+                 for p, s, l in param_leaves(w.cfg) if not p.startswith("blocks/"))
+    chunk = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                        counts=lay.stage_layers).per_chunk
+    return pieces + lay.virtual * chunk * _block_grad_elements(w, lay)
+
+
 def _block_grad_elements(w: Workload, lay: Layout) -> int:
     """One block's parameters, whole over ``data``: its gradient before the reduction (the
     backward's working set) and, under FSDP, its gathered weights."""
@@ -162,7 +173,8 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     stacked gradients, which the executor then adds into the stage's accumulator)."""
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
-        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual).per_chunk
+        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                             counts=lay.stage_layers).per_chunk
     if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
         return _block_grad_elements(w, lay) + blocks * ceil_div(
             _block_grad_elements(w, lay), lay.data)

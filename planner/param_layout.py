@@ -73,7 +73,7 @@ def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
     every stage)."""
     st = get_strategy(lay.strategy)
     if lay.pipe > 1 and w.cfg is not None:
-        st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe)
+        st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe, lay.stage_layers)
     return st.optimizer_rules if optimizer else st.rules
 
 

@@ -113,6 +113,7 @@ class Layout:
     context: int = 1    # last: callers build layouts positionally
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
     pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
+    stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
 
     @property
     def devices(self) -> int:
@@ -146,7 +147,9 @@ class Layout:
             + (f" v={self.virtual}" if self.virtual > 1 else ""))
         ctx = f", {self.context_attention}" if self.context > 1 else ""
         by_layer = ", FSDP by layer" if self.pipe > 1 and self.pipeline_fsdp == "layer" else ""
-        return f"{self.mesh_str} {self.strategy}{sched}{ctx}{by_layer}"
+        uneven = "" if self.stage_layers is None else \
+            f", stage layers {','.join(map(str, self.stage_layers))}"
+        return f"{self.mesh_str} {self.strategy}{sched}{ctx}{by_layer}{uneven}"
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -31,7 +31,9 @@ CASES = {"dp": (DROP, dict(data=8), "dp", None),
          "tp_pipe_zbh1_padded": (DROP3, TP_PIPE, "tp", PipelineConfig("zb-h1")),
          "tp_pipe_zbv": (DROP, TP_PIPE, "tp", PipelineConfig("zb-v")),
          "tp_pipe_interleaved_padded": (DROP3, TP_PIPE, "tp",
-                                        PipelineConfig("interleaved", virtual=2))}
+                                        PipelineConfig("interleaved", virtual=2)),
+         # uneven stages (1, 3): stage 1 runs layers 1-3 (not slots 3-5 of an even numbering)
+         "tp_pipe_uneven_1_3": (DROP, TP_PIPE, "tp", PipelineConfig("1f1b", stage_layers=(1, 3)))}
 
 
 @pytest.fixture(scope="module")

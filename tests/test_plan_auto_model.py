@@ -1,9 +1,11 @@
-"""``Trainer.for_model(plan="auto")``: a user's model (the MLP-Mixer of ``user_models``) laid
-out by compiling every strategy × data × tensor mesh of 8 simulated devices; the choice fits
-its budget and trains like one device. One search, shared through a module fixture."""
+"""``Trainer.for_model(plan="auto")``: a user's model (the MLP-Mixer and the ViT of
+``user_models``) laid out by compiling every strategy × data × tensor mesh of 8 simulated
+devices; the choice fits its budget and trains like one device. One search per model, shared
+through a module fixture."""
 import numpy as np
 import pytest
-from user_models import MIXER_RULES, Mixer, MixerConfig, mixer_batch, mixer_loss
+from user_models import (MIXER_RULES, Mixer, MixerConfig, ViT, VitConfig, image_batch,
+                         mixer_batch, mixer_loss, vit_loss)
 
 import triax
 from triax.mesh import make_mesh
@@ -18,15 +20,24 @@ def make(rngs):
     return Mixer(MIXER, rngs)
 
 
+VIT = VitConfig(layers=1, dim=16, heads=4, mlp=32)
+VIT_RULES = {"pixels": None, "classes": None}
+VIT_BATCHES = [image_batch(VIT, 8, seed=i) for i in range(3)]
+
+
+def make_vit(rngs):
+    return ViT(VIT, rngs)
+
+
 def _auto(device_memory):
     return triax.Trainer.for_model(make, mixer_loss, rules=MIXER_RULES, plan="auto",
                                    example_batch=BATCHES[0], device_memory=device_memory)
 
 
-def _losses(trainer):
+def _losses(trainer, batches=BATCHES):
     state = trainer.init(seed=0)
     out = []
-    for b in BATCHES:
+    for b in batches:
         state, m = trainer.step(state, b)
         out.append(float(m["loss"]))
     return out
@@ -62,3 +73,20 @@ def test_second_call_compiles_nothing_and_too_small_a_budget_is_refused(searched
                                          r"per device \(compiled\).*more devices"):
         _auto("1KiB")
     assert auto_model.COUNTS["compiles"] == before
+
+
+def test_for_model_auto_on_the_vit_fits_and_equals_one_device(devices):
+    """The ViT: its budget too sits below data=8 dp's compiled peak, so the choice shards."""
+    def auto(budget):
+        return triax.Trainer.for_model(make_vit, vit_loss, rules=VIT_RULES, plan="auto",
+                                       example_batch=VIT_BATCHES[0], device_memory=budget)
+    first = auto("1GiB").auto
+    dp = next(x for x in [first.chosen, first.runner_up, *first.refused]
+              if x and x.strategy == "dp" and dict(x.mesh)["data"] == 8)
+    trainer = auto(f"{int(dp.peak * 0.95)}B")
+    c = trainer.auto
+    assert c.chosen.peak <= c.budget.usable < dp.peak
+    one = triax.Trainer.for_model(make_vit, vit_loss, make_mesh(devices=devices[:1]), "dp",
+                                  rules=VIT_RULES)
+    np.testing.assert_allclose(_losses(trainer, VIT_BATCHES), _losses(one, VIT_BATCHES),
+                               rtol=1e-5)

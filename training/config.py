@@ -34,6 +34,7 @@ import yaml
 from triax import choices
 from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
 from triax.pipeline.schedules import ScheduleKind
+from triax.pipeline.stage_counts import check_counts, parse_counts
 from triax.units import parse_bytes
 
 if TYPE_CHECKING:
@@ -112,6 +113,10 @@ class RunConfig:
                                     "layer) | auto (stage where the planner's memory model "
                                     "says it fits a device, else layer)",
                             choices=choices.PIPELINE_FSDP_CHOICES)
+    stage_layers: Optional[str] = _f(None, "layers each pipeline stage runs, e.g. 5,3 (uneven "
+                                           "stages: one count per pipe stage, adding up to the "
+                                           "layers; gpipe or 1f1b; see docs/pipeline.md)",
+                                     default_help="as even as the layer count allows")
     data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
                             ".parquet file (documents with a text field, or prompt/completion "
                             "pairs whose prompts get no loss; packed)")
@@ -176,6 +181,17 @@ class RunConfig:
             if self.kv_blocks is not None:
                 raise ValueError("give one of --kv-blocks and --kv-memory (both size the pool)")
             self.kv_memory_bytes()
+        if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
+            counts = self.stage_counts()    # by check_pipeline, the model's layers there too
+            try:
+                check_counts(counts, self.num_layers or sum(counts), len(counts), self.virtual,
+                             ScheduleKind.parse(self.schedule).split_backward)
+            except ValueError as e:
+                raise ValueError(f"--stage-layers: {e}") from None
+            if self.plan == "auto":   # the search lays out even stages only
+                raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
+                                 "not search: use --plan flags with --mesh (triax plan --gpu "
+                                 "KIND:N,KIND:N proposes a split)")
         needs_lora = [flag for flag, on in (("adapter", self.adapter),
                                             ("base-dtype", self.base_dtype != "float32"),
                                             ("lora-dropout", self.lora_dropout != 0)) if on]
@@ -190,6 +206,30 @@ class RunConfig:
                           f"(--steps {self.steps}): the learning rate never reaches --lr "
                           f"{self.lr:g}; lower --lr-warmup-steps (0: 10% of --steps)",
                           RunConfigWarning, stacklevel=3)
+
+    def stage_counts(self) -> Optional[tuple[int, ...]]:
+        """``--stage-layers`` as per-stage layer counts (None: not given)."""
+        if self.stage_layers is None:
+            return None
+        try:
+            return parse_counts(self.stage_layers)
+        except ValueError as e:
+            raise ValueError(f"--stage-layers: {e}") from None
+
+    def check_pipeline(self, cfg: "ModelConfig", stages: int) -> Optional[tuple[int, ...]]:
+        """``--stage-layers`` against the model's layers and the mesh's ``pipe`` (None when
+        not given)."""
+        counts = self.stage_counts()
+        if counts is None:
+            return None
+        if stages < 2:
+            raise ValueError(f"--stage-layers {self.stage_layers} needs a pipelined mesh "
+                             f"(pipe >= 2), got pipe={stages}; add pipe={len(counts)} to --mesh")
+        try:
+            return check_counts(counts, cfg.num_layers, stages, self.virtual,
+                                ScheduleKind.parse(self.schedule).split_backward)
+        except ValueError as e:
+            raise ValueError(f"--stage-layers: {e}") from None
 
     def device_memory_bytes(self) -> Optional[int]:
         """``--device-memory`` in bytes (None: not given)."""

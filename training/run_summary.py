@@ -86,9 +86,9 @@ def summary(stats: RunStats, compiled: Compiled, state) -> dict:
 def _pipeline(trainer):
     if trainer.pipeline is None:
         return None
-    s = trainer.pipeline.schedule
+    s, counts = trainer.pipeline.schedule, trainer.pipeline.layout.counts
     return {"schedule": s.kind.value, "stages": s.stages, "microbatches": s.microbatches,
-            "virtual": s.virtual}
+            "virtual": s.virtual, **({} if counts is None else {"stage_layers": list(counts)})}
 
 
 def _collectives(compiled: Compiled) -> list[dict]:
@@ -118,7 +118,9 @@ def format_summary(s: dict) -> str:
         p = s["pipeline"]
         lines.append(f"  pipeline:   {p['schedule']} over {p['stages']} stages, "
                      f"{p['microbatches']} micro-batches" +
-                     (f", {p['virtual']} chunks per stage" if p["virtual"] > 1 else ""))
+                     (f", {p['virtual']} chunks per stage" if p["virtual"] > 1 else "") +
+                     (f", layers per stage {','.join(map(str, p['stage_layers']))}"
+                      if p.get("stage_layers") else ""))
     for c in s.get("collectives", []):
         axes = "×".join(c["axes"]) or "-"
         lines.append(f"  {c['kind']:18s} over {axes:18s} {c['count']:5d} per step, "

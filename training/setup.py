@@ -11,7 +11,7 @@ schedule / micro-batch combination fails before anything compiles.
     >>> run = build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
     ...                           batch_size=8, seq_len=16))
     >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
-    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage'), 4)
+    (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage', stage_layers=None), 4)
     >>> build_run(RunConfig(mesh="data=8", batch_size=12))
     Traceback (most recent call last):
     ...
@@ -100,10 +100,11 @@ def build_mesh(run: RunConfig, cfg: ModelConfig) -> Mesh:
 def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[PipelineConfig]:
     """The one pipelining decision: a schedule when ``pipe > 1``."""
     stages = mesh_sizes(mesh).get("pipe", 1)
+    counts = run.check_pipeline(cfg, stages)   # --stage-layers without pipe fails here
     if stages < 2:
         return None
     pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual,
-                              pipeline_fsdp_for(run, cfg, mesh))
+                              pipeline_fsdp_for(run, cfg, mesh), counts)
     pipeline.build(stages)  # a bad schedule/micro-batch combination fails here, not in a compile
     return pipeline
 
@@ -126,7 +127,8 @@ def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
     lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
                  strategy=run.strategy, schedule=ScheduleKind(run.schedule),
                  microbatches=run.microbatches or default_microbatches(sizes["pipe"]),
-                 virtual=run.virtual, pipeline_fsdp="stage")
+                 virtual=run.virtual, pipeline_fsdp="stage",
+                 stage_layers=run.check_pipeline(cfg, sizes["pipe"]))
     w = Workload.of(cfg, train=True, dtype=run.precision, batch=run.batch_size,
                     seq=run.seq_len, remat=run.remat)
     fits = capacity is None or estimate(w, lay).modelled <= capacity[0]

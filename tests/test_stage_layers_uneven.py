@@ -1,0 +1,134 @@
+"""Uneven pipeline stages (``stage_layers``): loss and every gradient equal one device (fp32,
+rtol 1e-5) under 1F1B and GPipe, and on a 3D mesh under FSDP + TP; a short stage skips its
+padded slots at run time (padded with real layers, the loss is still the model's) and in the
+compiled program (its ops' matmul FLOPs); bad counts are refused naming the fix; the flag
+reaches the pipeline and the checkpointed config."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tree_checks import assert_trees_close
+
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.pipeline import ScheduleError
+from triax.pipeline.pipelined import PipelineConfig
+from triax.pipeline.stage_counts import StageCountsError
+from triax.pipeline.stage_layers import StageLayers
+from triax.sharding.introspect.layer_slots import stage_op_flops
+from triax.training.config import RunConfig
+from triax.training.setup import build_run
+from triax.training.step import Trainer
+
+B, T = 8, 16
+
+
+@pytest.fixture(scope="module")
+def reference():
+    cache = {}
+
+    def get(L):
+        if L not in cache:
+            cfg = config.TINY.replace(num_layers=L)
+            ref = Trainer(cfg, make_mesh(devices=jax.devices()[:1]), "dp")
+            params = jax.device_get(ref.init(0)["params"])
+            batch = ref.example_batch(B, T)
+            (loss, _), grads = ref.grads(params, batch)
+            cache[L] = (cfg, params, batch, float(loss), jax.device_get(grads))
+        return cache[L]
+    return get
+
+
+def trainer(cfg, kind, S, M, counts):
+    return Trainer(cfg, make_mesh(pipe=S, devices=jax.devices()[:S]), "dp",
+                   pipeline=PipelineConfig(kind, M, stage_layers=counts))
+
+
+@pytest.mark.parametrize("kind,S,M,counts", [
+    ("1f1b", 2, 4, (3, 1)),
+    ("gpipe", 2, 2, (1, 3)),
+    ("1f1b", 4, 4, (2, 1, 2, 1)),
+])
+def test_uneven_stages_equal_one_device(reference, kind, S, M, counts):
+    cfg, params, batch, loss0, grads0 = reference(sum(counts))
+    tr = trainer(cfg, kind, S, M, counts)
+    assert tr.pipeline.layout.counts == counts
+    assert tr.pipeline.layout.per_chunk == max(counts)
+    (loss, _), grads = tr.grads(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+    assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"{kind} {counts} grads")
+
+
+@pytest.mark.parametrize("fsdp", ["stage", "layer"])
+def test_uneven_stages_on_a_3d_mesh_under_fsdp_tp(reference, fsdp):
+    """data=2 × tensor=2 × pipe=2: the stage's FSDP gather (once per step, or per layer inside
+    the slot's conditional) and TP under uneven stages."""
+    cfg, params, batch, loss0, grads0 = reference(4)
+    tr = Trainer(cfg, make_mesh(data=2, tensor=2, pipe=2), "fsdp_tp",
+                 pipeline=PipelineConfig("1f1b", 4, fsdp=fsdp, stage_layers=(3, 1)))
+    (loss, _), grads = tr.grads(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+    assert_trees_close(grads, grads0, rtol=1e-5, atol=1e-6, what=f"fsdp by {fsdp} grads")
+
+
+def test_padded_slots_are_skipped_at_run_time(reference, monkeypatch):
+    """The padded slots hold a real layer (layer 0's weights) instead of a zero block: only a
+    stage that skips them computes the model's loss."""
+    cfg, params, batch, loss0, _ = reference(4)
+    monkeypatch.setattr(StageLayers, "_padding", lambda self, a, n: jnp.repeat(a[:1], n, 0))
+    tr = trainer(cfg, "1f1b", 2, 2, (3, 1))
+    loss, _ = jax.jit(tr.pipeline.forward)(params, batch)
+    np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
+
+
+def test_compiled_flops_show_the_short_stage_skips_its_padding():
+    """Per stage, the matmul FLOPs of one F and one B, read from the compiled step: the layer
+    slot's skip branch runs no matmul, so the 1-layer stage's F and B cost a third of the
+    3-layer stage's; the even split's stages each cost two layers' worth."""
+    cfg = config.TINY.replace(num_layers=4)
+    tr = trainer(cfg, "1f1b", 2, 4, (3, 1))
+    compiled = tr.lower(tr.example_batch(B, T)).compile()
+    flops = stage_op_flops(compiled, (3, 1), 3)
+    for op in ("F", "B"):
+        long, short = flops[op]
+        assert short > 0 and long == 3 * short, (op, flops[op])
+    even = trainer(cfg, "1f1b", 2, 4, None).lower(tr.example_batch(B, T)).compile()
+    with pytest.raises(ValueError, match="no layer-slot conditional"):
+        stage_op_flops(even, (2, 2), 2)     # the even layout runs every slot: no conditional
+
+
+@pytest.mark.parametrize("counts,kind,v,match", [
+    ((3, 2), "1f1b", 1, r"add up to 5, but the model has 4 layers; make them add up to 4"),
+    ((4,), "1f1b", 1, r"1 count\(s\) for 2 pipeline stage\(s\); give one per stage"),
+    ((4, 0), "1f1b", 1, r"every stage needs at least 1 layer"),
+    ((3, 1), "interleaved", 2, r"uneven stages run one chunk per stage; use virtual=1"),
+    ((3, 1), "zb-h1", 1, r"split backward runs the padded layers too; use gpipe or 1f1b"),
+])
+def test_bad_counts_are_refused(counts, kind, v, match):
+    cfg = config.TINY.replace(num_layers=4)
+    with pytest.raises((StageCountsError, ScheduleError), match=match):
+        Trainer(cfg, make_mesh(pipe=2, devices=jax.devices()[:2]), "dp",
+                pipeline=PipelineConfig(kind, 4, v, stage_layers=counts))
+
+
+def test_the_flag_reaches_the_pipeline_and_the_saved_config():
+    run = RunConfig(model="tiny", num_layers=4, mesh="data=4,pipe=2", strategy="dp",
+                    batch_size=16, seq_len=16, stage_layers="3,1")
+    built = build_run(run)
+    assert built.pipeline.stage_layers == (3, 1)
+    assert built.trainer.pipeline.layout.counts == (3, 1)
+    assert RunConfig(**run.to_json()).stage_counts() == (3, 1)   # what a checkpoint keeps
+    with pytest.raises(ValueError, match=r"--stage-layers: .*add up to 5, but the model has "
+                                         r"4 layers"):
+        RunConfig(num_layers=4, stage_layers="3,2")
+    with pytest.raises(ValueError, match=r"--stage-layers: stage_layers '3;1': give one layer "
+                                         r"count per pipeline stage, comma-separated"):
+        RunConfig(stage_layers="3;1")
+    with pytest.raises(ValueError, match=r"--stage-layers fixes uneven stages, which --plan "
+                                         r"auto does not search: use --plan flags"):
+        run.replace(plan="auto")
+    with pytest.raises(ValueError, match=r"--stage-layers 3,1 needs a pipelined mesh "
+                                         r"\(pipe >= 2\), got pipe=1; add pipe=2"):
+        build_run(run.replace(mesh="data=8"))
+    with pytest.raises(ValueError, match=r"--stage-layers: .* 2 count\(s\) for 4 pipeline"):
+        build_run(run.replace(mesh="data=2,pipe=4"))
