@@ -177,8 +177,7 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     eng = Engine(CFG, None, mesh, "tp", ecfg)
     assert eng.pool.total_blocks == 10 and eng.cache_bytes_per_device() == 10 * one
     assert held_bytes_per_device(CFG, mesh, "tp", ecfg)["KV cache"] == 10 * one
-    w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64,
-                    kv_positions=eng.pool.positions)
+    w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64, kv_memory=ecfg.kv_memory)
     assert kv_cache_bytes(w, Layout(tensor=2, strategy="tp")) == 10 * one
     # The memory check counts the pool, not slots × max_len.
     fits = (sum(held_bytes_per_device(CFG, mesh, "tp", ecfg).values()), "test")
@@ -186,6 +185,31 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     with pytest.raises(OutOfMemoryPredicted, match="KV pool of 12 blocks"):
         check_serving_memory(CFG, mesh, st, dataclasses.replace(ecfg, kv_memory=0,
                                                                 kv_blocks=12), capacity=fits)
+
+
+@pytest.mark.parametrize("mesh,flags", [
+    ("tensor=2", ["--kv-blocks", "12", "--kv-block-size", "8"]),
+    ("data=2", ["--kv-memory", "20000"]),      # 4 whole blocks per group (4096 bytes each)
+    ("tensor=2", []),                          # neither: slots × --seq-len's blocks
+])
+def test_plan_inference_counts_the_pool_it_is_given(capsys, devices, mesh, flags):
+    import json
+
+    from triax.cli.main import main
+    from triax.mesh import parse_mesh
+    assert main(["plan", "--model", "tiny", "--num-layers", "2", "--inference", "--dtype",
+                 "fp32", "--gpu", "h100-80gb", "--gpus-per-node", "2", "--nodes", "1",
+                 "--mesh", mesh, "--strategy", "tp", "--batch-size", "4", "--seq-len", "64",
+                 "--json", *flags]) == 0
+    planned = json.loads(capsys.readouterr().out)["plans"][0]["memory_per_device"]["kv_cache"]
+    args = dict(zip(flags[::2], flags[1::2]))
+    ecfg = EngineConfig(max_batch=4, max_len=64, kv_blocks=int(args.get("--kv-blocks", 0)),
+                        kv_memory=int(args.get("--kv-memory", 0)),
+                        block_size=int(args.get("--kv-block-size", 16)))
+    eng = Engine(CFG, None, make_mesh(**parse_mesh(mesh), devices=devices[:2]), "tp", ecfg)
+    blocks = {"--kv-blocks": 12, "--kv-memory": 8}.get(flags[0] if flags else None, 4 * 4)
+    assert eng.pool.total_blocks == blocks
+    assert planned == eng.pool.bytes_per_device() == eng.cache_bytes_per_device()
 
 
 # ---- the flags -----------------------------------------------------------------------------------
