@@ -107,6 +107,35 @@ def test_tokens_through_a_scattered_pool_equal_the_reference(layout, params, ref
     assert eng.kv.in_use == 0
 
 
+@pytest.mark.parametrize("layout", ["one", "data2", "pipe2", "context2"])
+def test_decode_runs_only_the_live_rows_in_a_bucket_per_row_group(layout, params, reference,
+                                                                  devices):
+    """8 slots, 4 live (slots 1, 2, 5, 7), then 2 (slots 2 and 7 stop): each step runs a
+    power-of-two bucket of the live rows (4, then 2; under data=2 / pipe=2 two per row group,
+    then one each, every row on its own group's blocks), with the reference's tokens."""
+    sizes = {**LAYOUTS, "data2": {"data": 2}}[layout]
+    n = int(np.prod(list(sizes.values()) or [1]))
+    mesh = make_mesh(devices=devices[:n], **(sizes or {"tensor": 1}))
+    eng = Engine(CFG, params, mesh, "tp", EngineConfig(max_batch=8, max_len=32, min_bucket=32,
+                                                       block_size=BS))
+    slots = [1, 2, 5, 7]
+    first = np.asarray(eng.prefill(slots, [np.array(p) for p in PROMPTS], [0] * 4))
+    out = {s: [int(t)] for s, t in zip(slots, first)}
+    cur, active = np.zeros(8, np.int32), np.zeros(8, bool)
+    cur[slots], active[slots] = first, True
+    for step in range(NEW - 1):
+        if step == 4:
+            active[[2, 7]] = False           # those two stop; their blocks go back
+            eng.release(2), eng.release(7)
+        cur = np.asarray(eng.decode(cur, active, np.zeros(8, np.int32)))
+        for s in np.flatnonzero(active):
+            out[s].append(int(cur[s]))
+    for i, s in enumerate(slots):
+        assert out[s] == reference[i][:len(out[s])] and len(out[s]) == (NEW if s in (1, 5)
+                                                                          else 5)
+    assert eng.compiles["decode"] == {(4,), (2,)} and eng._decode_jit._cache_size() == 2
+
+
 # ---- admission by free blocks --------------------------------------------------------------------
 def test_a_mixed_workload_runs_more_sequences_at_once_than_slot_reserved_caches(params,
                                                                                reference,
