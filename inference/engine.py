@@ -282,10 +282,14 @@ class Engine:
         T = next(b for b in self.ecfg.buckets() if b >= n_tokens)
         return T if self.context is None else self.context.length(T)   # splits over context
 
-    def _prefill_batches(self) -> tuple[int, int]:
-        """The two prefill batch buckets: one row per data shard (and micro-batch), or all."""
-        lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
-        return lo, self.ecfg.max_batch
+    def _prefill_batches(self) -> tuple[int, ...]:
+        """Prefill batch buckets: one row per data shard (and micro-batch) times 2^k, capped
+        at all slots (a few prompts run a few rows, not every slot's)."""
+        b, out = self.sizes["data"] * (self.microbatches if self.pipelined else 1), []
+        while b < self.ecfg.max_batch:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None):
         table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
@@ -319,18 +323,17 @@ class Engine:
             if self.kv.held[s]:
                 self.release(s)
             self.kv.grow(s, n)
-        lo, hi = self._prefill_batches()
-        tok = self._run_prefill(slots, prompts, seeds, lo if len(prompts) <= lo else hi,
-                                self._bucket(max(lens)), settings)
+        b = next(b for b in self._prefill_batches() if b >= len(prompts))
+        tok = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings)
         self.lengths[list(slots)] = lens
         return tok
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
-        """Compile prefill (both batch buckets × the needed length buckets) and decode ahead
-        of serving, so served timings exclude compilation. Call it with no live slots: the
-        warm-up decode writes (masked, later overwritten) junk into every slot's cache."""
+        """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
+        of serving, so served timings exclude compilation. Call it with no live slots (its
+        rows are all padding: nothing is written)."""
         for T in sorted({self._bucket(n) for n in prompt_lengths}):
-            for b in sorted(set(self._prefill_batches())):
+            for b in self._prefill_batches():
                 self._run_prefill([], [], [], b, T)  # every row dropped: cache unchanged
         B = self.ecfg.max_batch
         zeros = np.zeros(B, np.int32)

@@ -56,10 +56,11 @@ def test_fifty_requests_complete_with_their_own_tokens(setup):
     assert uses.sum() == 50 and uses.max() > 1          # 16 slots served 50 requests
     assert {r.replica for r in out.values()} == {0, 1, 2, 3}
     for eng in server.engines:   # decode: one shape per bucket of live rows (1, 2, 4), all
-        #                            compiled by the warm-up; few prefill buckets
+        #                            compiled by the warm-up; prefill per batch and length
         assert eng._decode_jit._cache_size() == len(eng._decode_buckets()) == 3
         assert eng.compiles["decode"] == {(1,), (2,), (4,)}
-        assert eng._prefill_jit._cache_size() == len(eng.compiles["prefill"]) <= 2
+        assert eng._prefill_jit._cache_size() == len(eng.compiles["prefill"]) == 3
+        assert eng.compiles["prefill"] == {(1, 16), (2, 16), (4, 16)}   # batch buckets
 
 
 def test_results_independent_of_arrival_order(setup):

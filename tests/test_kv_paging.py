@@ -110,7 +110,8 @@ def test_tokens_through_a_scattered_pool_equal_the_reference(layout, params, ref
 @pytest.mark.parametrize("layout", ["one", "data2", "pipe2", "context2"])
 def test_decode_runs_only_the_live_rows_in_a_bucket_per_row_group(layout, params, reference,
                                                                   devices):
-    """8 slots, 4 live (slots 1, 2, 5, 7), then 2 (slots 2 and 7 stop): each step runs a
+    """8 slots, 4 live (slots 1, 2, 5, 7; prefilled as a batch of 4 rows), then 2 (slots 2
+    and 7 stop): each step runs a
     power-of-two bucket of the live rows (4, then 2; under data=2 / pipe=2 two per row group,
     then one each, every row on its own group's blocks), with the reference's tokens."""
     sizes = {**LAYOUTS, "data2": {"data": 2}}[layout]
@@ -134,6 +135,7 @@ def test_decode_runs_only_the_live_rows_in_a_bucket_per_row_group(layout, params
         assert out[s] == reference[i][:len(out[s])] and len(out[s]) == (NEW if s in (1, 5)
                                                                           else 5)
     assert eng.compiles["decode"] == {(4,), (2,)} and eng._decode_jit._cache_size() == 2
+    assert eng.compiles["prefill"] == {(4, 32)}   # 4 prompts: a bucket of 4 rows, not 8
 
 
 # ---- admission by free blocks --------------------------------------------------------------------
