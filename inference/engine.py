@@ -4,9 +4,9 @@ The engine owns ``max_batch`` decode slots and one pool of KV blocks
 (``triax.inference.kv_pool``); each slot's sequence holds a block table
 (``triax.inference.kv_blocks``), takes blocks as it grows, and gives them back when
 ``release``d. ``prefill`` writes prompts into chosen slots
-and samples their first token; ``decode`` advances every slot by one token. Shapes are
-bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
-all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
+and samples their first token; ``decode`` advances the live slots by one token. Shapes
+are bucketed (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
+rows, a power of two per row group), so each compiles once per bucket, never per request. ``pipe > 1``
 decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis
 (and no ``pipe``) the cache is split along its positions and the prompt along its tokens
 (``triax.sharding.context_cache``), each block's positions striped over it.
