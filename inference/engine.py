@@ -6,9 +6,9 @@ The engine owns ``max_batch`` decode slots and one pool of KV blocks
 ``release``d. ``prefill`` writes prompts into chosen slots
 and samples their first token; ``decode`` advances the live slots by one token. Shapes
 are bucketed (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
-rows, a power of two per row group), so each compiles once per bucket, never per request. ``pipe > 1``
-decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis
-(and no ``pipe``) the cache is split along its positions and the prompt along its tokens
+rows, a power of two per row group), so each compiles once per bucket, never per request.
+``pipe > 1`` decodes through the pipeline (``triax.inference.forward``). On a mesh with a
+``context`` axis (and no ``pipe``) the cache is split along its positions and the prompt along its tokens
 (``triax.sharding.context_cache``), each block's positions striped over it.
 
     >>> from triax.mesh import make_mesh
