@@ -8,8 +8,8 @@ and samples their first token; ``decode`` advances the live slots by one token. 
 are bucketed (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
 rows, a power of two per row group), so each compiles once per bucket, never per request.
 ``pipe > 1`` decodes through the pipeline (``triax.inference.forward``). On a mesh with a
-``context`` axis (and no ``pipe``) the cache is split along its positions and the prompt along its tokens
-(``triax.sharding.context_cache``), each block's positions striped over it.
+``context`` axis (and no ``pipe``) the cache is split along its positions and the prompt
+along its tokens (``triax.sharding.context_cache``), each block's positions striped over it.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
