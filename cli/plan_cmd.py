@@ -19,7 +19,7 @@ from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.conf
 
 RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "max_seq_len", "mesh", "strategy", "remat",
              "loss_chunks", "context_attention", "attention", "lora_rank", "lora_alpha",
-             "lora_targets", "base_dtype")
+             "lora_targets", "base_dtype", "kv_blocks", "kv_memory", "kv_block_size")
 PLAN_DEFAULTS = {"batch_size": 8, "seq_len": 2048, "mesh": None, "strategy": None,
                  "context_attention": None}
 PLAN_NOTES = {
@@ -28,6 +28,8 @@ PLAN_NOTES = {
     "loss_chunks": "for --mesh, or tried beside the search's own choice for long sequences",
     "context_attention": "the scheme for --mesh with context > 1; without --mesh, the only "
                          "scheme searched (default: both)",
+    "kv_blocks": "with --inference: the pool the KV term counts (default: --kv-memory's, else "
+                 "--batch-size slots × --seq-len's blocks)",
 }
 
 
@@ -86,6 +88,19 @@ def _layout(args):
                   context_attention=args.context_attention or "all-gather")
 
 
+def _pool(args) -> dict:
+    """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size`` as ``Workload`` takes them:
+    serving's pool (checked as serve checks them), for ``--inference`` only."""
+    from triax.cli.serving_flags import pool_of
+    given = [f for f in ("kv_blocks", "kv_memory") if getattr(args, f) is not None]
+    if args.train and given:
+        raise ValueError(f"--{given[0].replace('_', '-')} sizes serving's KV pool: plan it "
+                         f"with --inference, or drop it for --train")
+    pool = pool_of(args)
+    return {"kv_blocks": pool["kv_blocks"], "kv_memory": pool["kv_memory"],
+            "kv_block_size": pool["block_size"]}
+
+
 def run(args) -> int:
     # The planner compiles a small pipelined step to measure op costs (planner.op_costs),
     # which needs simulated CPU devices: set before anything starts JAX's backend.
@@ -119,7 +134,8 @@ def run(args) -> int:
                                          base_dtype=args.base_dtype).lora_config())
     w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
                     dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
-                    remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks)
+                    remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks,
+                    **_pool(args))
     if mixed:
         return _mixed(args, w, cat)
     schemes = (args.context_attention,) if args.context_attention else choices.CONTEXT_SCHEMES

@@ -4,12 +4,12 @@ The engine owns ``max_batch`` decode slots and one pool of KV blocks
 (``triax.inference.kv_pool``); each slot's sequence holds a block table
 (``triax.inference.kv_blocks``), takes blocks as it grows, and gives them back when
 ``release``d. ``prefill`` writes prompts into chosen slots
-and samples their first token; ``decode`` advances every slot by one token. Shapes are
-bucketed (prompt length rounded up to a bucket; prefill batch one row per data shard, or
-all slots), so each function compiles once per bucket, never per request. ``pipe > 1``
-decodes through the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis
-(and no ``pipe``) the cache is split along its positions and the prompt along its tokens
-(``triax.sharding.context_cache``), each block's positions striped over it.
+and samples their first token; ``decode`` advances the live slots by one token. Shapes
+are bucketed (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
+rows, a power of two per row group), so each compiles once per bucket, never per request.
+``pipe > 1`` decodes through the pipeline (``triax.inference.forward``). On a mesh with a
+``context`` axis (and no ``pipe``) the cache is split along its positions and the prompt
+along its tokens (``triax.sharding.context_cache``), each block's positions striped over it.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
@@ -148,15 +148,15 @@ class Engine:
                 for n in ("k", "v")}
 
     def lower_decode(self):
-        """The decode step of every slot, lowered on abstract inputs (nothing allocated):
-        ``.compile().memory_analysis()`` is a replica's per-device serving peak."""
+        """The decode step of every slot (the largest bucket), lowered on abstract inputs
+        (nothing allocated): ``.compile().memory_analysis()`` is a replica's serving peak."""
         B = self.ecfg.max_batch
         row = jax.ShapeDtypeStruct((B,), jnp.int32)
         table = jax.ShapeDtypeStruct(self.kv.tables.shape, jnp.int32)
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
         return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
-                                      self._rule(), rows)
+                                      self._rule(), rows, row)
 
     def recover(self) -> None:
         """After a failed prefill or decode: a fresh cache if the failed program consumed
@@ -199,7 +199,10 @@ class Engine:
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 
-    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule, rows=None):
+    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
+                rows=None, slots_B=None):
+        """One step of a bucket of rows (``B`` here: the bucket's); with ``slots_B``, tokens
+        and logits come back scattered to their slots (``max_batch``: padding, dropped)."""
         # Every layer reads the same table: it rides in the cache, scanned with the layers
         # (and split over pipeline stages and micro-batches like the pool).
         paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
@@ -210,7 +213,13 @@ class Engine:
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},
                                                  self.cache_sharding)
         tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
-        return cache, tok, logits_B1V[:, 0]
+        if slots_B is None:
+            return cache, tok, logits_B1V[:, 0]
+        n = self.ecfg.max_batch
+        tok_n = jnp.zeros(n, tok.dtype).at[slots_B].set(tok, mode="drop")
+        logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
+            logits_B1V[:, 0], mode="drop")
+        return cache, tok_n, logits_nV
 
     def _rule(self) -> SamplingConfig:
         return dataclasses.replace(self.sampling, stop_tokens=())
@@ -273,10 +282,14 @@ class Engine:
         T = next(b for b in self.ecfg.buckets() if b >= n_tokens)
         return T if self.context is None else self.context.length(T)   # splits over context
 
-    def _prefill_batches(self) -> tuple[int, int]:
-        """The two prefill batch buckets: one row per data shard (and micro-batch), or all."""
-        lo = self.sizes["data"] * (self.microbatches if self.pipelined else 1)
-        return lo, self.ecfg.max_batch
+    def _prefill_batches(self) -> tuple[int, ...]:
+        """Prefill batch buckets: one row per data shard (and micro-batch) times 2^k, capped
+        at all slots (a few prompts run a few rows, not every slot's)."""
+        b, out = self.sizes["data"] * (self.microbatches if self.pipelined else 1), []
+        while b < self.ecfg.max_batch:
+            out.append(b)
+            b *= 2
+        return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None):
         table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
@@ -310,27 +323,60 @@ class Engine:
             if self.kv.held[s]:
                 self.release(s)
             self.kv.grow(s, n)
-        lo, hi = self._prefill_batches()
-        tok = self._run_prefill(slots, prompts, seeds, lo if len(prompts) <= lo else hi,
-                                self._bucket(max(lens)), settings)
+        b = next(b for b in self._prefill_batches() if b >= len(prompts))
+        tok = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings)
         self.lengths[list(slots)] = lens
         return tok
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
-        """Compile prefill (both batch buckets × the needed length buckets) and decode ahead
-        of serving, so served timings exclude compilation. Call it with no live slots: the
-        warm-up decode writes (masked, later overwritten) junk into every slot's cache."""
+        """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
+        of serving, so served timings exclude compilation. Call it with no live slots (its
+        rows are all padding: nothing is written)."""
         for T in sorted({self._bucket(n) for n in prompt_lengths}):
-            for b in sorted(set(self._prefill_batches())):
+            for b in self._prefill_batches():
                 self._run_prefill([], [], [], b, T)  # every row dropped: cache unchanged
         B = self.ecfg.max_batch
-        jax.block_until_ready(self.decode(np.zeros(B, np.int32), np.zeros(B, bool),
-                                          np.zeros(B, np.int32)))
+        zeros = np.zeros(B, np.int32)
+        for k in self._decode_buckets():   # every row padding: nothing written
+            jax.block_until_ready(self._run_decode(np.full(self.pool.groups * k, B), zeros,
+                                                   zeros, zeros, None))
+
+    def _decode_buckets(self) -> tuple[int, ...]:
+        """Rows per row group a decode step may run: powers of two, capped at its slots."""
+        per = self.ecfg.max_batch // self.pool.groups
+        return tuple(sorted({min(per, 1 << i) for i in range(per.bit_length() + 1)}))
+
+    def _decode_rows(self, active: np.ndarray) -> np.ndarray:
+        """The slots a step runs, group by group: each row group's live slots, padded with
+        ``max_batch`` (no slot) to the same bucket, so a row stays in its group's blocks."""
+        B, G = self.ecfg.max_batch, self.pool.groups
+        live = [np.flatnonzero(a) + g * (B // G) for g, a in enumerate(np.split(active, G))]
+        k = next(b for b in self._decode_buckets() if b >= max(map(len, live)))
+        rows = np.full((G, k), B)
+        for g, x in enumerate(live):
+            rows[g, :len(x)] = x
+        return rows.reshape(-1)
+
+    def _run_decode(self, rows, tokens, positions, seeds, settings):
+        B = self.ecfg.max_batch
+        real = rows < B
+        s = np.where(real, rows, 0)
+        pick = lambda a: np.where(real, np.asarray(a)[s], 0).astype(np.int32)  # noqa: E731
+        table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
+        given = list(settings) if settings else [self.sampling] * B
+        self.compiles["decode"].add(rows.shape)
+        self.cache, tok, self.last_logits = self._decode_jit(
+            self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
+            self._rule(), row_settings([given[i] if r else self.sampling
+                                        for i, r in zip(s, real)]), rows.astype(np.int32))
+        return tok
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
                settings: Optional[Sequence[SamplingConfig]] = None) -> jax.Array:
-        """Feed one token per slot (``active`` rows advance); return the next tokens.
-        ``settings``: one ``SamplingConfig`` per slot (default: the engine's for all)."""
+        """Feed one token per slot (``active`` rows advance); return the next tokens (one per
+        slot; only the active ones mean anything). Only the active rows run: a bucket of
+        them per row group (``_decode_rows``; one compile per bucket). ``settings``: one
+        ``SamplingConfig`` per slot (default: the engine's for all)."""
         full = active & (self.lengths >= self.ecfg.max_len)
         if full.any():
             raise CacheFullError(
@@ -339,11 +385,8 @@ class Engine:
         for s in np.flatnonzero(active):   # the new token's position needs its block
             self.kv.grow(int(s), int(self.lengths[s]) + 1)
         positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
-        self.compiles["decode"].add(tokens.shape)
-        self.cache, tok, self.last_logits = self._decode_jit(
-            self.params, self.cache, self.kv.tables.copy(), np.asarray(tokens, np.int32),
-            positions,
-            np.asarray(seeds, np.int32), self._rule(), self._rows(len(tokens), settings))
+        tok = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
+                               seeds, settings)
         self.lengths[active] += 1
         return tok
 

@@ -121,7 +121,8 @@ def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None)
         from triax.planner import Workload  # above inference: asked only when it does not fit
         # Served as triax serves: fp32 weights and pool (kv_pool.CACHE_DTYPE).
         w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len,
-                        kv_positions=pool.positions)
+                        kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
+                        kv_block_size=ecfg.block_size)
         return planner_suggestion(w, capacity_bytes,
                                   {"mesh": sizes_of(mesh), "remat": "none",
                                    "strategy": get_strategy(strategy).name},

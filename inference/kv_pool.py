@@ -13,20 +13,21 @@ position lives on the rank that owns it in the prompt's striped order,
 Size: ``--kv-blocks`` (blocks over all groups), or ``--kv-memory`` (bytes of pool per
 device: as many whole blocks per group as fit), or by default as many blocks as slots ×
 ``max_len`` positions need (the memory of a slot-reserved cache). Bytes per block per device
-are ``bytes_per_block`` (2 · L/pipe · P/context · K/tensor · H · 4 for fp32).
+are ``bytes_per_block`` (2 · L/pipe · P/context · K/tensor · H · 4 for fp32). The planner
+counts the same pool on a mesh it only imagines (``planned_pool``: an abstract mesh).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from triax.inference.errors import InferenceError
-from triax.mesh.build import mesh_sizes
+from triax.mesh.build import AXES, mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, PAGED_AXES, cache_shape
 from triax.pipeline.pipelined import default_decode_microbatches
@@ -34,6 +35,7 @@ from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.rules import Strategy
 
 CACHE_DTYPE = jnp.float32
+CACHE_ITEMSIZE = jnp.dtype(CACHE_DTYPE).itemsize
 
 
 def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
@@ -82,6 +84,7 @@ class KVPool:
     max_blocks: int
     shape: tuple[int, ...]
     sharding: NamedSharding
+    itemsize: int = CACHE_ITEMSIZE   # bytes per value (the planner may plan another dtype)
 
     @property
     def total_blocks(self) -> int:
@@ -94,7 +97,7 @@ class KVPool:
 
     def bytes_per_device(self) -> int:
         """Bytes of pool (k and v) each device holds."""
-        return _per_device(self.shape, self.sharding)
+        return _per_device(self.shape, self.sharding, self.itemsize)
 
 
 def _placed(cfg, mesh, strategy, groups, blocks, block_size):
@@ -105,8 +108,8 @@ def _placed(cfg, mesh, strategy, groups, blocks, block_size):
     return shape, NamedSharding(mesh, spec)
 
 
-def _per_device(shape, sh) -> int:
-    return 2 * math.prod(sh.shard_shape(shape)) * jnp.dtype(CACHE_DTYPE).itemsize
+def _per_device(shape, sh, itemsize: int = CACHE_ITEMSIZE) -> int:
+    return 2 * math.prod(sh.shard_shape(shape)) * itemsize
 
 
 def bytes_per_block(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, block_size: int,
@@ -117,9 +120,19 @@ def bytes_per_block(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, block_size
     return _per_device(shape, sh) // sh.shard_shape(shape)[1]   # over the groups held here
 
 
-def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg) -> KVPool:
+def planned_pool(cfg: ModelConfig, sizes: Mapping[str, int], strategy: Strategy, ecfg,
+                 itemsize: int = CACHE_ITEMSIZE) -> KVPool:
+    """The pool ``kv_pool`` would build on a mesh of ``sizes`` (axes left out are 1), with
+    ``itemsize`` bytes per value: no devices needed (``triax plan``'s KV term)."""
+    mesh = AbstractMesh(tuple(int(sizes.get(a, 1)) for a in AXES), AXES)
+    return kv_pool(cfg, mesh, strategy, ecfg, itemsize)
+
+
+def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg,
+            itemsize: int = CACHE_ITEMSIZE) -> KVPool:
     """The pool ``ecfg`` (an ``EngineConfig``) asks for on ``mesh``; a clear error when its
-    size or block size cannot be."""
+    size or block size cannot be. ``itemsize``: what ``--kv-memory`` buys (the engine's is
+    ``CACHE_DTYPE``'s)."""
     P, C = ecfg.block_size, mesh_sizes(mesh)["context"]
     ctx = split_context(mesh, strategy)
     if P < 1 or (ctx is not None and P % ctx.size):
@@ -138,7 +151,7 @@ def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg) -> KVPool:
         total = ecfg.kv_blocks
     elif ecfg.kv_memory:
         # A device holds its groups' blocks: n per group cost n × one block of each of them.
-        one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P))
+        one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P), itemsize)
         if ecfg.kv_memory < one:
             raise InferenceError(
                 f"--kv-memory {ecfg.kv_memory} bytes holds no KV block: one block per row "
@@ -148,7 +161,7 @@ def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg) -> KVPool:
     else:   # what slot-reserved caches of max_len positions would take
         total = ecfg.max_batch * M
     shape, sh = _placed(cfg, mesh, strategy, G, total // G, P)
-    return KVPool(G, total // G, P, M, shape, sh)
+    return KVPool(G, total // G, P, M, shape, sh, itemsize)
 
 
 def write_prompt(pool: dict, scratch: dict, table_bM, group_b) -> dict:

@@ -140,7 +140,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def mesh_sizes(mesh: Mesh) -> dict[str, int]:
-    return dict(zip(mesh.axis_names, mesh.devices.shape))
+    """Axis name → size; an ``AbstractMesh`` (no devices) answers too, as the planner's do."""
+    return dict(mesh.shape)
 
 
 def describe(mesh: Mesh) -> str:

@@ -121,11 +121,13 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
     for sizes, r in splits(n, cfg.num_layers, mesh_sizes, replicas):
         ecfg = engine_config_for(cfg, sizes, longest, max_new_tokens, slots, **(pool or {}))
         try:
-            kv = kv_pool(cfg, replica_meshes(sizes, r)[0], st, ecfg).positions
+            kv_pool(cfg, replica_meshes(sizes, r)[0], st, ecfg)   # a pool this layout builds
         except (ValueError, ShardingError):
             continue
         w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch,
-                        seq=ecfg.max_len, backend=jax.devices()[0].platform, kv_positions=kv)
+                        seq=ecfg.max_len, backend=jax.devices()[0].platform,
+                        kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
+                        kv_block_size=ecfg.block_size)
         p = sizes.get("pipe", 1)
         lay = Layout(tensor=sizes.get("tensor", 1), pipe=p, data=sizes.get("data", 1),
                      context=sizes.get("context", 1), strategy="tp",

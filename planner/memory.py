@@ -15,12 +15,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from triax.planner.activations import activation_bytes, tensor_local
+from triax.planner.activations import activation_bytes
 from triax.planner.param_layout import (layout_rules, local_base_bytes, local_elements,
                                         local_param_elements, param_leaves)
 from triax.planner.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers
-from triax.sharding.rules import get_strategy
+from triax.sharding.rules import ShardingError, get_strategy
 from triax.units import decimal_bytes
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
@@ -70,17 +70,25 @@ class Memory:
 
 
 def kv_cache_bytes(w: Workload, lay: Layout) -> float:
-    """Layers × 2 (K and V) × kv_heads × head_dim × positions × bytes, per device: a paged
-    pool's positions (``w.kv_positions``) or a slot cache's sequence × batch, split like the
-    batch."""
+    """The serving engine's paged KV pool (k and v) per device on the layout, from the pool's
+    one home (``inference.kv_pool.planned_pool``): ``w.batch`` slots of ``w.seq`` positions,
+    sized by ``w.kv_blocks`` / ``w.kv_memory``, in the workload's dtype. A pool the layout
+    cannot split (its row groups, a block over ``context``) is a ``ShardingError``."""
     cfg = w.cfg
     if cfg is None or w.train:
         return 0.0
-    layers = ceil_div(cfg.num_layers, lay.pipe)
-    kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor,
-                      get_strategy(lay.strategy).rules) * cfg.head_dim
-    positions = w.kv_positions or w.seq * w.batch
-    return layers * 2 * kv * (positions / lay.batch_shards) * w.dtype_bytes
+    # inference sits below the planner; imported here so the planner loads without it
+    from triax.inference.engine import EngineConfig
+    from triax.inference.errors import InferenceError
+    from triax.inference.kv_pool import planned_pool
+    ecfg = EngineConfig(max_batch=w.batch, max_len=w.seq, kv_blocks=w.kv_blocks,
+                        kv_memory=w.kv_memory, block_size=w.kv_block_size,
+                        microbatches=lay.microbatches if lay.pipe > 1 else 0)
+    try:
+        pool = planned_pool(cfg, lay.sizes, get_strategy(lay.strategy), ecfg, w.dtype_bytes)
+    except InferenceError as e:
+        raise ShardingError(f"the KV pool on {lay.mesh_str}: {e}") from None
+    return float(pool.bytes_per_device())
 
 
 # ---- the whole picture ---------------------------------------------------------------------

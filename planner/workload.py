@@ -48,8 +48,12 @@ class Workload:
     attention: str = "auto"        # the step's --attention (models.attention.resolve)
     backend: str = "gpu"           # where it runs, which picks `auto`'s kernel: the planner
     #                                plans GPUs; --verify's CPU compile predicts for "cpu"
-    kv_positions: int = 0          # serving: KV positions of a replica's paged pool (its one
-    #                                home: inference.kv_pool.KVPool.positions); 0: batch × seq
+    # Inference: the serving engine's paged KV pool of `batch` slots of `seq` positions, sized
+    # as --kv-blocks / --kv-memory (bytes per device) / --kv-block-size size it (0, 0: slots ×
+    # seq's); the KV term is that pool's bytes per device (inference.kv_pool.planned_pool).
+    kv_blocks: int = 0
+    kv_memory: int = 0
+    kv_block_size: int = choices.KV_BLOCK_SIZE
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":

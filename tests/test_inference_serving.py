@@ -55,9 +55,12 @@ def test_fifty_requests_complete_with_their_own_tokens(setup):
     uses = np.array(server.slot_uses)
     assert uses.sum() == 50 and uses.max() > 1          # 16 slots served 50 requests
     assert {r.replica for r in out.values()} == {0, 1, 2, 3}
-    for eng in server.engines:                          # one decode shape, few prefill buckets
-        assert eng._decode_jit._cache_size() == 1
-        assert eng._prefill_jit._cache_size() == len(eng.compiles["prefill"]) <= 2
+    for eng in server.engines:   # decode: one shape per bucket of live rows (1, 2, 4), all
+        #                            compiled by the warm-up; prefill per batch and length
+        assert eng._decode_jit._cache_size() == len(eng._decode_buckets()) == 3
+        assert eng.compiles["decode"] == {(1,), (2,), (4,)}
+        assert eng._prefill_jit._cache_size() == len(eng.compiles["prefill"]) == 3
+        assert eng.compiles["prefill"] == {(1, 16), (2, 16), (4, 16)}   # batch buckets
 
 
 def test_results_independent_of_arrival_order(setup):
@@ -67,7 +70,7 @@ def test_results_independent_of_arrival_order(setup):
     random.Random(3).shuffle(order)
     shuffled = _serve(server, reqs, order)
     assert {i: r.tokens for i, r in forward.items()} == {i: r.tokens for i, r in shuffled.items()}
-    assert server.engines[0]._decode_jit._cache_size() == 1  # no recompiles on the second run
+    assert server.engines[0]._decode_jit._cache_size() == 3  # no recompiles on the second run
 
 
 def test_stop_token_ends_a_request_and_frees_its_slot(setup, devices):

@@ -107,6 +107,37 @@ def test_tokens_through_a_scattered_pool_equal_the_reference(layout, params, ref
     assert eng.kv.in_use == 0
 
 
+@pytest.mark.parametrize("layout", ["one", "data2", "pipe2", "context2"])
+def test_decode_runs_only_the_live_rows_in_a_bucket_per_row_group(layout, params, reference,
+                                                                  devices):
+    """8 slots, 4 live (slots 1, 2, 5, 7; prefilled as a batch of 4 rows), then 2 (slots 2
+    and 7 stop): each step runs a
+    power-of-two bucket of the live rows (4, then 2; under data=2 / pipe=2 two per row group,
+    then one each, every row on its own group's blocks), with the reference's tokens."""
+    sizes = {**LAYOUTS, "data2": {"data": 2}}[layout]
+    n = int(np.prod(list(sizes.values()) or [1]))
+    mesh = make_mesh(devices=devices[:n], **(sizes or {"tensor": 1}))
+    eng = Engine(CFG, params, mesh, "tp", EngineConfig(max_batch=8, max_len=32, min_bucket=32,
+                                                       block_size=BS))
+    slots = [1, 2, 5, 7]
+    first = np.asarray(eng.prefill(slots, [np.array(p) for p in PROMPTS], [0] * 4))
+    out = {s: [int(t)] for s, t in zip(slots, first)}
+    cur, active = np.zeros(8, np.int32), np.zeros(8, bool)
+    cur[slots], active[slots] = first, True
+    for step in range(NEW - 1):
+        if step == 4:
+            active[[2, 7]] = False           # those two stop; their blocks go back
+            eng.release(2), eng.release(7)
+        cur = np.asarray(eng.decode(cur, active, np.zeros(8, np.int32)))
+        for s in np.flatnonzero(active):
+            out[s].append(int(cur[s]))
+    for i, s in enumerate(slots):
+        assert out[s] == reference[i][:len(out[s])] and len(out[s]) == (NEW if s in (1, 5)
+                                                                          else 5)
+    assert eng.compiles["decode"] == {(4,), (2,)} and eng._decode_jit._cache_size() == 2
+    assert eng.compiles["prefill"] == {(4, 32)}   # 4 prompts: a bucket of 4 rows, not 8
+
+
 # ---- admission by free blocks --------------------------------------------------------------------
 def test_a_mixed_workload_runs_more_sequences_at_once_than_slot_reserved_caches(params,
                                                                                reference,
@@ -177,8 +208,7 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     eng = Engine(CFG, None, mesh, "tp", ecfg)
     assert eng.pool.total_blocks == 10 and eng.cache_bytes_per_device() == 10 * one
     assert held_bytes_per_device(CFG, mesh, "tp", ecfg)["KV cache"] == 10 * one
-    w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64,
-                    kv_positions=eng.pool.positions)
+    w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64, kv_memory=ecfg.kv_memory)
     assert kv_cache_bytes(w, Layout(tensor=2, strategy="tp")) == 10 * one
     # The memory check counts the pool, not slots × max_len.
     fits = (sum(held_bytes_per_device(CFG, mesh, "tp", ecfg).values()), "test")
@@ -186,6 +216,31 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     with pytest.raises(OutOfMemoryPredicted, match="KV pool of 12 blocks"):
         check_serving_memory(CFG, mesh, st, dataclasses.replace(ecfg, kv_memory=0,
                                                                 kv_blocks=12), capacity=fits)
+
+
+@pytest.mark.parametrize("mesh,flags", [
+    ("tensor=2", ["--kv-blocks", "12", "--kv-block-size", "8"]),
+    ("data=2", ["--kv-memory", "20000"]),      # 4 whole blocks per group (4096 bytes each)
+    ("tensor=2", []),                          # neither: slots × --seq-len's blocks
+])
+def test_plan_inference_counts_the_pool_it_is_given(capsys, devices, mesh, flags):
+    import json
+
+    from triax.cli.main import main
+    from triax.mesh import parse_mesh
+    assert main(["plan", "--model", "tiny", "--num-layers", "2", "--inference", "--dtype",
+                 "fp32", "--gpu", "h100-80gb", "--gpus-per-node", "2", "--nodes", "1",
+                 "--mesh", mesh, "--strategy", "tp", "--batch-size", "4", "--seq-len", "64",
+                 "--json", *flags]) == 0
+    planned = json.loads(capsys.readouterr().out)["plans"][0]["memory_per_device"]["kv_cache"]
+    args = dict(zip(flags[::2], flags[1::2]))
+    ecfg = EngineConfig(max_batch=4, max_len=64, kv_blocks=int(args.get("--kv-blocks", 0)),
+                        kv_memory=int(args.get("--kv-memory", 0)),
+                        block_size=int(args.get("--kv-block-size", 16)))
+    eng = Engine(CFG, None, make_mesh(**parse_mesh(mesh), devices=devices[:2]), "tp", ecfg)
+    blocks = {"--kv-blocks": 12, "--kv-memory": 8}.get(flags[0] if flags else None, 4 * 4)
+    assert eng.pool.total_blocks == blocks
+    assert planned == eng.pool.bytes_per_device() == eng.cache_bytes_per_device()
 
 
 # ---- the flags -----------------------------------------------------------------------------------

@@ -25,7 +25,10 @@ MODEL = "llama-chat"
 TEMPLATE = ("{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}A:{% endif %}")
 LAYOUT = "pipe=2;context=2;tensor=2;tensor=2"
-SLOTS, MAX_QUEUE, MAX_LEN = 2, 16, 32   # 8 slots in all, 16 waiting at most
+SLOTS, MAX_QUEUE, MAX_LEN = 2, 16, 80   # 8 slots in all, 16 waiting at most
+# Each replica's pool: 4 blocks of 16 positions, so a pipe=2 replica's two row groups hold 32
+# positions each and a one-group replica's 64: no replica holds a request of MAX_LEN.
+KV_BLOCKS = 4
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +39,8 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "triax", "serve", "--model-dir", str(d), "--mesh", LAYOUT,
          "--slots", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--max-len", str(MAX_LEN),
-         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--kv-blocks", str(KV_BLOCKS), "--port", "0"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"})
     line = proc.stdout.readline()  # blocks until ready (or the process ended)
     if "ready at" not in line:
@@ -84,10 +88,10 @@ def test_ready_line_health_and_models(served):
     h = httpx.get(served["url"] + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert [m.id for m in _client(served).models.list().data] == [MODEL]
-    # Four replicas' pools, by default slots × max_len's blocks of 16 positions each.
+    # Four replicas' pools of --kv-blocks blocks each.
     text = httpx.get(served["url"] + "/metrics").text
     assert re.search(r"^triax_kv_blocks_in_use \S+$", text, re.M), text
-    assert _metric(served, "triax_kv_blocks_total") == 4 * SLOTS * MAX_LEN // 16
+    assert _metric(served, "triax_kv_blocks_total") == 4 * KV_BLOCKS
     assert _metric(served, "triax_kv_blocks_in_use") == 0
 
 
@@ -196,7 +200,8 @@ def test_stop_strings_and_stop_token_ids(served):
     ({"model": MODEL, "prompt": "hi", "max_tokens": "4"}, 400, "max_tokens", "integer"),
     ({"model": MODEL, "prompt": "hi", "temprature": 0}, 400, "temprature", "unknown field"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "llama-chat"),
-    ({"model": MODEL, "prompt": "hi", "max_tokens": 40}, 400, "max_tokens", "context of 32"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN + 8}, 400, "max_tokens",
+     f"context of {MAX_LEN}"),
     ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n=1"),
     ({"model": MODEL, "prompt": [5, 999]}, 400, "prompt", "vocabulary"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", "0"),
@@ -208,6 +213,23 @@ def test_bad_input_gets_an_openai_error(served, body, status, param, words):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert err["param"] == param and words in err["message"], err
+
+
+def test_a_request_no_pool_can_hold_gets_a_400_naming_the_pool_flags(served):
+    """Within --max-len but more blocks than a row group holds: refused at once (a 400 in
+    OpenAI's shape), not queued forever; the timeout bounds the wait if it were queued."""
+    body = {"model": MODEL, "prompt": [5, 6], "max_tokens": MAX_LEN - 10, "temperature": 0}
+    r = httpx.post(served["url"] + "/v1/completions", json=body, timeout=30,
+                   headers={"x-request-timeout": "3"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error"
+    # 2 + 70 - 1 = 71 positions: 5 blocks of 16; replica 0's (pipe=2) row groups hold 2.
+    for words in ("needs 5 KV blocks of 16 positions", "holds 2 per row group", "--kv-blocks",
+                  "--kv-memory"):
+        assert words in err["message"], err
+    assert _settled(served) and _metric(served, "triax_queue_depth") == 0
 
 
 def test_openai_client_sees_the_errors(served):
