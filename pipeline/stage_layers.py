@@ -144,11 +144,17 @@ class StageLayers:
 
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
-        if self.counts is not None:   # static slices: each stage's layers, then padding
+        if self.counts is not None:
+            # One gather with static indices, the padded slots selected to ``_padding``: XLA
+            # fuses it into each device's slice of its own stage. A stack of per-stage
+            # concatenations instead became one replicated [S, Lc] copy per stage.
+            real = np.arange(self.per_chunk) < np.asarray(self.counts)[:, None]   # [S, Lc]
+            idx = np.zeros(real.shape, np.int32)
+            idx[real] = np.arange(self.num_layers)
+
             def one(a):
-                pad = lambda c: self._padding(a, self.per_chunk - c)  # noqa: E731
-                return jnp.stack([jnp.concatenate([a[o:o + c], pad(c)])
-                                  for o, c in zip(offsets(self.counts), self.counts)])[:, None]
+                keep = real.reshape(real.shape + (1,) * (a.ndim - 1))
+                return jnp.where(keep, a[idx], self._padding(a, 1))[:, None]
             return jax.tree.map(one, blocks)
         return jax.tree.map(lambda a: self._placed(
             jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))), blocks)
