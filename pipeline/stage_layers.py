@@ -208,6 +208,13 @@ def pipeline_strategy(strategy: Strategy, num_layers: int, stages: int,
     layer gradients are gathered over ``pipe`` once per step). Even splits are returned
     unchanged.
     """
-    if num_layers % stages == 0 and (counts is None or len(set(counts)) == 1):
+    if not stack_kept_whole(num_layers, stages, counts):
         return strategy
     return strategy.with_updates(layers=None)
+
+
+def stack_kept_whole(num_layers: int, stages: int, counts=None) -> bool:
+    """Whether every pipe rank stores the whole block stack (:func:`pipeline_strategy`): then
+    each stage's ``[v, Lc, ...]`` chunk is a fresh per-device copy (:meth:`StageLayers.enter`
+    slices or pads it out of the stack), not a view of the ``layers → pipe`` shard."""
+    return num_layers % stages != 0 or (counts is not None and len(set(counts)) > 1)
