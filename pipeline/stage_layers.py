@@ -144,11 +144,17 @@ class StageLayers:
 
     def to_stages(self, blocks):
         """``[L, ...]`` leaves → ``[S, v, Lc, ...]`` (zero-padded)."""
-        if self.counts is not None:   # static slices: each stage's layers, then padding
+        if self.counts is not None:
+            # One gather with static indices, the padded slots selected to ``_padding``: XLA
+            # fuses it into each device's slice of its own stage. A stack of per-stage
+            # concatenations instead became one replicated [S, Lc] copy per stage.
+            real = np.arange(self.per_chunk) < np.asarray(self.counts)[:, None]   # [S, Lc]
+            idx = np.zeros(real.shape, np.int32)
+            idx[real] = np.arange(self.num_layers)
+
             def one(a):
-                pad = lambda c: self._padding(a, self.per_chunk - c)  # noqa: E731
-                return jnp.stack([jnp.concatenate([a[o:o + c], pad(c)])
-                                  for o, c in zip(offsets(self.counts), self.counts)])[:, None]
+                keep = real.reshape(real.shape + (1,) * (a.ndim - 1))
+                return jnp.where(keep, a[idx], self._padding(a, 1))[:, None]
             return jax.tree.map(one, blocks)
         return jax.tree.map(lambda a: self._placed(
             jnp.pad(a, [(0, self.padding)] + [(0, 0)] * (a.ndim - 1))), blocks)
@@ -202,6 +208,13 @@ def pipeline_strategy(strategy: Strategy, num_layers: int, stages: int,
     layer gradients are gathered over ``pipe`` once per step). Even splits are returned
     unchanged.
     """
-    if num_layers % stages == 0 and (counts is None or len(set(counts)) == 1):
+    if not stack_kept_whole(num_layers, stages, counts):
         return strategy
     return strategy.with_updates(layers=None)
+
+
+def stack_kept_whole(num_layers: int, stages: int, counts=None) -> bool:
+    """Whether every pipe rank stores the whole block stack (:func:`pipeline_strategy`): then
+    each stage's ``[v, Lc, ...]`` chunk is a fresh per-device copy (:meth:`StageLayers.enter`
+    slices or pads it out of the stack), not a view of the ``layers → pipe`` shard."""
+    return num_layers % stages != 0 or (counts is not None and len(set(counts)) > 1)

@@ -19,7 +19,7 @@ from triax.planner.activations import activation_bytes
 from triax.planner.param_layout import (layout_rules, local_base_bytes, local_elements,
                                         local_param_elements, param_leaves)
 from triax.planner.workload import FP32, Layout, Workload, ceil_div
-from triax.pipeline.stage_layers import StageLayers
+from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.units import decimal_bytes
 
@@ -122,7 +122,8 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
     acts = activation_bytes(w, lay)
     kv = kv_cache_bytes(w, lay)
-    block = _block_weights(w, lay, p_local)
+    block = _block_weights(w, lay, p_local) + _stage_copy_elements(w, lay) * (
+        FP32 if w.train else w.dtype_bytes)
     modelled = params + grads + optimizer + acts + kv + block
     overhead = assume.overhead_bytes + assume.overhead_frac * modelled
     return Memory(params, grads, optimizer, acts, kv, overhead, block)
@@ -163,6 +164,24 @@ def _stage_elements(w: Workload, lay: Layout) -> int:
     chunk = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
                         counts=lay.stage_layers).per_chunk
     return pieces + lay.virtual * chunk * _block_grad_elements(w, lay)
+
+
+def _stage_copy_elements(w: Workload, lay: Layout) -> int:
+    """The stage's chunks copied out of a stack kept whole on every pipe rank
+    (``stage_layers.stack_kept_whole``: uneven layers or stages), in its local placement;
+    an even split's stage is a view of its own ``layers → pipe`` shard instead."""
+    if lay.pipe == 1 or w.cfg is None or not stack_kept_whole(
+            w.cfg.num_layers, lay.pipe, lay.stage_layers):
+        return 0
+    rules = layout_rules(w, lay)
+    block = sum(local_elements(s[1:], l[1:], rules, lay.sizes)
+                for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
+    return lay.virtual * _per_chunk(w, lay) * block
+
+
+def _per_chunk(w: Workload, lay: Layout) -> int:
+    return StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                       counts=lay.stage_layers).per_chunk
 
 
 def _block_grad_elements(w: Workload, lay: Layout) -> int:

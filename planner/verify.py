@@ -58,6 +58,7 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
     return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
                      seq_len=w.seq, precision=w.dtype, attention=w.attention,
                      pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay),
+                     stage_layers=lay.stage_layers and ",".join(map(str, lay.stage_layers)),
                      **_lora_fields(w))
 
 
