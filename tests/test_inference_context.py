@@ -7,7 +7,6 @@ import dataclasses
 import importlib
 import json
 
-import jax
 import numpy as np
 import pytest
 
@@ -17,8 +16,8 @@ from triax.inference.reference import greedy_reference
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.introspect.hlo import collectives_from_compiled
-from triax.sharding.partition import abstract_model, init_params
 from triax.sharding.rules import get_strategy
+from inference_helpers import host_params
 
 CFG = config.TINY.replace(num_layers=1)
 # The longest prompt (26 tokens) takes the top bucket, max_len=30: 15 tokens per rank on
@@ -34,8 +33,7 @@ F32 = 4
 
 @pytest.fixture(scope="module")
 def params(devices):
-    return jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
-                                      "tp", seed=0))
+    return host_params(CFG, devices)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from triax.inference.server import Server
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.introspect.hlo import Collective, collectives_from_compiled
-from triax.sharding.partition import abstract_model, init_params
+from inference_helpers import host_params
 
 CFG = config.TINY.replace(num_layers=2)
 PROMPTS = [[72, 101, 108, 108, 111], [7] * 12 + [3, 9], [200, 1, 2], list(range(40, 60))]
@@ -21,8 +21,7 @@ ECFG = EngineConfig(max_batch=4, max_len=32, min_bucket=16)
 
 @pytest.fixture(scope="module")
 def params(devices):
-    return jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
-                                      "tp", seed=0))
+    return host_params(CFG, devices)
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,14 @@
 """MoE at inference routes dropless (``models.moe.inference_routing``): the KV-cache engine,
 whose prefill pads prompts to a bucket and whose decode sees one token per call, gives the
 no-cache reference's greedy tokens in capacity mode as in dropless mode."""
-import jax
 import pytest
 
 from triax.inference.engine import EngineConfig
 from triax.inference.reference import greedy_reference
 from triax.inference.replicas import replica_meshes
 from triax.inference.server import Server
-from triax.mesh import make_mesh
 from triax.models import config
-from triax.sharding.partition import abstract_model, init_params
+from inference_helpers import host_params
 
 PROMPTS = [[72, 101, 108, 108, 111], [7] * 12 + [3, 9], [200, 1, 2], list(range(40, 60))]
 NEW = 6
@@ -21,8 +19,7 @@ BASE = config.TINY_MOE.replace(num_layers=1)
 @pytest.fixture(scope="module")
 def params(devices):
     # capacity_factor does not change the parameter tree: one init serves every mode
-    return jax.device_get(init_params(abstract_model(BASE), make_mesh(devices=devices[:1]),
-                                      "tp", seed=3))
+    return host_params(BASE, devices, seed=3)
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.5])

@@ -5,7 +5,6 @@ sequences at once than slot-reserved caches could hold; blocks come back on canc
 too small says which flag to raise; the memory check and the planner count the pool."""
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
@@ -19,10 +18,10 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.planner.memory import kv_cache_bytes
 from triax.planner.workload import Layout, Workload
-from triax.sharding.partition import abstract_model, init_params
 from triax.sharding.rules import get_strategy
 from triax.training.config import RunConfig
 from triax.training.memory_check import OutOfMemoryPredicted
+from inference_helpers import host_params
 
 CFG = config.TINY.replace(num_layers=2)
 BS = 4   # small blocks: a sequence spans many, so the table's order matters
@@ -32,8 +31,7 @@ NEW = 12
 
 @pytest.fixture(scope="module")
 def params(devices):
-    return jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
-                                      "tp", seed=0))
+    return host_params(CFG, devices)
 
 
 @pytest.fixture(scope="module")
