@@ -6,10 +6,10 @@ import pytest
 from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
-from triax.models import config
 from triax.pipeline import ScheduleError
 from triax.pipeline.pipelined import Pipeline, PipelineConfig, pipeline_forward
 from triax.training.step import Trainer
+from pipeline_helpers import single_device_references
 
 B, T = 8, 16
 
@@ -17,19 +17,7 @@ B, T = 8, 16
 @pytest.fixture(scope="module")
 def reference():
     """Per layer count: host params, batch, and the single-device loss and grads."""
-    cache = {}
-
-    def get(L):
-        if L not in cache:
-            cfg = config.TINY.replace(num_layers=L)
-            ref = Trainer(cfg, make_mesh(devices=jax.devices()[:1]), "dp")
-            params = jax.device_get(ref.init(0)["params"])
-            batch = ref.example_batch(B, T)
-            batch["weights"] = (np.arange(B * T).reshape(B, T) % 5 != 0).astype(np.float32)
-            (loss, _), grads = ref.grads(params, batch)
-            cache[L] = (cfg, params, batch, float(loss), jax.device_get(grads))
-        return cache[L]
-    return get
+    return single_device_references(B, T, masked=True)
 
 
 CASES = [  # (schedule, S, M, v, L)

@@ -19,24 +19,15 @@ from triax.sharding.introspect.layer_slots import stage_op_flops
 from triax.training.config import RunConfig
 from triax.training.setup import build_run
 from triax.training.step import Trainer
+from pipeline_helpers import single_device_references
 
 B, T = 8, 16
 
 
 @pytest.fixture(scope="module")
 def reference():
-    cache = {}
-
-    def get(L):
-        if L not in cache:
-            cfg = config.TINY.replace(num_layers=L)
-            ref = Trainer(cfg, make_mesh(devices=jax.devices()[:1]), "dp")
-            params = jax.device_get(ref.init(0)["params"])
-            batch = ref.example_batch(B, T)
-            (loss, _), grads = ref.grads(params, batch)
-            cache[L] = (cfg, params, batch, float(loss), jax.device_get(grads))
-        return cache[L]
-    return get
+    """Per layer count: host params, batch, and the single-device loss and grads."""
+    return single_device_references(B, T)
 
 
 def trainer(cfg, kind, S, M, counts):
