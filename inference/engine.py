@@ -41,10 +41,11 @@ from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.kv_pool import (CACHE_DTYPE, decode_microbatches, kv_pool, scratch_layout,
-                                     split_context, write_prompt)
+                                     split_context)
 from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
+from triax.models.decode import write_scratch
 from triax.models.layers import ExecConfig
 from triax.models.moe import inference_routing
 from triax.sharding.partition import abstract_model, init_params, param_shardings
@@ -192,10 +193,9 @@ class Engine:
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
         tok = sample(last_bV, rule, seeds_b, lengths_b, rows)
         group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
-        if self.context is None:
-            cache = write_prompt(cache, tmp, table_bM, group_b)
-        else:
-            cache = self.context.write_prompt(cache, tmp, table_bM, group_b)
+        # striped over context where the pool is (no communication: models.decode)
+        cache = write_scratch(cache, tmp, table_bM, group_b,
+                              1 if self.context is None else self.context.size)
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
         return cache, tok, last_bV
 

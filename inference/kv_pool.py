@@ -1,5 +1,5 @@
-"""The paged KV pool of one engine, in one home: its shape, placement and size, and how a
-prompt's keys/values enter it.
+"""The paged KV pool of one engine, in one home: its shape, placement and size (a
+prompt's keys/values enter it by ``models.decode.write_scratch``).
 
 The pool is ``[L, G, N, P, K, H]`` per k and v (``models.decode.PAGED_AXES``): G row groups
 (the decode slots split over the batch mesh axes and, under pipeline decode, into its
@@ -163,15 +163,3 @@ def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg,
     shape, sh = _placed(cfg, mesh, strategy, G, total // G, P)
     return KVPool(G, total // G, P, M, shape, sh, itemsize)
 
-
-def write_prompt(pool: dict, scratch: dict, table_bM, group_b) -> dict:
-    """The pool with each prefill row's scratch ``[L, b, T, K, H]`` written through its
-    block table: position t to block ``table[t // P]``, place ``t % P``, of the row's group
-    (a padding row's group, ``>= G``, and table entries past the blocks are dropped)."""
-    P, T = pool["k"].shape[3], scratch["k"].shape[2]
-    t = np.arange(T)
-    block_bT = jnp.take(table_bM, jnp.asarray(t // P), axis=1)
-    group_bT = jnp.broadcast_to(group_b[:, None], block_bT.shape)
-    place_bT = jnp.broadcast_to(jnp.asarray(t % P, jnp.int32), block_bT.shape)
-    return {n: pool[n].at[:, group_bT, block_bT, place_bT].set(
-        scratch[n].astype(pool[n].dtype), mode="drop") for n in ("k", "v")}

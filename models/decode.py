@@ -137,6 +137,36 @@ def paged_write_read(layer_cache: Cache, k_BTKH, v_BTKH, block_BT, place_BT):
     return {"k": out["k"][0], "v": out["v"][0]}, out["k"][1], out["v"][1]
 
 
+def write_scratch(pool: Cache, scratch: Cache, table_bM, group_b,
+                  stripes: int = 1) -> Cache:
+    """The pool ``{"k", "v"}: [L, G, N, P, K, H]`` with each prefill row's scratch cache
+    ``[L, b, T, K, H]`` written through its block table: position ``t`` to block
+    ``table[t // P]``, place ``t % P``, of the row's group (a padding row's group ``>= G`` and
+    table entries past the blocks are dropped).
+
+    ``stripes`` C > 1: the scratch and every block are striped (context parallelism,
+    ``triax.sharding.context_cache``): seen as ``[L, b, C, T/C, K, H]``, stripe c's j-th
+    position ``j·C + c`` goes to table entry ``j // (P/C)``, place ``j % (P/C)`` of the
+    block's stripe ``[..., C, P/C, ...]``; neither depends on c, so a pool split over the
+    stripes is written with no communication."""
+    C = stripes
+
+    def write(p_LGNPKH, s_LbTKH):
+        L, G, N, Pb = p_LGNPKH.shape[:4]
+        b, T = s_LbTKH.shape[1:3]
+        p = p_LGNPKH.reshape(L, G, N, C, Pb // C, *p_LGNPKH.shape[4:])
+        s = s_LbTKH.reshape(L, b, C, T // C, *s_LbTKH.shape[3:])
+        j = jnp.arange(T // C)
+        block_bJ = jnp.take(table_bM, j // (Pb // C), axis=1)
+        group_bJ = jnp.broadcast_to(group_b[:, None], block_bJ.shape)
+        place_bJ = jnp.broadcast_to((j % (Pb // C)).astype(jnp.int32), block_bJ.shape)
+        # The indexed dimensions lead the update (numpy's rule): [b, J, L, C, K, H].
+        p = p.at[:, group_bJ, block_bJ, :, place_bJ].set(
+            s.transpose(1, 3, 0, 2, 4, 5).astype(p.dtype), mode="drop")
+        return p.reshape(p_LGNPKH.shape)
+    return {n: write(pool[n], scratch[n]) for n in ("k", "v")}
+
+
 def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation):
     block_BT, place_BT = pages(layer_cache["table"], positions_BT, layer_cache["k"].shape[2])
     pool, k_BSKH, v_BSKH = paged_write_read(layer_cache, k_BTKH, v_BTKH, block_BT, place_BT)

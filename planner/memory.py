@@ -161,9 +161,7 @@ def _stage_elements(w: Workload, lay: Layout) -> int:
     rules = layout_rules(w, lay.unsharded_over_data())
     pieces = sum(local_elements(s, l, rules, lay.sizes)
                  for p, s, l in param_leaves(w.cfg) if not p.startswith("blocks/"))
-    chunk = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
-                        counts=lay.stage_layers).per_chunk
-    return pieces + lay.virtual * chunk * _block_grad_elements(w, lay)
+    return pieces + lay.virtual * _per_chunk(w, lay) * _block_grad_elements(w, lay)
 
 
 def _stage_copy_elements(w: Workload, lay: Layout) -> int:
@@ -180,6 +178,7 @@ def _stage_copy_elements(w: Workload, lay: Layout) -> int:
 
 
 def _per_chunk(w: Workload, lay: Layout) -> int:
+    """Blocks in one of a stage's chunks (the executor's ``StageLayers``, padding included)."""
     return StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
                        counts=lay.stage_layers).per_chunk
 
@@ -200,8 +199,7 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     stacked gradients, which the executor then adds into the stage's accumulator)."""
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
-        blocks = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
-                             counts=lay.stage_layers).per_chunk
+        blocks = _per_chunk(w, lay)
     if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
         return _block_grad_elements(w, lay) + blocks * ceil_div(
             _block_grad_elements(w, lay), lay.data)

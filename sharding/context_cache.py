@@ -20,14 +20,14 @@ writes its own K/V block into its cache slice.
 positions are striped inside it, place ``o`` at index ``(o % C)·P/C + o // C``, so split
 over ``context`` rank r holds places r, r+C, … of every block: position p still lives on
 rank ``p % C`` (P a multiple of C). The prompt's striped scratch enters the pool with no
-communication (:meth:`ContextCache.write_prompt`).
+communication (``models.decode.write_scratch`` with ``stripes=C``).
 
 **Decode** (a paged cache): the new token's query, key and value are whole on every context
 rank (one token does not split). The rank that owns its position writes its K/V into its
 share of the block; every rank reads its share of the row's blocks through the block table
 and attends to those positions (``accumulate``), and the C partial results are combined with
-the online-softmax statistics. What crosses ``context`` per layer is one query row's partial, ``[B, T, N, H]`` and
-two ``[B, N, T]`` statistics from each rank, never the cache.
+the online-softmax statistics. What crosses ``context`` per layer is one query row's
+partial, ``[B, T, N, H]`` and two ``[B, N, T]`` statistics from each rank, never the cache.
 
     >>> striped_order(8, 2).tolist()
     [0, 2, 4, 6, 1, 3, 5, 7]
@@ -89,17 +89,17 @@ class ContextCache:
         """The strategy's spec of a cache with logical ``axes`` (``[L, B, S, K, H]``, or the
         paged pool's ``[L, G, N, P, K, H]``) with its positions (``kv_seq``) split over the
         context axis."""
-        _SEQ = axes.index("kv_seq")
+        seq = axes.index("kv_seq")
         base = self.rules.spec(axes, shape, mesh_sizes(self.mesh), what="KV cache")
         parts = list(base) + [None] * (len(shape) - len(base))
-        if parts[_SEQ] is not None:
-            raise ShardingError(f"the rules map the cache's 'kv_seq' to {parts[_SEQ]!r}; under "
+        if parts[seq] is not None:
+            raise ShardingError(f"the rules map the cache's 'kv_seq' to {parts[seq]!r}; under "
                                 f"context parallelism the cache's positions go on "
                                 f"{self.axis!r}: leave 'kv_seq' unmapped")
-        if shape[_SEQ] % self.size:
-            raise ShardingError(f"KV cache of {shape[_SEQ]} positions over {self.axis}="
+        if shape[seq] % self.size:
+            raise ShardingError(f"KV cache of {shape[seq]} positions over {self.axis}="
                                 f"{self.size}: round the length up with ContextCache.length")
-        parts[_SEQ] = self.axis
+        parts[seq] = self.axis
         return P(*parts)
 
     def _specs(self):
@@ -198,30 +198,6 @@ class ContextCache:
                                 f"(a cache with a block table, models.decode); a slot cache "
                                 f"takes only a whole prompt")
         return hook
-
-    def write_prompt(self, pool, scratch, table_bM, group_b):
-        """The pool with each prefill row's striped ``scratch`` ``[L, b, T, K, H]`` written
-        through its block table (a padding row's group ``>= G`` and entries past the blocks
-        dropped). Seen as ``[L, b, C, T/C, K, H]``, rank c's j-th position ``j·C + c`` goes to
-        table entry ``j // (P/C)``, place ``j % (P/C)`` of its share ``[..., C, P/C, ...]`` of
-        the block: neither depends on c, so the copy runs along the context-split dimension,
-        with no communication."""
-        C = self.size
-
-        def write(p_LGNPKH, s_LbTKH):
-            L, G, N, Pb = p_LGNPKH.shape[:4]
-            b, T = s_LbTKH.shape[1:3]
-            p = p_LGNPKH.reshape(L, G, N, C, Pb // C, *p_LGNPKH.shape[4:])
-            s = s_LbTKH.reshape(L, b, C, T // C, *s_LbTKH.shape[3:])
-            j = np.arange(T // C)
-            block_bJ = jnp.take(table_bM, jnp.asarray(j // (Pb // C)), axis=1)
-            group_bJ = jnp.broadcast_to(group_b[:, None], block_bJ.shape)
-            place_bJ = jnp.broadcast_to(jnp.asarray(j % (Pb // C), jnp.int32), block_bJ.shape)
-            # The indexed dimensions lead the update (numpy's rule): [b, J, L, C, K, H].
-            p = p.at[:, group_bJ, block_bJ, :, place_bJ].set(
-                s.transpose(1, 3, 0, 2, 4, 5).astype(p.dtype), mode="drop")
-            return p.reshape(p_LGNPKH.shape)
-        return {n: write(pool[n], scratch[n]) for n in ("k", "v")}
 
 
 def context_cache(mesh: Mesh, rules: Rules, scheme: str = "all-gather"
