@@ -9,13 +9,6 @@ from pathlib import Path
 # are tiny, so compiling them dominates and -O0 codegen roughly halves it (measured: the
 # dp-8 equivalence test 30 s -> 16 s). Benchmarks and users keep XLA's default.
 BACKEND_OPT = "--xla_backend_optimization_level=0"
-# XLA's CPU fusion emitters (MLIR, one pipeline per fusion) take about three quarters of
-# a small step's compile even at -O0; the legacy emitters compile the same partitioned
-# program, collectives and shardings in a quarter of the time (docs/testing.md).
-FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-# ``jax.jit(..., compiler_options=DEFAULT_EMITTERS)``: XLA's default emitters back for one
-# program, where a test compares two programs' reduction orders (tests/test_split_backward.py).
-DEFAULT_EMITTERS = {"xla_cpu_use_fusion_emitters": True}
 
 
 def apply(devices: bool = True) -> None:
@@ -36,7 +29,7 @@ def apply(devices: bool = True) -> None:
     # 1 s default threshold, and the other worker or a spawned process may compile it again.
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     flags = os.environ.get("XLA_FLAGS", "")
-    for flag in (BACKEND_OPT, FUSION_EMITTERS):
+    for flag in (BACKEND_OPT,):
         if flag.split("=")[0] not in flags:
             flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags

@@ -7,7 +7,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
-from suite_env import DEFAULT_EMITTERS
 from tree_checks import assert_trees_close
 from flax import nnx
 from user_models import ViT, VitConfig, image_batch, vit_loss
@@ -32,10 +31,7 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
                              StageInputs(inputs, consts, jnp.bool_(True), jnp.bool_(True),
                                          layers))
 
-    # XLA's default CPU emitters, as before the suite turned them off (suite_env): the split
-    # and full backward reduce the ViT's gradients in different orders, and the legacy
-    # emitters' order moves one cancelling patch_CD sum (|g| 0.05, terms ~15) 1.7e-6 apart.
-    @functools.partial(jax.jit, compiler_options=DEFAULT_EMITTERS)
+    @jax.jit
     def both(chunk, pieces, x, first, last, dy):
         extras = StageInputs(inputs, consts, first, last, layers)
         (_, loss), stored = sb.forward(apply, chunk, pieces, x, extras)
