@@ -32,13 +32,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from triax.private_jax import partial_eval as pe  # jaxpr DCE: no public API
 from jax.extend.core import Literal, Var
 from jax.extend.core import primitives as P
 
 from triax.pipeline.buffers import nbytes
 from triax.pipeline.jaxpr_inline import has_inner, inline, reads
 from triax.pipeline.jaxpr_split_run import CondNode, ScanNode, Slot, run_b, run_w
+from triax.private_jax import dce_eqn, eqn_has_effects  # jaxpr DCE: no public API
 
 # The split's whole interface: plan it, run its parts (and the plumbing they stand on).
 __all__ = ["MATMULS", "Split", "inline", "plan", "reads", "run_b", "run_w"]
@@ -81,10 +81,10 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
     for i in reversed(range(len(eqns))):
         e = eqns[i]
         used = [v in live for v in e.outvars]
-        if not any(used) and not pe.has_effects(e):
+        if not any(used) and not eqn_has_effects(e):
             continue
         if e.primitive in (P.scan_p, P.cond_p) or not has_inner(e):
-            used_ins, new = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(used, e)
+            used_ins, new = dce_eqn(e, used)
         else:                     # an opaque inner jaxpr (shard_map, while, ...): B runs it all
             used_ins, new = [True] * len(e.invars), e
         if new is not None:
@@ -119,7 +119,7 @@ def plan(jaxpr, b_used: Sequence[bool], w_used: Sequence[bool], avail: Sequence[
                 for v in nodes[i].w_inputs():
                     need(v)
                 continue
-            used_ins, w_node[i] = pe.dce_rules.get(e.primitive, pe._default_dce_rule)(want, e)
+            used_ins, w_node[i] = dce_eqn(e, want)
             for v, u in zip(e.invars, used_ins):
                 if u:
                     need(v)
@@ -157,7 +157,7 @@ def _hoistable(jaxpr, w_used, b_ok, cut, w_node, nodes) -> set:
     for i in sorted(w_node):
         e = w_node[i]
         if i in nodes or e.primitive.name in MATMULS or has_inner(e) \
-                or pe.has_effects(e) \
+                or eqn_has_effects(e) \
                 or not all(isinstance(v, Literal) or v in ok for v in e.invars):
             continue
         uses = Counter(v for v in e.invars if isinstance(v, Var))

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from triax.pipeline.jaxpr_inline import bind, read
+from triax.private_jax import scan_counts  # a scan eqn's consts and carries: private params
 
 
 class Slot:
@@ -66,7 +67,7 @@ class ScanNode:
 
     @classmethod
     def build(cls, e, b_new, want, b_ok, plan):
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
+        nc, nk = scan_counts(e)
         body = e.params["jaxpr"].jaxpr
         kept = set(b_new.outvars)
         b_out = [v in kept for v in e.outvars]
@@ -90,7 +91,7 @@ class ScanNode:
     def _feed(self, env, reads, owned):
         """Carry inits, xs, and ``args(carry, xs)``: the body inputs a part reads."""
         e = self.eqn
-        nc, nk, n = e.params["num_consts"], e.params["num_carry"], len(e.invars)
+        (nc, nk), n = scan_counts(e), len(e.invars)
         consts = {i: read(env, e.invars[i]) for i in range(nc) if reads[i]}
         carry_idx = [nc + j for j in range(nk) if owned[j]]
         assert all(i in carry_idx for i in range(nc, nc + nk) if reads[i]), "carry not owned"
@@ -108,7 +109,7 @@ class ScanNode:
                             unroll=p["unroll"])
 
     def run_b(self, env):
-        nk, consts = self.eqn.params["num_carry"], self.eqn.params["jaxpr"].consts
+        nk, consts = scan_counts(self.eqn)[1], self.eqn.params["jaxpr"].consts
         init, xs, args = self._feed(env, self.inner.b_reads, self.b_out[:nk])
 
         def fn(carry, x):
@@ -119,7 +120,7 @@ class ScanNode:
         env.update(zip(self.slots, stacked))
 
     def run_w(self, env):
-        nk, consts = self.eqn.params["num_carry"], self.eqn.params["jaxpr"].consts
+        nk, consts = scan_counts(self.eqn)[1], self.eqn.params["jaxpr"].consts
         init, xs, args = self._feed(env, self.inner.w_reads, self.w_out[:nk])
 
         def fn(carry, x):
@@ -130,7 +131,7 @@ class ScanNode:
 
     def _inputs(self, reads, owned):
         e = self.eqn
-        nc, nk = e.params["num_consts"], e.params["num_carry"]
+        nc, nk = scan_counts(e)
         carries = [e.invars[nc + j] for j in range(nk) if owned[j]]
         return [v for i, v in enumerate(e.invars) if reads[i] and not nc <= i < nc + nk] \
             + carries
