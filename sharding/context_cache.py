@@ -47,7 +47,6 @@ from triax.mesh.build import mesh_sizes
 from triax.models import runtime
 from triax.models.online_softmax import accumulate, combine, empty_partial, finish
 from triax.models.visibility import Visibility
-from triax.models.axes import constrain
 from triax.models.decode import (CACHE_AXES, CacheAttentionFn, is_paged, pages,
                                  paged_write_read)
 from triax.sharding.context import (check_scheme, context_attention, context_axis, context_size,
