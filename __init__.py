@@ -28,7 +28,7 @@ _PUBLIC = {
     "Trainer": "triax.training.step",
     "PipelineConfig": "triax.pipeline.pipelined",
     "OptimConfig": "triax.training.optim",
-    "ExecConfig": "triax.models.layers",
+    "ExecConfig": "triax.models.runtime",
     "describe": "triax.mesh",
     "abstract_module": "triax.sharding.partition",
     "get_strategy": "triax.sharding.rules",

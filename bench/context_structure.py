@@ -27,7 +27,7 @@ from tables import write_section  # noqa: E402  (bench/ is the script's dir)
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.visibility import Visibility  # noqa: E402
-from triax.models.layers import ExecConfig  # noqa: E402
+from triax.models.runtime import ExecConfig  # noqa: E402
 from triax.sharding.context import context_attention, zigzag_order  # noqa: E402
 from triax.sharding.introspect.memory import memory_from_compiled  # noqa: E402
 from triax.sharding.introspect.ring_balance import flops_per_rank  # noqa: E402

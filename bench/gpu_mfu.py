@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     from triax.models import config as mc
     from triax.training import metrics as M
     from triax.training.config import PRECISIONS
-    from triax.models.layers import ExecConfig
+    from triax.models.runtime import ExecConfig
     from triax.training.step import Trainer
 
     cfg = mc.get(args.model, args.num_layers)

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from tables import BENCHMARKS_MD, write_section  # noqa: E402
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
-from triax.models.axes import using_constraint  # noqa: E402
+from triax.models import runtime  # noqa: E402
 from triax.models.loss import cross_entropy  # noqa: E402
 from triax.models.protocol import run_stack  # noqa: E402
 from triax.pipeline import ScheduleKind, build, chunks_per_stage  # noqa: E402
@@ -66,7 +66,7 @@ def vmapped_gpipe(trainer: Trainer, M: int):
         shape_only = {"inputs": jnp.zeros((b, T), jnp.int32)}   # B, T for the causal mask
 
         def stage(p, h):
-            with using_constraint(None):
+            with runtime.using(constraint=None):
                 chunk = nnx.merge(am.graphdef, {**pieces, "blocks": p})
                 return run_stack(chunk, h, shape_only, trainer.exe)[0]
 

@@ -46,8 +46,8 @@ from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import write_scratch
-from triax.models.layers import ExecConfig
-from triax.models.moe import inference_routing
+from triax.models.runtime import ExecConfig
+from triax.models import runtime
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
 
@@ -173,7 +173,8 @@ class Engine:
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
                  rows=None):
-        with inference_routing():  # MoE: dropless, so padding and batch-mates take nothing
+        # MoE: dropless, so padding and batch-mates take nothing
+        with runtime.using(moe_inference=True):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
                                       seeds_b, rule, rows)
 
@@ -207,7 +208,7 @@ class Engine:
         # (and split over pipeline stages and micro-batches like the pool).
         paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
                                                                *table_BM.shape))}
-        with inference_routing():
+        with runtime.using(moe_inference=True):
             logits_B1V, paged = self._fwd(params, tokens_B[:, None], positions_B[:, None],
                                           paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},

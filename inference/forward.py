@@ -18,8 +18,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from triax.mesh.build import mesh_sizes
-from triax.models.decode import CacheAttentionFn, using_cache_attention
-from triax.models.layers import ExecConfig
+from triax.models import runtime
+from triax.models.decode import CacheAttentionFn
+from triax.models.runtime import ExecConfig
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.partition import AbstractModel, activation_sharding
@@ -31,7 +32,8 @@ def plain_forward(am: AbstractModel, mesh: Mesh, strategy: Strategy, exe: ExecCo
     """One SPMD program; XLA inserts the tensor-parallel collectives. ``cache_attention``
     replaces the model's cached attention (``triax.sharding.context_cache``'s hook)."""
     def fwd(params, tokens_BT, positions_BT, cache):
-        with activation_sharding(mesh, strategy), using_cache_attention(cache_attention):
+        with activation_sharding(mesh, strategy), \
+                runtime.using(cache_attention=cache_attention):
             logits_BTV, _, cache = nnx.merge(am.graphdef, params)(tokens_BT, positions_BT,
                                                                   exe=exe, cache=cache)
         return logits_BTV, cache

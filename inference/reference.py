@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from triax.models.config import ModelConfig
-from triax.models.moe import inference_routing
+from triax.models import runtime
 from triax.sharding.partition import abstract_model
 
 
@@ -43,7 +43,7 @@ def greedy_reference(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[i
 
     @jax.jit
     def step_logits(params, seq_BT, last_B):
-        with inference_routing():  # MoE routes dropless at inference, as in the engine
+        with runtime.using(moe_inference=True):  # MoE routes dropless, as in the engine
             logits, _ = nnx.merge(graphdef, params)(seq_BT)
         return jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
 

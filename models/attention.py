@@ -3,9 +3,9 @@ cuDNN's ``dot_product_attention``), built from who sees whom (:mod:`.visibility`
 online-softmax pieces (:mod:`.online_softmax`) that blockwise and ring attention share; both
 are re-exported here, where the model and the sharding layer import them.
 
-**Hook**: context parallelism replaces the whole function while a step is traced
-(:func:`using_attention`, installed by the sharding layer), as ``models.axes.constrain`` does
-for activation shardings: the model never names a mesh.
+**Hook**: context parallelism replaces the whole function while a step is traced (the
+runtime's ``attention``, which the sharding layer sets: ``models.runtime``), as
+``models.axes.constrain`` does for activation shardings: the model never names a mesh.
 
     >>> import jax.numpy as jnp
     >>> q = k = v = jnp.ones((1, 4, 2, 8))
@@ -14,8 +14,6 @@ for activation shardings: the model never names a mesh.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from functools import partial
 from typing import Callable, Optional
@@ -25,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax import choices
+from triax.models import runtime
 from triax.models.online_softmax import (Partial, _scores, accumulate, empty_partial, finish,
                                          repeat_kv)
 from triax.models.visibility import Visibility
@@ -225,14 +224,12 @@ IMPLEMENTATIONS: dict[str, Callable] = {
     "reference": reference, "blockwise": blockwise, "dot_product": dot_product}
 
 AttentionFn = Callable[..., jax.Array]  # (q_BTNH, k_BSKH, v_BSKH, vis, implementation)
-_HOOK: contextvars.ContextVar[Optional[AttentionFn]] = contextvars.ContextVar(
-    "triax_attention", default=None)
 
 
 def attention(q_BTNH, k_BSKH, v_BSKH, vis: Visibility, implementation: str = "reference"):
     """Grouped-query attention ``o_BTNH`` by the named implementation, or by the hook that
-    a parallelism installed (which receives the same arguments)."""
-    hook = _HOOK.get()
+    a parallelism set as the runtime's ``attention`` (it receives the same arguments)."""
+    hook = runtime.current().attention
     if hook is not None:
         return hook(q_BTNH, k_BSKH, v_BSKH, vis, implementation)
     return kernel(implementation)(q_BTNH, k_BSKH, v_BSKH, vis)
@@ -259,13 +256,3 @@ def resolve(implementation: str, backend: Optional[str] = None) -> str:
 def kernel(implementation: str) -> Callable:
     """The local attention function named ``implementation`` (``auto`` resolved)."""
     return IMPLEMENTATIONS[resolve(implementation)]
-
-
-@contextlib.contextmanager
-def using_attention(fn: Optional[AttentionFn]):
-    """Route every :func:`attention` call through ``fn`` while the context is open."""
-    token = _HOOK.set(fn)
-    try:
-        yield
-    finally:
-        _HOOK.reset(token)

@@ -24,9 +24,9 @@ dropped. Reading gathers a row's blocks into the ``[B, M·P, K, H]`` view of a s
 attends with the same ``Visibility.cache``, so the math (and every token) is unchanged.
 
 **Hook** (:func:`cached_attention`): writing a layer's new keys/values and attending over
-its cache is one step that a parallelism may replace while tracing
-(:func:`using_cache_attention`), as ``models.attention.using_attention`` replaces attention:
-context parallelism keeps the cache split along its positions
+its cache is one step that a parallelism may replace while tracing (the runtime's
+``cache_attention``, as its ``attention`` replaces attention: ``models.runtime``): context
+parallelism keeps the cache split along its positions
 (``triax.sharding.context_cache``), which places entries and combines per-slice results its
 own way. The model never names a mesh.
 
@@ -52,13 +52,12 @@ block, 3 (place 1); table entry 4 (no block) would be dropped.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from triax.models import runtime
 from triax.models.attention import attention
 from triax.models.visibility import Visibility
 from triax.models.axes import constrain
@@ -178,17 +177,15 @@ def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implemen
 
 # (q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation) -> (o_BTNH, layer_cache)
 CacheAttentionFn = Callable[..., tuple[jax.Array, Cache]]
-_HOOK: contextvars.ContextVar[Optional[CacheAttentionFn]] = contextvars.ContextVar(
-    "triax_cache_attention", default=None)
 
 
 def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: Cache, positions_BT,
                      implementation: str = "reference"):
     """``(o_BTNH, layer_cache)``: the ``T`` new keys/values written at ``positions_BT``, then
     the queries attend over every cache slot at or before their position (through the
-    block table of a paged cache); or whatever the installed hook does with the same
-    arguments."""
-    hook = _HOOK.get()
+    block table of a paged cache); or whatever the runtime's ``cache_attention`` does with the
+    same arguments (``models.runtime``)."""
+    hook = runtime.current().cache_attention
     if hook is not None:
         return hook(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation)
     if is_paged(layer_cache):
@@ -198,13 +195,3 @@ def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: Cache, positions_BT,
     k_BSKH, v_BSKH = (layer_cache[n].astype(q_BTNH.dtype) for n in ("k", "v"))
     vis = Visibility.cache(positions_BT, k_BSKH.shape[1])
     return attention(q_BTNH, k_BSKH, v_BSKH, vis, implementation), layer_cache
-
-
-@contextlib.contextmanager
-def using_cache_attention(fn: Optional[CacheAttentionFn]):
-    """Route every :func:`cached_attention` call through ``fn`` while the context is open."""
-    token = _HOOK.set(fn)
-    try:
-        yield
-    finally:
-        _HOOK.reset(token)

@@ -7,7 +7,6 @@ off: the names are resolved to mesh axes by ``triax.sharding``, never here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import jax
@@ -21,21 +20,7 @@ from triax.models.config import ModelConfig, RopeScaling
 from triax.models.decode import Cache, cached_attention
 from triax.models.lora import maybe_pair
 from triax.models.quantize import kernel, quantize_weights
-
-
-@dataclass(frozen=True)
-class ExecConfig:
-    """How to run (not what to run): compute dtype and activation checkpointing."""
-
-    compute_dtype: str = "float32"  # "bfloat16": bf16 compute over fp32 master parameters
-    remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
-    attention: str = "auto"         # see triax.models.attention.resolve
-    loss_chunks: int = 1            # the loss over this many slices of the sequence (models.loss)
-
-    @property
-    def dtype(self):
-        """``compute_dtype`` as a NumPy dtype."""
-        return jnp.dtype(self.compute_dtype)
+from triax.models.runtime import ExecConfig
 
 
 def param(rngs: nnx.Rngs, shape, logical_axes, std: float | None, dtype=jnp.float32) -> nnx.Param:

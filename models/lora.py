@@ -25,8 +25,6 @@ weight-gradient matmul of the base is ever traced (plain or pipelined, split bac
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from typing import Optional
 
@@ -35,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.choices import PEFT_TARGETS
+from triax.models import runtime
 from triax.models.config import LoraConfig
 from triax.models.quantize import dequantized
 
@@ -58,20 +57,12 @@ def with_dropout_seeds(batch: dict, lora: Optional[LoraConfig], step) -> dict:
     return {**batch, DROPOUT_SEEDS: dropout_seeds(step, batch["inputs"].shape[:2])}
 
 
-_LAYER_DROPOUT: contextvars.ContextVar = contextvars.ContextVar("triax_lora_dropout",
-                                                                default=None)
-
-
-@contextlib.contextmanager
-def dropout_in_layer(batch: dict, layer):
-    """While active, the adapters drop inputs with ``batch``'s seeds in layer ``layer`` (an
-    int32 scalar, the layer's index in the whole stack); a batch without seeds: no dropout."""
+def layer_dropout(batch: dict, layer) -> Optional[tuple]:
+    """The runtime's ``lora_dropout`` while a block runs ``batch`` in layer ``layer`` (an
+    int32 scalar, its index in the whole stack): the adapters then drop inputs with the
+    batch's seeds; a batch without seeds (eval, decode): None, no dropout."""
     seeds = batch.get(DROPOUT_SEEDS)
-    token = _LAYER_DROPOUT.set(None if seeds is None else (seeds, layer))
-    try:
-        yield
-    finally:
-        _LAYER_DROPOUT.reset(token)
+    return None if seeds is None else (seeds, layer)
 
 
 class LoraPair(nnx.Module):
@@ -95,7 +86,7 @@ class LoraPair(nnx.Module):
     def dropped(self, x):
         """``x`` (``[B, T, *in]``) with inputs zeroed with probability ``dropout`` and the
         rest scaled by ``1/(1-dropout)`` where a training step's seeds are active."""
-        active = _LAYER_DROPOUT.get()
+        active = runtime.current().lora_dropout
         if active is None or self.dropout == 0:
             return x
         seeds_BT, layer = active

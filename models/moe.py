@@ -12,18 +12,19 @@ per sequence). The layer runs in four steps, all mesh-free:
   4. combine:  y_BTD = Σ_r gate_BTR · out[b, e, pos].
 
 By default all of this runs here on whole arrays. ``triax.sharding.experts`` installs a runner
-(``using_moe_runner``) that runs steps 1-4 per token shard and wraps step 3 in an all-to-all
-over the ``expert`` mesh axis, so models/ never names a mesh.
+(the runtime's ``moe_runner``, see ``models.runtime``) that runs steps 1-4 per token shard and
+wraps step 3 in an all-to-all over the ``expert`` mesh axis, so models/ never names a mesh.
 
 Capacity is per sequence, so what is dropped never depends on the mesh. Dropless mode
 (``capacity_factor=None``) uses C = T, the most any expert can receive from one sequence.
 
 Capacity is a training device (static buffers, balanced all-to-all). Inference routes
-dropless (``inference_routing``, which the engine and the no-cache reference trace under):
-with capacity a token's output would depend on what else shares its forward call: the other
-requests of a batch, a prefill bucket's padding (whose first choices would sort ahead of real
-tokens' second choices), or whether it is decoded one token at a time. Dropless, a request's
-tokens are the same in every batch, bucket and cache mode, and equal ``transformers``' Mixtral.
+dropless (the runtime's ``moe_inference``, which the engine and the no-cache reference set
+while tracing): with capacity a token's output would depend on what else shares its forward
+call: the other requests of a batch, a prefill bucket's padding (whose first choices would
+sort ahead of real tokens' second choices), or whether it is decoded one token at a time.
+Dropless, a request's tokens are the same in every batch, bucket and cache mode, and equal
+``transformers``' Mixtral.
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -35,16 +36,15 @@ tokens are the same in every batch, bucket and cache mode, and equal ``transform
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from triax.models import runtime
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig, MoEConfig
 from triax.models.layers import param
@@ -55,41 +55,11 @@ AUX_KEYS = ("moe_lb_loss", "moe_z_loss", "moe_dropped_tokens", "moe_loss_weighte
 # token_fn(x_BTD, router_DE, weights, experts) does routing, dispatch and combine on the
 # tokens it is given and calls experts(buf_BECD, weights) -> out_BECD; stats are token sums.
 MoERunner = Callable[..., tuple]
-_RUNNER: contextvars.ContextVar[Optional[MoERunner]] = contextvars.ContextVar(
-    "triax_moe_runner", default=None)
-_INFERENCE: contextvars.ContextVar[bool] = contextvars.ContextVar("triax_moe_inference",
-                                                                  default=False)
 
 
 def aux_zeros() -> dict:
     """The MoE auxiliary scalars, zeroed (the scan carry that sums them over layers)."""
     return {k: jnp.zeros((), jnp.float32) for k in AUX_KEYS}
-
-
-@contextlib.contextmanager
-def using_moe_runner(fn: Optional[MoERunner]):
-    """Install how the MoE token work runs (``None``: here, on whole arrays); see
-    ``triax.sharding.experts`` for the expert-parallel runner."""
-    token = _RUNNER.set(fn)
-    try:
-        yield
-    finally:
-        _RUNNER.reset(token)
-
-
-@contextlib.contextmanager
-def inference_routing():
-    """Trace inference under this: every MoE layer routes dropless (see the module doc)."""
-    token = _INFERENCE.set(True)
-    try:
-        yield
-    finally:
-        _INFERENCE.reset(token)
-
-
-def current_runner() -> Optional[MoERunner]:
-    """The runner installed now (None: whole arrays), for a caller that wraps it."""
-    return _RUNNER.get()
 
 
 def run_locally(token_fn, x_BTD, router_DE, weights):
@@ -98,13 +68,13 @@ def run_locally(token_fn, x_BTD, router_DE, weights):
 
 
 def _run(token_fn, x_BTD, router_DE, weights):
-    return (_RUNNER.get() or run_locally)(token_fn, x_BTD, router_DE, weights)
+    return (runtime.current().moe_runner or run_locally)(token_fn, x_BTD, router_DE, weights)
 
 
 def capacity(moe: MoEConfig, seq_len: int) -> int:
     """Slots per expert per sequence: ``ceil(cf·T·k/E)`` capped at T; T when dropless (or
-    under ``inference_routing``)."""
-    if moe.capacity_factor is None or _INFERENCE.get():
+    under the runtime's ``moe_inference``)."""
+    if moe.capacity_factor is None or runtime.current().moe_inference:
         return seq_len
     c = math.ceil(moe.capacity_factor * seq_len * moe.top_k / moe.num_experts)
     return max(1, min(seq_len, c))

@@ -6,8 +6,9 @@ user's ViT and the built-in ``Transformer`` alike. This module holds the one sta
 (:func:`missing_protocol`); a pipeline stage runs the same pieces on its own chunk.
 
 How to run (compute dtype, remat, attention kernel, loss chunks) is not part of a model's
-signature: :func:`run_stack` and :func:`stack_loss` take an ``ExecConfig`` and install it for
-the model's methods (:func:`current_exec`), as ``models.axes`` installs the sharding hook.
+signature: :func:`run_stack` and :func:`stack_loss` take an ``ExecConfig`` and install it in
+the runtime for the model's methods (:func:`current_exec`), as ``models.axes`` reads the
+sharding hook from it (``models.runtime``).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -22,15 +23,14 @@ the model's methods (:func:`current_exec`), as ``models.axes`` installs the shar
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import Any, Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.layers import ExecConfig
+from triax.models import runtime
+from triax.models.runtime import ExecConfig
 
 REMAT_POLICIES: dict[str, Optional[Callable]] = {
     "none": None,
@@ -94,38 +94,9 @@ def loss_metric(model) -> Optional[str]:
     return getattr(model, "loss_metric", None)
 
 
-_EXEC: contextvars.ContextVar[ExecConfig] = contextvars.ContextVar("triax_exec",
-                                                                  default=ExecConfig())
-
-
 def current_exec() -> ExecConfig:
     """How the protocol's caller runs the model (``ExecConfig()`` outside of one)."""
-    return _EXEC.get()
-
-
-@contextlib.contextmanager
-def using_exec(exe: ExecConfig):
-    token = _EXEC.set(exe)
-    try:
-        yield
-    finally:
-        _EXEC.reset(token)
-
-
-_LAYER_PARAMS: contextvars.ContextVar[Optional[Callable]] = contextvars.ContextVar(
-    "triax_layer_params", default=None)
-
-
-@contextlib.contextmanager
-def using_layer_params(fn: Optional[Callable]):
-    """While active, :func:`run_stack` reads each layer's parameters through ``fn`` (a
-    pipeline stage under FSDP by layer gathers them there, when the layer runs), and its
-    result is never kept for the backward, which calls ``fn`` again (None: as stored)."""
-    token = _LAYER_PARAMS.set(fn)
-    try:
-        yield
-    finally:
-        _LAYER_PARAMS.reset(token)
+    return runtime.current().exe
 
 
 # Ops that only move or cast a value: a block applies them to its weights (an einsum's
@@ -138,7 +109,7 @@ _GATHERS = frozenset({"all_gather"})
 
 def _all_but_layer_params(prim, *_, **params) -> bool:
     """The remat policy of a stack without remat whose layer parameters are made per layer
-    (:func:`using_layer_params`, e.g. gathered): every value is saved but the made parameters
+    (the runtime's ``layer_params``, e.g. gathered): every value is saved but the made parameters
     (a gather, or a ``shard_map`` around one and no matmul) and what a layout op makes; the
     backward makes those again from what is saved (a gather, or exact moves)."""
     if prim.name in _LAYOUT_OPS or prim.name in _GATHERS:
@@ -150,34 +121,16 @@ def _all_but_layer_params(prim, *_, **params) -> bool:
     return True
 
 
-_LAYER_COUNT: contextvars.ContextVar = contextvars.ContextVar("triax_layer_count",
-                                                              default=None)
-# The named scope of the conditional that runs or skips one slot of the stack
-# (:func:`using_layer_count`): how the compiled program's layer slots are found.
+# The named scope of the conditional that runs or skips one slot of the stack (the
+# runtime's ``layer_count``): how the compiled program's layer slots are found.
 LAYER_SLOT_SCOPE = "layer_slot"
-
-
-@contextlib.contextmanager
-def using_layer_count(count):
-    """While active (``count``: an int32 scalar, may be traced), :func:`run_stack` runs only
-    the stack's first ``count`` layers and skips the rest under a ``lax.cond``: a pipeline
-    stage shorter than the longest (uneven stages) holds padded slots that cost nothing.
-    None: every layer runs (no conditional)."""
-    token = _LAYER_COUNT.set(count)
-    try:
-        yield
-    finally:
-        _LAYER_COUNT.reset(token)
-
-
-_LAYER: contextvars.ContextVar = contextvars.ContextVar("triax_layer", default=None)
 
 
 def current_layer():
     """Inside :func:`run_stack`'s scan, the running layer's index in the whole stack (an
     int32 scalar; None outside; a pipeline stage passes its chunk's): what a block draws
     per-layer randomness from."""
-    return _LAYER.get()
+    return runtime.current().layer
 
 
 def _block_out(out):
@@ -194,12 +147,13 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
 
     ``cache`` (leaves with the same leading layers axis) is scanned alongside the blocks and
     returned updated (None without one); ``exe.remat`` checkpoints each layer. Each layer's
-    parameters are read through :func:`using_layer_params`' function when one is active;
-    under :func:`using_layer_count` the layers past the count are skipped. ``layers`` (int32
+    parameters are read through the runtime's ``layer_params`` when it has one; past its
+    ``layer_count`` the layers are skipped (``models.runtime.Runtime``). ``layers`` (int32
     ``[n]``) are the blocks' indices in the whole stack that :func:`current_layer` reports (a
     pipeline chunk's; default ``0..n-1``)."""
-    layer_params, count = _LAYER_PARAMS.get(), _LAYER_COUNT.get()
-    with using_exec(exe):
+    rt = runtime.current()
+    layer_params, count = rt.layer_params, rt.layer_count
+    with runtime.using(exe=exe):
         prepare = getattr(model, "block_batch", None)
         batch = batch if prepare is None else prepare(batch, cache is not None)
         graphdef, stack = nnx.split(model.blocks)
@@ -211,12 +165,9 @@ def run_stack(model, x, batch, exe: ExecConfig = ExecConfig(), cache: Optional[A
             extra = () if layer_cache is None else (layer_cache,)
             if layer_params is not None:   # made again by the backward, never saved
                 layer_state = layer_params(layer_state)
-            token = _LAYER.set(index)
-            try:
+            with runtime.using(layer=index):
                 y, a, layer_cache = _block_out(block(nnx.merge(graphdef, layer_state), x,
                                                      batch, *extra))
-            finally:
-                _LAYER.reset(token)
             return (y.astype(x.dtype), jax.tree.map(jnp.add, aux, a)), layer_cache
 
         if count is not None:
@@ -258,7 +209,7 @@ def stack_loss(model, batch, exe: ExecConfig = ExecConfig()):
     """The unpipelined loss ``(head_loss / loss_weight + weighted aux, aux)`` — what
     ``Trainer`` uses for the built-in model and for a user's model without a ``loss_fn``, so
     pipelined and unpipelined runs share one definition of the loss."""
-    with using_exec(exe):
+    with runtime.using(exe=exe):
         y, aux, _ = run_stack(model, model.embed(batch), batch, exe)
         loss = model.head_loss(y, batch).astype(jnp.float32) / loss_weight(model, batch)
     return with_aux(loss, aux, model)

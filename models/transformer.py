@@ -23,16 +23,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.choices import QUANTIZED_BASE
-from triax.models import moe
+from triax.models import moe, runtime
 from triax.models.axes import constrain
 from triax.models.config import ModelConfig
 from triax.models.decode import Cache
 from triax.models.visibility import Visibility, packed_visibility
-from triax.models.layers import MLP, Attention, Embed, ExecConfig, RMSNorm, param
-from triax.models.lora import cast_base, dropout_in_layer
+from triax.models.layers import MLP, Attention, Embed, RMSNorm, param
+from triax.models.lora import cast_base, layer_dropout
 from triax.models.loss import head_nll_sum, loss_denominator
-from triax.models.protocol import (REMAT_POLICIES, current_exec, current_layer, run_stack,
-                                   using_exec)
+from triax.models.protocol import REMAT_POLICIES, current_exec, current_layer, run_stack
+from triax.models.runtime import ExecConfig
 
 __all__ = ["REMAT_POLICIES", "Block", "TokenEmbed", "Transformer"]
 
@@ -115,7 +115,8 @@ class Transformer(nnx.Module):
 
     @staticmethod
     def block(block: Block, x_BTD, batch, cache: Optional[Cache] = None):
-        with dropout_in_layer(batch, current_layer()):   # LoRA dropout: training steps only
+        # LoRA dropout: training steps only
+        with runtime.using(lora_dropout=layer_dropout(batch, current_layer())):
             return block(x_BTD, batch["positions"], batch["vis"], current_exec(), cache)
 
     def head_loss(self, x_BTD, batch):
@@ -146,7 +147,7 @@ class Transformer(nnx.Module):
         batch = {"inputs": tokens_BT, **({} if positions_BT is None else
                                           {"positions": positions_BT}),
                  **({} if vis is None else {"vis": vis})}
-        with using_exec(exe):
+        with runtime.using(exe=exe):
             x = self.embed(batch)
         x, aux, new_cache = run_stack(self, x, batch, exe, cache)
         logits_BTV = self.logits(x, exe)

@@ -4,7 +4,7 @@ residual shapes (``split_backward.StageBackward``), as ``executor.slot_buffer_by
 them. The planner asks this for every pipelined layout it weighs.
 
     >>> from triax.models import config
-    >>> from triax.models.layers import ExecConfig
+    >>> from triax.models.runtime import ExecConfig
     >>> from triax.pipeline.pipelined import PipelineConfig
     >>> cfg = config.TINY.replace(num_layers=4)
     >>> b = activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), ExecConfig(), 2, 16)
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from triax.memo_on_disk import on_disk
-from triax.models.axes import using_constraint
+from triax.models import runtime
 from triax.models.config import ModelConfig
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.pipeline.buffers import nbytes
 from triax.models.protocol import run_stack
 from triax.pipeline.executor import loss_only, slot_buffer_bytes
@@ -164,7 +164,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
                          sd((per_chunk,), jnp.int32))
     stage = Stage(am.graphdef, exe, "loss")
     x = sd(stage.activation(chunk, pieces, inputs).shape, exe.dtype)
-    with using_constraint(None):
+    with runtime.using(constraint=None):
         sb = StageBackward.trace(loss_only(stage), chunk, pieces, x, extras)
     return sb, x
 
@@ -198,7 +198,7 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
     def blocks(chunk, pieces, x, extras):
         y, aux, _ = run_stack(stage.model(chunk, pieces), x, {"inputs": tokens}, exe)
         return y, aux
-    with using_constraint(None):
+    with runtime.using(constraint=None):
         res = Residuals.trace(blocks, chunk, pieces, x, ())
         cts = jax.eval_shape(blocks, chunk, pieces, x, ())
         read = reads(lambda stored, c, p, ct: res.pullback(stored, c, p)(ct),

@@ -30,12 +30,11 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.choices import PIPELINE_FSDP_CHOICES, PIPELINE_FSDP_MODES, check
 from triax.mesh.build import mesh_sizes
-from triax.models.axes import using_constraint
+from triax.models import runtime
 from triax.models.config import ModelConfig
-from triax.models.layers import ExecConfig
-from triax.models.moe import current_runner, run_locally, using_moe_runner
-from triax.models.protocol import (loss_metric, loss_weight, missing_protocol,
-                                   using_layer_params)
+from triax.models.runtime import ExecConfig
+from triax.models.moe import run_locally
+from triax.models.protocol import loss_metric, loss_weight, missing_protocol
 from triax.pipeline.executor import DATA, PIPE, RunResult, StepSpec, branch_kinds, run_ticks
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
@@ -274,8 +273,9 @@ class Pipeline:
             state = jax.tree.map(lambda a: a[0].reshape(a.shape[1:3] + (M, -1) + a.shape[4:]),
                                  state)
             # Activation constraints would name manual axes; parameters carry TP instead.
-            with using_constraint(None), using_moe_runner(_stats_over_data(current_runner())), \
-                    using_layer_params(lfsdp.gather_layer if by_layer else None):
+            with runtime.using(constraint=None,
+                               moe_runner=_stats_over_data(runtime.current().moe_runner),
+                               layer_params=lfsdp.gather_layer if by_layer else None):
                 res = run_ticks(spec, blocks, pieces, inputs, consts, state)
             loss = jax.lax.psum(res.loss, (PIPE, DATA))
             outputs = jax.tree.map(lambda a: rows(a, 0)[None], res.outputs)

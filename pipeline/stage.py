@@ -32,10 +32,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.models.layers import ExecConfig
+from triax.models import runtime
+from triax.models.runtime import ExecConfig
 from triax.models.lora import freeze_base
-from triax.models.protocol import (PipelineModel, loss_metric, run_stack, using_exec,
-                                   using_layer_count, weighted_aux)
+from triax.models.protocol import PipelineModel, loss_metric, run_stack, weighted_aux
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,7 +70,7 @@ class Stage:
     def activation(self, chunk, pieces, inputs) -> jax.ShapeDtypeStruct:
         """Shape and dtype of the activation that flows between stages."""
         def embed(chunk, pieces, inputs):
-            with using_exec(self.exe):
+            with runtime.using(exe=self.exe):
                 return self.model(chunk, pieces).embed(inputs)
         return jax.eval_shape(embed, chunk, pieces, inputs)
 
@@ -79,7 +79,7 @@ class Stage:
         layers = extras.layers
         model = self.model(chunk, pieces)
         # how the model's own methods run (dtype, loss chunks); which slots run
-        with using_exec(self.exe), using_layer_count(extras.count):
+        with runtime.using(exe=self.exe, layer_count=extras.count):
             x = jax.lax.cond(first, lambda: model.embed(inputs).astype(x_in.dtype),
                              lambda: x_in)
             if self.head == "loss":

@@ -4,7 +4,7 @@ arithmetic (its check, its offsets, the split by speed), which ``RunConfig``, th
 
 A stage with fewer layers than the longest holds its chunk padded to the longest (SPMD: one
 program, one shape for every stage) and skips the padded slots at run time
-(``models.protocol.using_layer_count``), so a short stage really computes less.
+(the runtime's ``layer_count``, ``models.runtime``), so a short stage really computes less.
 
     >>> check_counts((5, 3), num_layers=8, stages=2)
     (5, 3)

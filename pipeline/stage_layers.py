@@ -10,8 +10,8 @@ gradients are dropped again by :meth:`StageLayers.from_stages`.
 **Uneven stages** (``counts``, ``pipeline.stage_counts``: stage ``s`` runs its own
 ``counts[s]`` layers, one chunk per stage): the stage array is ``[S, 1, max(counts), ...]``,
 each stage's layers first and zero blocks after; the stage skips those padded slots at run
-time (:attr:`slot_counts`, ``models.protocol.using_layer_count``), so a short stage computes
-less. Storage is kept whole on every pipe rank, as for uneven L.
+time (:attr:`slot_counts`, the runtime's ``layer_count``: ``models.runtime``), so a short
+stage computes less. Storage is kept whole on every pipe rank, as for uneven L.
 
 Storage stays the model's ``[L, ...]`` (checkpoints do not depend on the schedule). With
 ``L % S == 0`` and ``v == 1`` the reshape is local to each device; otherwise XLA moves the

@@ -2,7 +2,7 @@
 
 The rules map the activations' ``seq`` to ``context``, so every token-wise layer (norms,
 MLPs, projections) works on its own T/C tokens and nothing else changes. Attention needs
-every earlier key, so it goes through a hook (``models.attention.using_attention``) that
+every earlier key, so it goes through a hook (the runtime's ``attention``, ``models.runtime``) that
 runs it in a ``shard_map`` manual over ``context`` by one of two schemes:
 
 - **all-gather**: K and V (and their order/segment arrays) gathered over ``context``; the
@@ -35,9 +35,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from triax import choices
 from triax.mesh.build import mesh_sizes
+from triax.models import runtime
 from triax.models.attention import BLOCK_SIZE, AttentionFn, kernel
 from triax.models.visibility import Visibility
-from triax.models.axes import using_constraint
 from triax.sharding.ring import LAYOUTS, RingSpec, ring_attention
 from triax.sharding.rules import Rules, ShardingError
 
@@ -115,7 +115,7 @@ def _local_attention(scheme: str, implementation: str, axis: str, C: int,
     fn = ring if scheme == "ring" else all_gather
 
     def local(q_BTNH, k_BSKH, v_BSKH, vis):
-        with using_constraint(None):   # activation constraints name the full mesh: not here
+        with runtime.using(constraint=None):   # activation constraints name the full mesh
             return fn(q_BTNH, k_BSKH, v_BSKH, vis)
     return local
 

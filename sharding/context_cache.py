@@ -44,9 +44,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
+from triax.models import runtime
 from triax.models.online_softmax import accumulate, combine, empty_partial, finish
 from triax.models.visibility import Visibility
-from triax.models.axes import constrain, using_constraint
 from triax.models.decode import (CACHE_AXES, CacheAttentionFn, is_paged, pages,
                                  paged_write_read)
 from triax.sharding.context import (check_scheme, context_attention, context_axis, context_size,
@@ -130,20 +130,20 @@ class ContextCache:
                 for n, x in (("k", k_BTKH), ("v", v_BTKH))}
 
     def attention_hook(self) -> CacheAttentionFn:
-        """The ``models.decode.using_cache_attention`` hook for this layout."""
+        """The runtime's ``cache_attention`` hook for this layout (``models.runtime``)."""
         attend = context_attention(self.mesh, self.rules, self.scheme)
         whole, split = self._specs()
         names = {self.axis, *self.rows}
         C, axis = self.size, self.axis
 
         def write_split(cache, k_BTKH, v_BTKH, positions_BT):   # the prompt: split as stored
-            with using_constraint(None):
+            with runtime.using(constraint=None):
                 return self._write(cache, k_BTKH, v_BTKH, positions_BT)
 
         def decode_local(q_BTNH, k_BTKH, v_BTKH, cache, positions_BT):
             # The automatic axes (tensor) keep the strategy's layout in here: unconstrained,
             # XLA split the cache's KV heads its own way and regathered the cache every layer.
-            with using_constraint(self._auto_constraint()):
+            with runtime.using(constraint=self._auto_constraint()):
                 rank = jax.lax.axis_index(axis)
                 N, share = cache["k"].shape[1:3]   # blocks, the places of a block held here
                 P = share * C

@@ -37,7 +37,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
-from triax.models.axes import using_constraint
+from triax.models import runtime
 from triax.models.config import ModelConfig
 from triax.models.moe import capacity, expert_ffn
 from triax.sharding.rules import Rules, ShardingError
@@ -113,7 +113,7 @@ def _all_to_all_runner(mesh, rules: Rules, axes: tuple[str, ...], ep: int) -> Ca
         if data_axes:  # mark the fp32 weights as per-shard now, so the gradient's psum over
             # data is fp32 (a bf16 one, after the cast, crashes XLA:CPU and loses precision)
             weights = tuple(jax.lax.pcast(w, data_axes, to="varying") for w in weights)
-        with using_constraint(None):   # activation constraints name the full mesh: not here
+        with runtime.using(constraint=None):   # activation constraints name the full mesh
             y_BTD, stats = token_fn(x_BTD, router_DE, weights, experts)
         return y_BTD, jax.lax.psum(stats, manual)
 

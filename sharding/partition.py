@@ -20,11 +20,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from triax.mesh.build import mesh_sizes
-from triax.models.axes import using_constraint
-from triax.models.attention import using_attention
+from triax.models import runtime
 from triax.models.config import ModelConfig
 from triax.models.lora import is_adapter_path
-from triax.models.moe import using_moe_runner
 from triax.models.transformer import Transformer
 from triax.sharding.context import context_attention
 from triax.sharding.experts import check_expert_mesh, expert_runner
@@ -211,7 +209,7 @@ def activation_constraint(mesh: Mesh, rules: Rules) -> Callable:
         if jax.sharding.get_abstract_mesh().manual_axes:
             # Inside a shard_map (context attention, the pipeline): the constraint names the
             # whole mesh, which is wrong there. A custom_vjp rule (ring, blockwise) is traced
-            # lazily, after the shard_map's own ``using_constraint(None)`` has been left.
+            # lazily, after the shard_map's own ``using(constraint=None)`` has been left.
             return x
         spec = rules.spec(logical_axes, x.shape, sizes, what="activation")
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
@@ -226,10 +224,10 @@ def activation_sharding(mesh: Mesh, strategy: str | Strategy,
     (``sharding.context.context_attention``; None: any order)."""
     strategy = get_strategy(strategy)
     rules = strategy.rules
-    with using_constraint(activation_constraint(mesh, rules)), \
-            using_moe_runner(expert_runner(mesh, rules)), \
-            using_attention(context_attention(mesh, rules, strategy.context_attention,
-                                              context_layout)):
+    with runtime.using(constraint=activation_constraint(mesh, rules),
+                       moe_runner=expert_runner(mesh, rules),
+                       attention=context_attention(mesh, rules, strategy.context_attention,
+                                                   context_layout)):
         yield
 
 

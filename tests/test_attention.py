@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from triax.models import attention as A
+from triax.models import runtime
 from triax.models import online_softmax as OS
 from triax.models import visibility as V
 
@@ -52,7 +53,7 @@ def test_cache_visibility_sees_slots_up_to_the_position():
 def test_hook_replaces_attention_and_unknown_implementation_is_named():
     q, k, v = _qkv()
     vis = V.Visibility.causal(*q.shape[:2])
-    with A.using_attention(lambda q, k, v, vis, impl: jnp.zeros_like(q)):
+    with runtime.using(attention=lambda q, k, v, vis, impl: jnp.zeros_like(q)):
         assert float(jnp.abs(A.attention(q, k, v, vis)).sum()) == 0.0
     with pytest.raises(ValueError, match="'nope'.*reference"):
         A.attention(q, k, v, vis, "nope")

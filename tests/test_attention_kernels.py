@@ -12,7 +12,7 @@ from tests.tree_checks import assert_trees_close
 from triax.models import Transformer, config
 from triax.models import attention as A
 from triax.models import visibility as V
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.training.config import RunConfig
 
 T = 13        # not a multiple of the block

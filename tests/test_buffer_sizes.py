@@ -4,7 +4,7 @@ bytes, equal a direct trace's."""
 import pytest
 
 from triax.models import config
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.pipeline import buffer_sizes
 from triax.pipeline.split_backward import slot_layouts
 from triax.pipeline.stash_layout import nbytes

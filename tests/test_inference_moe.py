@@ -1,4 +1,4 @@
-"""MoE at inference routes dropless (``models.moe.inference_routing``): the KV-cache engine,
+"""MoE at inference routes dropless (the runtime's ``moe_inference``): the KV-cache engine,
 whose prefill pads prompts to a bucket and whose decode sees one token per call, gives the
 no-cache reference's greedy tokens in capacity mode as in dropless mode."""
 import pytest

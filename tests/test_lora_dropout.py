@@ -12,7 +12,7 @@ from tree_checks import assert_trees_close
 
 from triax.inference.reference import greedy_reference
 from triax.mesh import make_mesh
-from triax.models import config, lora
+from triax.models import config, lora, runtime
 from triax.models.config import LoraConfig
 from triax.pipeline.pipelined import PipelineConfig
 from triax.training.config import RunConfig
@@ -81,11 +81,11 @@ def test_the_mask_drops_p_and_rescales_the_rest():
              for t in ("q_proj", "k_proj")]
     batch = {lora.DROPOUT_SEEDS: lora.dropout_seeds(3, (4, 64))}
     assert np.array_equal(pairs[0].dropped(x), x)          # no layer context: no dropout
-    with lora.dropout_in_layer(batch, jnp.int32(0)):
+    with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(0))):
         q0, k0 = (np.asarray(p.dropped(x)) for p in pairs)
-    with lora.dropout_in_layer(batch, jnp.int32(1)):
+    with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(1))):
         q1 = np.asarray(pairs[0].dropped(x))
-    with lora.dropout_in_layer({}, jnp.int32(0)):          # eval / decode batches
+    with runtime.using(lora_dropout=lora.layer_dropout({}, jnp.int32(0))):   # eval, decode
         assert np.array_equal(pairs[0].dropped(x), x)
     for y in (q0, k0, q1):
         assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - P))}

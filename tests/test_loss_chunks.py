@@ -12,7 +12,7 @@ from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.rules import get_strategy
 from triax.training.config import RunConfig

@@ -5,7 +5,7 @@ import pytest
 from triax import memo_on_disk
 from triax.memo_on_disk import on_disk
 from triax.models import config
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.pipeline import buffer_sizes
 
 

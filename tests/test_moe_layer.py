@@ -119,7 +119,7 @@ def test_experts_not_divisible_by_expert_axis(devices):
 def test_bf16_expert_parallel_layer_grads(devices):
     """bf16 compute over data × expert: weight gradients reduce over data in fp32 (a bf16
     reduction there once crashed XLA:CPU) and match the fp32 local layer to bf16 precision."""
-    from triax.models.moe import using_moe_runner
+    from triax.models import runtime
     from triax.sharding.experts import expert_runner
     from triax.sharding.rules import get_strategy
     graphdef, params = _layer(MoEConfig(num_experts=8, top_k=2, mlp_dim=32))
@@ -127,7 +127,7 @@ def test_bf16_expert_parallel_layer_grads(devices):
     runner = expert_runner(make_mesh(data=4, expert=2), get_strategy("dp").rules)
 
     def loss(params, dtype, run):
-        with using_moe_runner(run):
+        with runtime.using(moe_runner=run):
             y, _ = nnx.merge(graphdef, params)(x_BTD.astype(dtype), dtype)
         return jnp.sum(y.astype(jnp.float32) * x_BTD)
 

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.visibility import Visibility
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.sharding import ring
 from triax.sharding.context import context_attention, zigzag_order
 from triax.sharding.introspect.memory import memory_from_compiled

@@ -15,7 +15,7 @@ import triax
 
 from triax.mesh import make_mesh
 from triax.models import Transformer, config
-from triax.models.layers import ExecConfig
+from triax.models.runtime import ExecConfig
 from triax.pipeline.executor import loss_only
 from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.stage import Stage

@@ -1,7 +1,7 @@
 """What each pipeline stage's ops compute under uneven stages, read from the compiled program.
 
 Every stage runs the same SPMD program; a stage shorter than the longest runs its chunk's
-``Lc`` layer slots each as a two-branch conditional (``models.protocol.using_layer_count``,
+``Lc`` layer slots each as a two-branch conditional (the runtime's ``layer_count``,
 named scope ``LAYER_SLOT_SCOPE``): branch 1 runs the layer, branch 0 passes the activation
 through, and a stage with ``count`` layers takes branch 1 on its first ``count`` slots. So one
 execution of an op (its run branch: ``branch_costs.op_conditionals``) on a stage of ``count``
