@@ -60,7 +60,7 @@ def test_blocks_are_reserved_taken_as_the_sequence_grows_and_freed():
         kv.release(0)
     kv.grow(2, 12)                           # direct use: free blocks, no reservation
     assert kv.held[2] == 3 and kv.available(0) == 0
-    kv.release_all()
+    kv.release(1); kv.release(2)            # a reservation and a direct holding
     assert (kv.in_use, kv.committed, kv.available(0)) == (0, 0, 6)
 
 
