@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
+from triax.hf.export import umask_mode
 from triax.hf.files import HFError
 from triax.models.config import LoraConfig, ModelConfig
 from triax.models import lora
@@ -176,6 +177,8 @@ def write_adapters(params: dict, cfg: ModelConfig, out_dir: str, base_model: str
                                 metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as fh:
         json.dump(adapter_config(cfg.lora, base_model, dropout), fh, indent=2)
+    for f in (WEIGHTS_FILE, CONFIG):
+        umask_mode(os.path.join(out_dir, f))
     return sorted(os.listdir(out_dir))
 
 
