@@ -301,7 +301,7 @@ class Engine:
                 with_logits: bool = False):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
-        ``with_logits``: return ``(tokens, logits)``, each prompt's fp32 ``[V]`` logits the
+        ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
         token was drawn from (a program of its own: serving never moves them).
         A slot's sequence takes its prompt's blocks (from its reservation, ``kv.reserve``,
         else from the free ones); a sequence still in the slot ends first."""
