@@ -34,9 +34,11 @@ def check_context(n_tokens: int, max_new_tokens: int, max_len: int, model_len: i
     longer = f", or raise max_len (--max-len, at most {model_len})" if max_len < model_len else ""
     fits = max_len - n_tokens + 1
     if fits < 1:
-        raise ContextLengthError(f"prompt of {n_tokens} tokens is longer than the cache of "
-                                 f"{max_len} positions; shorten the prompt{longer}", fits=0)
+        raise ContextLengthError(f"prompt of {n_tokens} tokens is longer than the context of "
+                                 f"{max_len} cached positions; shorten the prompt{longer}",
+                                 fits=0)
     raise ContextLengthError(f"prompt of {n_tokens} tokens plus max_new_tokens="
-                             f"{max_new_tokens} does not fit the cache of {max_len} positions; "
+                             f"{max_new_tokens} does not fit the context of {max_len} cached "
+                             f"positions; "
                              f"lower max_new_tokens to at most {fits} or shorten the "
                              f"prompt{longer}", fits=fits)

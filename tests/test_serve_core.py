@@ -102,7 +102,7 @@ def test_a_request_beyond_the_context_gets_a_400_naming_what_fits():
         assert err["param"] == "max_tokens" and "at most 62" in err["message"], err
         err = error(list(range(1, 71)), 1)   # the prompt alone: no max_tokens fits
         assert err["param"] == "prompt", err
-        assert "longer than the cache of 64 positions" in err["message"], err
+        assert "longer than the context of 64 cached positions" in err["message"], err
         assert "at most 0" not in err["message"] and "max_new_tokens" not in err["message"]
         r = http.post("/v1/completions", json={"model": "fake", "prompt": [20, 21, 22],
                                                "max_tokens": 62, "temperature": 0})
