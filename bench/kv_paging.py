@@ -57,7 +57,7 @@ def serve(cfg, params, mesh, ecfg: EngineConfig, jobs) -> dict:
     assert server.kv_blocks_in_use == 0 and eng.kv.committed == 0, "a KV block leaked"
     return {"tokens": [results[i].tokens for i in ids], "peak": st["peak_running"],
             "mean": st["decode_tokens"] / max(st["decode_steps"], 1), "wall": wall,
-            "generated": st["generated_tokens"], "bytes": eng.cache_bytes_per_device(),
+            "generated": st["generated_tokens"], "bytes": eng.pool.bytes_per_device(),
             "blocks": eng.kv.total, "block_size": eng.kv.block_size}
 
 

@@ -43,14 +43,9 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
-def run_config_from_args(args) -> RunConfig:
-    """RunConfig defaults < ``--config`` file < explicit flags."""
-    return run_config_and_given(args)[0]
-
-
 def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
-    """The run, and the fields the user gave (explicit flags and ``--config`` keys): what
-    ``--plan auto`` keeps fixed."""
+    """The run (RunConfig defaults < ``--config`` file < explicit flags), and the fields the
+    user gave (explicit flags and ``--config`` keys): what ``--plan auto`` keeps fixed."""
     values = load_config_file(args.config) if args.config else {}
     values.update(run_values(args))
     if values.get("init_from") and "model" in values:

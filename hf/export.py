@@ -5,7 +5,8 @@
 when everything fits in one), and the tokenizer files when given. Each HF tensor is gathered
 from the mesh on its own (a jitted slice of one layer / expert, then to host) and streamed
 into its shard, so host memory stays at one tensor. The directory is built beside the target
-and renamed into place at the end: a failure leaves nothing half-written.
+and renamed into place at the end: a failure leaves nothing half-written. It and its files
+get the modes the user's umask gives (:func:`umask_mode`), not ``mkdtemp``'s private 0700.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
@@ -96,6 +97,14 @@ def _write_shard(path: str, tensors: Sequence[tuple], params: dict) -> None:
             fh.write(x.tobytes())
 
 
+def umask_mode(path: str) -> None:
+    """Give ``path`` the mode the user's umask gives a new one: 0o777 less it for a
+    directory, 0o666 less it for a file (``mkdtemp`` makes 0700, safetensors writes 0600)."""
+    mask = os.umask(0)   # the only way to read it; set straight back
+    os.umask(mask)
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+
 def check_target(out_dir: str, overwrite: bool) -> None:
     """Refuse a non-empty ``out_dir`` unless ``overwrite`` (then it is replaced whole)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
@@ -136,6 +145,8 @@ def export(params: dict, cfg: ModelConfig, out_dir: str, max_shard_size: int | s
             json.dump(hf_config(cfg), fh, indent=2)
         for f in tokenizer_files:
             shutil.copy(f, os.path.join(tmp, os.path.basename(f)))
+        for f in os.listdir(tmp) + [""]:   # every file, then the directory itself
+            umask_mode(os.path.join(tmp, f))
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.rename(tmp, out_dir)

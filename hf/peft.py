@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import safetensors.numpy
 
+from triax.hf.export import umask_mode
 from triax.hf.files import HFError
 from triax.models.config import LoraConfig, ModelConfig
 from triax.models import lora
@@ -42,11 +43,12 @@ def peft_key(layer: int, target: str, which: str) -> str:
 
 def expected(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """PEFT key -> shape for every adapter tensor of ``cfg`` (which has ``lora``)."""
-    r, io = cfg.lora.rank, _in_out(cfg)
+    r = cfg.lora.rank
     out = {}
     for i in range(cfg.num_layers):
         for t in cfg.lora.targets:
-            fan_in, fan_out = (math.prod(s) for s in io[t])
+            in_shape, _, out_shape, _ = cfg.lora_io(t)
+            fan_in, fan_out = math.prod(in_shape), math.prod(out_shape)
             out[peft_key(i, t, "A")] = (r, fan_in)
             out[peft_key(i, t, "B")] = (fan_out, r)
     return out
@@ -118,11 +120,10 @@ def read_adapters(directory: str, cfg: ModelConfig) -> dict:
         if tuple(tensors[k].shape) != shape:
             raise HFError(f"{path}: {k} has shape {tuple(tensors[k].shape)}, expected {shape} "
                           f"(rank {cfg.lora.rank} over this base model)")
-    in_out = _in_out(cfg)
     tree: dict = {"blocks": {}}
     for t in cfg.lora.targets:
         mod = WEIGHTS[t][0]
-        i_shape, o_shape = in_out[t]
+        i_shape, _, o_shape, _ = cfg.lora_io(t)
         r = cfg.lora.rank
         a = np.stack([tensors[peft_key(i, t, "A")].astype(np.float32).T.reshape(i_shape + (r,))
                       for i in range(cfg.num_layers)])
@@ -176,15 +177,9 @@ def write_adapters(params: dict, cfg: ModelConfig, out_dir: str, base_model: str
                                 metadata={"format": "pt"})
     with open(os.path.join(out_dir, CONFIG), "w") as fh:
         json.dump(adapter_config(cfg.lora, base_model, dropout), fh, indent=2)
+    for f in (WEIGHTS_FILE, CONFIG):
+        umask_mode(os.path.join(out_dir, f))
     return sorted(os.listdir(out_dir))
-
-
-def _in_out(cfg: ModelConfig) -> dict:
-    """Each target's base input and output dims in triax's layout."""
-    D, N, K, H, F = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    return {"q_proj": ((D,), (N, H)), "k_proj": ((D,), (K, H)), "v_proj": ((D,), (K, H)),
-            "o_proj": ((N, H), (D,)), "gate_proj": ((D,), (F,)), "up_proj": ((D,), (F,)),
-            "down_proj": ((F,), (D,))}
 
 
 __all__ = ["CONFIG", "WEIGHTS_FILE", "adapted_config", "adapter_config", "expected",

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine, InferenceError
 from triax.inference.request import _Live
 
@@ -55,7 +56,7 @@ class Batching:
         slots, batch = [], []
         while self.queue and free:
             live = self.queue[0]
-            need = eng.positions_needed(len(live.result.prompt), live.max_new)
+            need = positions_needed(len(live.result.prompt), live.max_new)
             slot = next((i for i in free if eng.kv.can_reserve(i, need)), None)
             if slot is None:   # not enough blocks free yet: it waits, first in line
                 break

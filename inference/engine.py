@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from triax import choices
+from triax.inference.context_length import check_context, positions_needed
 from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 (re-exported)
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
 from triax.inference.kv_blocks import KVBlocks
@@ -126,8 +127,8 @@ class Engine:
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7,))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6,))
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7, 9))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
         self.compiles = {"prefill": set(), "decode": set()}
 
     @classmethod
@@ -157,7 +158,7 @@ class Engine:
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
         return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
-                                      self._rule(), rows, row)
+                                      self._rule(), rows, row, False)
 
     def recover(self) -> None:
         """After a failed prefill or decode: a fresh cache if the failed program consumed
@@ -165,21 +166,16 @@ class Engine:
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._zeros_cache()
 
-    def cache_bytes_per_device(self) -> int:
-        """Bytes of KV pool each device holds (its shard of k and v)."""
-        k = self.cache["k"]
-        return 2 * int(np.prod(k.sharding.shard_shape(k.shape))) * k.dtype.itemsize
-
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
-                 rows=None):
+                 rows=None, with_logits=False):
         # MoE: dropless, so padding and batch-mates take nothing
         with runtime.using(moe_inference=True):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
-                                      seeds_b, rule, rows)
+                                      seeds_b, rule, rows, with_logits)
 
     def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
-                      rule, rows):
+                      rule, rows, with_logits):
         b, T = tokens_bT.shape
         # The prompt attends within a scratch cache of its bucket, then enters the pool.
         shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, T)
@@ -198,12 +194,13 @@ class Engine:
         cache = write_scratch(cache, tmp, table_bM, group_b,
                               1 if self.context is None else self.context.size)
         cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
-        return cache, tok, last_bV
+        return (cache, tok, last_bV) if with_logits else (cache, tok)
 
     def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
-                rows=None, slots_B=None):
+                rows=None, slots_B=None, with_logits=False):
         """One step of a bucket of rows (``B`` here: the bucket's); with ``slots_B``, tokens
-        and logits come back scattered to their slots (``max_batch``: padding, dropped)."""
+        (and logits, ``with_logits``) come back scattered to their slots (``max_batch``:
+        padding, dropped)."""
         # Every layer reads the same table: it rides in the cache, scanned with the layers
         # (and split over pipeline stages and micro-batches like the pool).
         paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
@@ -215,9 +212,11 @@ class Engine:
                                                  self.cache_sharding)
         tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         if slots_B is None:
-            return cache, tok, logits_B1V[:, 0]
+            return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)
         n = self.ecfg.max_batch
         tok_n = jnp.zeros(n, tok.dtype).at[slots_B].set(tok, mode="drop")
+        if not with_logits:
+            return cache, tok_n
         logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
             logits_B1V[:, 0], mode="drop")
         return cache, tok_n, logits_nV
@@ -238,27 +237,14 @@ class Engine:
             raise InferenceError("empty prompt: give at least one token (e.g. a BOS token)")
         if max_new_tokens < 1:
             raise InferenceError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if n_tokens > self.cfg.max_seq_len:
-            raise InferenceError(f"prompt of {n_tokens} tokens is longer than the model's "
-                                 f"context ({self.cfg.max_seq_len}); shorten it")
-        # The last generated token is returned, never fed back, so it needs no position.
-        need = self.positions_needed(n_tokens, max_new_tokens)
-        if need > self.ecfg.max_len:
-            raise InferenceError(
-                f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} does not "
-                f"fit the cache of {self.ecfg.max_len} positions; shorten the prompt, lower "
-                f"max_new_tokens, or raise max_len (at most {self.cfg.max_seq_len})")
+        check_context(n_tokens, max_new_tokens, self.ecfg.max_len, self.cfg.max_seq_len)
+        need = positions_needed(n_tokens, max_new_tokens)
         if self.kv.need(need) > self.kv.blocks:
             raise InferenceError(
                 f"prompt of {n_tokens} tokens plus max_new_tokens={max_new_tokens} needs "
                 f"{self.kv.need(need)} KV blocks of {self.kv.block_size} positions, and the "
                 f"pool holds {self.kv.blocks} per row group; raise --kv-blocks or --kv-memory "
                 f"(or shorten the request)")
-
-    @staticmethod
-    def positions_needed(n_tokens: int, max_new_tokens: int) -> int:
-        """Cache positions a request may fill: its prompt and every fed-back token."""
-        return n_tokens + max(max_new_tokens, 1) - 1
 
     def check_token_ids(self, prompt: Sequence) -> list[int]:
         """The prompt as a list of ints; raise if an entry is not an integer id in the
@@ -292,7 +278,8 @@ class Engine:
             b *= 2
         return tuple(out) + (self.ecfg.max_batch,)
 
-    def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None):
+    def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
+                     with_logits=False):
         table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
         n = len(prompts)
         tokens = np.zeros((b, T), np.int32)
@@ -305,16 +292,18 @@ class Engine:
         slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
         table[:n] = self.kv.tables[list(slots)]
         self.compiles["prefill"].add((b, T))
-        self.cache, tok, self.last_logits = self._prefill_jit(
+        self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings))
-        return tok[:n]
+            self._rows(b, settings), with_logits)
+        return tuple(x[:n] for x in out) if with_logits else out[0][:n]
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
-                seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None
-                ) -> jax.Array:
+                seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
+                with_logits: bool = False):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
+        ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
+        token was drawn from (a program of its own: serving never moves them).
         A slot's sequence takes its prompt's blocks (from its reservation, ``kv.reserve``,
         else from the free ones); a sequence still in the slot ends first."""
         lens = [len(p) for p in prompts]
@@ -325,9 +314,10 @@ class Engine:
                 self.release(s)
             self.kv.grow(s, n)
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
-        tok = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings)
+        out = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings,
+                                with_logits)
         self.lengths[list(slots)] = lens
-        return tok
+        return out
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:
         """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
@@ -358,7 +348,7 @@ class Engine:
             rows[g, :len(x)] = x
         return rows.reshape(-1)
 
-    def _run_decode(self, rows, tokens, positions, seeds, settings):
+    def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False):
         B = self.ecfg.max_batch
         real = rows < B
         s = np.where(real, rows, 0)
@@ -366,18 +356,20 @@ class Engine:
         table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
         given = list(settings) if settings else [self.sampling] * B
         self.compiles["decode"].add(rows.shape)
-        self.cache, tok, self.last_logits = self._decode_jit(
+        self.cache, *out = self._decode_jit(
             self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
             self._rule(), row_settings([given[i] if r else self.sampling
-                                        for i, r in zip(s, real)]), rows.astype(np.int32))
-        return tok
+                                        for i, r in zip(s, real)]), rows.astype(np.int32),
+            with_logits)
+        return tuple(out) if with_logits else out[0]
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
-               settings: Optional[Sequence[SamplingConfig]] = None) -> jax.Array:
+               settings: Optional[Sequence[SamplingConfig]] = None, with_logits: bool = False):
         """Feed one token per slot (``active`` rows advance); return the next tokens (one per
         slot; only the active ones mean anything). Only the active rows run: a bucket of
         them per row group (``_decode_rows``; one compile per bucket). ``settings``: one
-        ``SamplingConfig`` per slot (default: the engine's for all)."""
+        ``SamplingConfig`` per slot (default: the engine's for all). ``with_logits``: return
+        ``(tokens, logits)``, the ``[slots, V]`` logits each token was drawn from."""
         full = active & (self.lengths >= self.ecfg.max_len)
         if full.any():
             raise CacheFullError(
@@ -386,10 +378,10 @@ class Engine:
         for s in np.flatnonzero(active):   # the new token's position needs its block
             self.kv.grow(int(s), int(self.lengths[s]) + 1)
         positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
-        tok = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
-                               seeds, settings)
+        out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
+                               seeds, settings, with_logits)
         self.lengths[active] += 1
-        return tok
+        return out
 
     def release(self, slot: int) -> None:
         """The sequence in ``slot`` ended: its blocks go back to the pool."""

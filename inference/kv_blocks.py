@@ -96,11 +96,6 @@ class KVBlocks:
         self.tables[slot] = self.blocks
         self.held[slot] = self.reserved[slot] = 0
 
-    def release_all(self) -> None:
-        """Every slot's blocks back (the pool was lost, or every request failed)."""
-        for s in np.flatnonzero(self.reserved | self.held):
-            self.release(int(s))
-
     @property
     def total(self) -> int:
         return self.groups * self.blocks

@@ -15,6 +15,7 @@ Variants come from ``dataclasses.replace``::
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -105,6 +106,16 @@ class RopeScaling:
                              f"0 < low_freq_factor < high_freq_factor; got {self}")
 
 
+# Each LoRA target's base weight as (input, output) shape letters (the letters above), and
+# each letter's ModelConfig field and logical axis (``ModelConfig.lora_io``).
+_LORA_IO = {"q_proj": ("D", "NH"), "k_proj": ("D", "KH"), "v_proj": ("D", "KH"),
+            "o_proj": ("NH", "D"), "gate_proj": ("D", "F"), "up_proj": ("D", "F"),
+            "down_proj": ("F", "D")}
+_LORA_LETTERS = {"D": ("embed_dim", "embed"), "N": ("num_heads", "heads"),
+                 "K": ("num_kv_heads", "kv_heads"), "H": ("head_dim", "head_dim"),
+                 "F": ("mlp_dim", "mlp")}
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A Llama-style decoder. All sizes are global (unsharded)."""
@@ -145,14 +156,6 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-    @property
-    def is_moe(self) -> bool:
-        return self.moe is not None
-
     def param_counts(self) -> dict[str, int]:
         """Exact parameter counts by group (matches the model's real tree)."""
         D, N, K, H, F, V, L = (self.embed_dim, self.num_heads, self.num_kv_heads,
@@ -182,16 +185,24 @@ class ModelConfig:
         unused = (self.moe.num_experts - self.moe.top_k) * 3 * self.embed_dim * Fe
         return self.num_params - self.num_layers * unused
 
+    def lora_io(self, target: str) -> tuple[tuple[int, ...], tuple[str, ...],
+                                            tuple[int, ...], tuple[str, ...]]:
+        """``(in_shape, in_axes, out_shape, out_axes)`` of LoRA ``target``'s base weight in
+        triax's layout (its logical axes too): the one home of every adapter's shape."""
+        def side(letters):
+            return (tuple(getattr(self, _LORA_LETTERS[c][0]) for c in letters),
+                    tuple(_LORA_LETTERS[c][1] for c in letters))
+        fan_in, fan_out = _LORA_IO[target]
+        return side(fan_in) + side(fan_out)
+
     @property
     def adapter_params(self) -> int:
         """LoRA adapter parameters (0 without ``lora``): r·(in + out) per adapted projection."""
         if self.lora is None:
             return 0
-        D, N, K, H, F = (self.embed_dim, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.mlp_dim)
-        dims = {"q_proj": D + N * H, "k_proj": D + K * H, "v_proj": D + K * H,
-                "o_proj": N * H + D, "gate_proj": D + F, "up_proj": D + F, "down_proj": F + D}
-        return self.num_layers * self.lora.rank * sum(dims[t] for t in self.lora.targets)
+        per_rank = sum(math.prod(i) + math.prod(o)
+                       for i, _, o, _ in map(self.lora_io, self.lora.targets))
+        return self.num_layers * self.lora.rank * per_rank
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd). Under LoRA

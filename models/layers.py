@@ -85,13 +85,11 @@ class Attention(nnx.Module):
         self.wo_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), std)
         self.theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         # LoRA adapters (None where not targeted): A on the input axes, B on the output's.
-        lo, emb, qh, kh = cfg.lora, ((D,), ("embed",)), ((N, H), ("heads", "head_dim")), \
-            ((K, H), ("kv_heads", "head_dim"))
-        self.lora_q_proj = maybe_pair(lo, "q_proj", *emb, *qh, rngs=rngs)
-        self.lora_k_proj = maybe_pair(lo, "k_proj", *emb, *kh, rngs=rngs)
-        self.lora_v_proj = maybe_pair(lo, "v_proj", *emb, *kh, rngs=rngs)
-        self.lora_o_proj = maybe_pair(lo, "o_proj", *qh, *emb, rngs=rngs)
-        quantize_weights(self, lo, wq_DNH=1, wk_DKH=1, wv_DKH=1, wo_NHD=2)  # int8 base only
+        self.lora_q_proj = maybe_pair(cfg, "q_proj", rngs)
+        self.lora_k_proj = maybe_pair(cfg, "k_proj", rngs)
+        self.lora_v_proj = maybe_pair(cfg, "v_proj", rngs)
+        self.lora_o_proj = maybe_pair(cfg, "o_proj", rngs)
+        quantize_weights(self, cfg.lora, wq_DNH=1, wk_DKH=1, wv_DKH=1, wo_NHD=2)  # int8 base only
 
     def project_qkv(self, x_BTD, positions_BT, dtype):
         q = jnp.einsum("BTD,DNH->BTNH", x_BTD, kernel(self, "wq_DNH", dtype))
@@ -137,11 +135,10 @@ class MLP(nnx.Module):
         self.w_in_D2F = param(rngs, (D, 2, F), ("embed", None, "mlp"), std)
         self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), std)
         # One adapter pair per projection of the fused weight (PEFT's gate_proj, up_proj).
-        lo, emb, mlp = cfg.lora, ((D,), ("embed",)), ((F,), ("mlp",))
-        self.lora_gate_proj = maybe_pair(lo, "gate_proj", *emb, *mlp, rngs=rngs)
-        self.lora_up_proj = maybe_pair(lo, "up_proj", *emb, *mlp, rngs=rngs)
-        self.lora_down_proj = maybe_pair(lo, "down_proj", *mlp, *emb, rngs=rngs)
-        quantize_weights(self, lo, w_in_D2F=1, w_down_FD=1)
+        self.lora_gate_proj = maybe_pair(cfg, "gate_proj", rngs)
+        self.lora_up_proj = maybe_pair(cfg, "up_proj", rngs)
+        self.lora_down_proj = maybe_pair(cfg, "down_proj", rngs)
+        quantize_weights(self, cfg.lora, w_in_D2F=1, w_down_FD=1)
 
     def __call__(self, x_BTD, dtype):
         gu = jnp.einsum("BTD,DUF->BTUF", x_BTD, kernel(self, "w_in_D2F", dtype))

@@ -107,11 +107,12 @@ class LoraPair(nnx.Module):
                                                                                  dtype)
 
 
-def maybe_pair(lora: Optional[LoraConfig], target: str, *shape_axes, rngs) -> Optional[LoraPair]:
-    """A pair for ``target`` when ``lora`` adapts it, else None."""
-    if lora is None or target not in lora.targets:
+def maybe_pair(cfg, target: str, rngs: nnx.Rngs) -> Optional[LoraPair]:
+    """A pair for ``target`` shaped as ``cfg.lora_io`` says when ``cfg.lora`` adapts it,
+    else None."""
+    if cfg.lora is None or target not in cfg.lora.targets:
         return None
-    return LoraPair(*shape_axes, lora, rngs, target)
+    return LoraPair(*cfg.lora_io(target), cfg.lora, rngs, target)
 
 
 def pair_leaf(path) -> Optional[tuple[str, str]]:

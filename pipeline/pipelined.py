@@ -24,7 +24,6 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -36,7 +35,6 @@ from triax.models.runtime import ExecConfig
 from triax.models.moe import run_locally
 from triax.models.protocol import loss_metric, loss_weight, missing_protocol
 from triax.pipeline.executor import DATA, PIPE, RunResult, StepSpec, branch_kinds, run_ticks
-from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.fsdp import FSDP, auto_spec, data_dim, manual_spec
 from triax.pipeline.generators import build
 from triax.pipeline.schedules import Schedule, ScheduleError, ScheduleKind
@@ -159,17 +157,6 @@ class Pipeline:
     def branch_kinds(self) -> tuple[str, ...]:
         """The training step's tick-switch branches in order (``executor.branch_kinds``)."""
         return branch_kinds(self.schedule)
-
-    def activation_buffer_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
-        """:func:`activation_buffer_bytes` of this pipeline's training step."""
-        cfg = self.abstract.cfg
-        if cfg is None:   # the pricing traces a model from its config
-            raise ValueError("activation_buffer_bytes prices a model from its ModelConfig; "
-                             "for a model without one read the compiled step's "
-                             "memory_analysis")
-        rows = self._check_batch(batch_size, self.schedule.microbatches)
-        return activation_buffer_bytes(cfg, self.stages, self.config, self.exe, rows,
-                                       seq_len)
 
     @cached_property
     def param_specs(self):
@@ -331,13 +318,6 @@ class Pipeline:
             return split.transpose(perm + list(range(k, split.ndim))).reshape(a.shape)
         return jax.tree.map(one, tree)
 
-    def microbatch_rows(self, batch_size: int) -> np.ndarray:
-        """``[M, rows]``: the batch rows each training micro-batch holds, over all data
-        shards (a MoE's auxiliary losses are per micro-batch: ``stage._with_aux``)."""
-        M = self.schedule.microbatches
-        rows = self._data_major(np.arange(batch_size))
-        return rows.reshape(self.data, M, -1).transpose(1, 0, 2).reshape(M, -1)
-
     def _with_aux(self, loss):
         """``(loss, aux)`` from the stages' summed loss (a dict with a MoE's aux losses)."""
         if isinstance(loss, dict):
@@ -391,9 +371,3 @@ def _protocol_problem(am: AbstractModel) -> Optional[str]:
 
 def _model_name(am: AbstractModel) -> str:
     return type(nnx.merge(am.graphdef, am.shapes)).__name__
-
-
-def pipeline_forward(cfg: ModelConfig, mesh: Mesh, strategy="dp",
-                     config: PipelineConfig = PipelineConfig(), exe: ExecConfig = ExecConfig()):
-    """``fn(params, batch) -> (loss, aux)``: pipelined evaluation, for eval and inference."""
-    return Pipeline(cfg, mesh, strategy, config, exe).forward

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from triax.inference.engine import InferenceError
+from triax.inference.errors import ContextLengthError, InferenceError
 from triax.inference.sampling import SamplingConfig, SamplingError
 from triax.inference.request import QueueFullError
 from triax.inference.server import Server
@@ -87,6 +87,9 @@ class _Run:
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
+        except ContextLengthError as e:   # the one context check: the engine's
+            raise APIError(400, str(e), param="max_tokens" if e.fits else "prompt",
+                           code="context_length_exceeded") from None
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         st.server.future(self.rid).add_done_callback(lambda f: put(None))
@@ -143,7 +146,7 @@ class _Run:
                 "total_tokens": len(self.prompt) + n}
 
 
-def _check(st: Serving, req, prompt: list[int]) -> None:
+def _check(st: Serving, req) -> None:
     if req.model != st.model_name:
         raise APIError(404, f"model {req.model!r} is not served here; this server serves "
                             f"{st.model_name!r} (GET /v1/models)", param="model",
@@ -151,12 +154,6 @@ def _check(st: Serving, req, prompt: list[int]) -> None:
     if req.n != 1:
         raise APIError(400, f"n={req.n}: this server returns one choice per request; send "
                             f"n=1 (or several requests)", param="n", code="unsupported")
-    if prompt and len(prompt) + req.max_tokens - 1 > st.max_len:
-        raise APIError(400, f"the prompt's {len(prompt)} tokens plus max_tokens="
-                            f"{req.max_tokens} exceed the context of {st.max_len} tokens; "
-                            f"shorten the prompt or lower max_tokens (at most "
-                            f"{max(st.max_len - len(prompt) + 1, 0)} here)",
-                       param="max_tokens", code="context_length_exceeded")
 
 
 def _timeout(st: Serving, request: Request) -> float:
@@ -259,7 +256,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
     async def completions(req: CompletionRequest, request: Request):
         prompt = (list(req.prompt) if isinstance(req.prompt, list) else
                   [int(t) for t in st.tokenizer.encode(req.prompt)])
-        _check(st, req, prompt)
+        _check(st, req)
         return await _respond(st, _Run(st, prompt, req, "completions", _timeout(st, request)),
                               chat=False)
 
@@ -277,7 +274,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="chat_template") from None
         prompt = encode_rendered(st.tokenizer, text)
-        _check(st, req, prompt)
+        _check(st, req)
         return await _respond(st, _Run(st, prompt, req, "chat", _timeout(st, request)),
                               chat=True)
 

@@ -1,8 +1,10 @@
 """``triax export``: the exported tensors are the fixture's own (bit for bit), re-importing
 the export reproduces the checkpoint's parameters exactly, shards respect the size limit,
-and a non-empty target is refused without ``--overwrite``."""
+a non-empty target is refused without ``--overwrite``, and the merged and the adapter
+export's directory and files get the user's umask."""
 import json
 import os
+import stat
 
 import jax
 import numpy as np
@@ -13,8 +15,12 @@ from hf_fixtures import fixture
 from triax.cli.main import main
 from triax.hf import Checkpoint, HFError, load
 from triax.hf.export import export
+from triax.hf.peft import write_adapters
 from triax.inference.checkpoint import save_params
 from triax.mesh import make_mesh
+from triax.models import config
+from triax.models.config import LoraConfig
+from triax.sharding.partition import abstract_model, init_params
 
 
 def _fixture_tensors(name):
@@ -95,3 +101,26 @@ def test_export_equals_fixture(name, tmp_path, devices):
         _fixture_tensors(name))
     with pytest.raises(HFError, match="not empty"):
         export(params, cfg, str(tmp_path / "out"))
+
+
+def test_exports_get_the_users_umask(tmp_path, devices):
+    """Not mkdtemp's 0700 directory, nor the 0600 safetensors writes, nor a private source's
+    mode copied with the tokenizer: what the umask gives any new file."""
+    one = make_mesh(devices=devices[:1])
+    cfg = config.get("tiny", num_layers=1)
+    lcfg = cfg.replace(lora=LoraConfig(rank=2))
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    tok.chmod(0o600)
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    old = os.umask(0o027)
+    try:
+        export(init_params(abstract_model(cfg), one, "tp"), cfg, str(merged),
+               tokenizer_files=[str(tok)])
+        write_adapters(init_params(abstract_model(lcfg), one, "tp"), lcfg, str(adapter), "tiny")
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+    assert mode(merged) == mode(adapter) == 0o750
+    files = [merged / f for f in os.listdir(merged)] + [adapter / f for f in os.listdir(adapter)]
+    assert len(files) == 5 and {f: mode(f) for f in files} == {f: 0o640 for f in files}

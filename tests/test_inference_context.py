@@ -50,12 +50,14 @@ def one_device(params, reference, devices):
 def run(eng, reference, n=len(PROMPTS)):
     """Greedy tokens and logits of the first ``n`` prompts, decoding the reference's tokens."""
     ref_tokens = reference[0]
-    tokens = [np.asarray(eng.prefill(range(n), [np.array(p) for p in PROMPTS[:n]], [0] * n))]
-    logits = [np.asarray(eng.last_logits)]
+    tok, lg = eng.prefill(range(n), [np.array(p) for p in PROMPTS[:n]], [0] * n,
+                          with_logits=True)
+    tokens, logits = [np.asarray(tok)], [np.asarray(lg)]
     for t in range(1, NEW):
-        tokens.append(np.asarray(eng.decode(np.array([r[t - 1] for r in ref_tokens[:n]]),
-                                            np.ones(n, bool), np.zeros(n))))
-        logits.append(np.asarray(eng.last_logits))
+        tok, lg = eng.decode(np.array([r[t - 1] for r in ref_tokens[:n]]), np.ones(n, bool),
+                             np.zeros(n), with_logits=True)
+        tokens.append(np.asarray(tok))
+        logits.append(np.asarray(lg))
     return np.stack(tokens, 1), np.stack(logits, 1)
 
 
@@ -163,7 +165,7 @@ def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engi
     whole = 2 * CFG.num_layers * pool.total_blocks * pool.block_size * CFG.num_kv_heads \
         * CFG.head_dim * F32
     per_device = whole * kv // CFG.num_kv_heads // (C * data)
-    assert eng.cache_bytes_per_device() == per_device
+    assert eng.pool.bytes_per_device() == per_device
     assert compiled.memory_analysis().alias_size_in_bytes == per_device
     assert held_bytes_per_device(CFG, eng.mesh, eng.strategy, ECFG)["KV cache"] == per_device
     # No collective on any axis moves the cache (a slice's worth of k or v, or more).

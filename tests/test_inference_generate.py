@@ -77,12 +77,15 @@ def test_cached_decode_logits_equal_full_recompute(params, reference, devices):
                                                                         "tensor")
     ref_tokens, ref_logits = reference
     n = len(PROMPTS)
-    cur = np.asarray(eng.prefill(range(n), [np.array(p) for p in PROMPTS], [0] * n))
-    got = [np.asarray(eng.last_logits)[:n]]
+    cur, logits = eng.prefill(range(n), [np.array(p) for p in PROMPTS], [0] * n,
+                              with_logits=True)
+    got = [np.asarray(logits)]
     active = np.ones(4, bool)
     for t in range(1, NEW):
-        eng.decode(np.array([r[t - 1] for r in ref_tokens]), active, np.zeros(4))
-        got.append(np.asarray(eng.last_logits))
+        _, logits = eng.decode(np.array([r[t - 1] for r in ref_tokens]), active, np.zeros(4),
+                               with_logits=True)
+        got.append(np.asarray(logits))
+    cur = np.asarray(cur)
     np.testing.assert_allclose(np.stack(got, 1), ref_logits, rtol=1e-5, atol=1e-5)
     assert cur.tolist() == [r[0] for r in ref_tokens]
     # One compile per shape bucket: a single prefill bucket and a single decode shape.

@@ -21,7 +21,7 @@ from triax.planner.workload import Layout, Workload
 from triax.sharding.rules import get_strategy
 from triax.training.config import RunConfig
 from triax.training.memory_check import OutOfMemoryPredicted
-from inference_helpers import host_params
+from inference_helpers import host_params, placed_bytes
 
 CFG = config.TINY.replace(num_layers=2)
 BS = 4   # small blocks: a sequence spans many, so the table's order matters
@@ -60,7 +60,7 @@ def test_blocks_are_reserved_taken_as_the_sequence_grows_and_freed():
         kv.release(0)
     kv.grow(2, 12)                           # direct use: free blocks, no reservation
     assert kv.held[2] == 3 and kv.available(0) == 0
-    kv.release_all()
+    kv.release(1); kv.release(2)            # a reservation and a direct holding
     assert (kv.in_use, kv.committed, kv.available(0)) == (0, 0, 6)
 
 
@@ -204,7 +204,8 @@ def test_kv_memory_sizes_the_pool_and_the_checks_count_it(devices):
     assert one == 2 * CFG.num_layers * 16 * (CFG.num_kv_heads // 2) * CFG.head_dim * 4
     ecfg = EngineConfig(max_batch=4, max_len=64, kv_memory=10 * one + one // 2)
     eng = Engine(CFG, None, mesh, "tp", ecfg)
-    assert eng.pool.total_blocks == 10 and eng.cache_bytes_per_device() == 10 * one
+    assert eng.pool.total_blocks == 10 and eng.pool.bytes_per_device() == 10 * one
+    assert placed_bytes(eng) == 10 * one
     assert held_bytes_per_device(CFG, mesh, "tp", ecfg)["KV cache"] == 10 * one
     w = Workload.of(CFG, train=False, dtype="fp32", batch=4, seq=64, kv_memory=ecfg.kv_memory)
     assert kv_cache_bytes(w, Layout(tensor=2, strategy="tp")) == 10 * one
@@ -238,7 +239,7 @@ def test_plan_inference_counts_the_pool_it_is_given(capsys, devices, mesh, flags
     eng = Engine(CFG, None, make_mesh(**parse_mesh(mesh), devices=devices[:2]), "tp", ecfg)
     blocks = {"--kv-blocks": 12, "--kv-memory": 8}.get(flags[0] if flags else None, 4 * 4)
     assert eng.pool.total_blocks == blocks
-    assert planned == eng.pool.bytes_per_device() == eng.cache_bytes_per_device()
+    assert planned == eng.pool.bytes_per_device() == placed_bytes(eng)
 
 
 # ---- the flags -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
 from triax.pipeline import ScheduleError
-from triax.pipeline.pipelined import Pipeline, PipelineConfig, pipeline_forward
+from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.training.step import Trainer
 from pipeline_helpers import single_device_references
 
@@ -64,7 +64,7 @@ def test_3d_mesh_train_step(reference):
 def test_forward_only_matches(reference):
     cfg, params, batch, loss0, _ = reference(4)
     mesh = make_mesh(data=2, pipe=4)
-    fwd = pipeline_forward(cfg, mesh, "dp", PipelineConfig(microbatches=4))
+    fwd = Pipeline(cfg, mesh, "dp", PipelineConfig(microbatches=4)).forward
     loss, _ = jax.jit(fwd)(params, batch)
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
 

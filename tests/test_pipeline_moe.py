@@ -3,10 +3,11 @@
 all-to-all inside the stages.
 
 The auxiliary losses are per micro-batch (``pipeline.stage._with_aux``), so the one-device
-reference runs the model on each micro-batch's rows (``Pipeline.microbatch_rows``) and
-averages them, with the cross-entropy over the whole batch."""
+reference runs the model on each micro-batch's rows (``_microbatch_rows``) and averages
+them, with the cross-entropy over the whole batch."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -30,6 +31,17 @@ def _with_grads(loss_and_grad):
         (loss, aux), grads = loss_and_grad(params, batch)
         return (loss, {**aux, "grads": grads}), grads
     return f
+
+
+def _microbatch_rows() -> np.ndarray:
+    """``[M, rows]``: the batch rows each micro-batch holds over both data shards. ``dp``
+    stores the batch split over ``("expert", "data")``, expert-major; data shard ``d`` holds
+    the rows of devices ``(e, d)`` in expert order and splits them into ``M`` micro-batches
+    in order."""
+    E, D = SIZES["expert"], SIZES["data"]
+    on_device = np.arange(B).reshape(E, D, -1)                # rows on device (e, d)
+    shards = on_device.transpose(1, 0, 2).reshape(D, M, -1)   # shard d's micro-batches
+    return shards.transpose(1, 0, 2).reshape(M, -1)
 
 
 def _reference_loss(am, rows):
@@ -59,7 +71,7 @@ def _run(tr):
 def reference(devices):
     one = make_mesh(devices=devices[:1])
     am = Trainer(CFG, one, "dp").abstract
-    rows = Pipeline(CFG, make_mesh(**SIZES), "dp", PipelineConfig("1f1b", M)).microbatch_rows(B)
+    rows = _microbatch_rows()
     assert sorted(rows.ravel()) == list(range(B))
     loss = _reference_loss(am, rows)
     lg = lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)  # noqa: E731

@@ -10,6 +10,8 @@ import pytest
 
 from triax.mesh import make_mesh
 from triax.models import config
+from triax.models.layers import ExecConfig
+from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.introspect import memory_from_compiled
 from triax.sharding.introspect.loop_bytes import loop_bytes
@@ -27,7 +29,7 @@ def _compile(kind, mlp):
     compiled = jax.jit(pp.loss_and_grad).lower(params, batch).compile()
     stage_bytes = sum(int(np.prod(s.shape)) * 4
                       for s in jax.tree.leaves(pp.abstract.shapes["blocks"])) // S
-    bufs = pp.activation_buffer_bytes(b * M, T)
+    bufs = activation_buffer_bytes(cfg, S, PipelineConfig(kind, M), ExecConfig(), b, T)
     return {"loop": loop_bytes(compiled), "temp": memory_from_compiled(compiled).temp_bytes,
             "stage_bytes": stage_bytes, "buffers": bufs}
 

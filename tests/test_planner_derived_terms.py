@@ -24,6 +24,8 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.config import MoEConfig
 from triax.models.moe import MoE
+from triax.models.layers import ExecConfig
+from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.planner.activations import (_expert_weight_copies, layer_activation_elements,
                                        moe_residual_elements)
@@ -147,7 +149,8 @@ def _pipelined(layers: int, devices):
     compiled = jax.jit(pp.loss_and_grad).lower(params, batch).compile()
     w = Workload.of(cfg, train=True, dtype="fp32", batch=b * M, seq=T)
     lay = Layout(pipe=S, strategy="dp", microbatches=M)
-    return compiled, pp.activation_buffer_bytes(b * M, T), _fresh_grad_elements(w, lay) * F32
+    bufs = activation_buffer_bytes(cfg, S, PipelineConfig("1f1b", M), ExecConfig(), b, T)
+    return compiled, bufs, _fresh_grad_elements(w, lay) * F32
 
 
 F_LOOP = "pipeline_op_F/cond/branch_1_fun/jvp()/while"

@@ -1,12 +1,14 @@
 """The serving core's request life as ``triax serve`` needs it, on fake engines (no JAX
 compile): an engine error fails only the requests it touched (500 over HTTP) and the server
-serves on; ``cancel`` frees a slot; a model without a chat template gets a 400; the chat
-template renders as Hugging Face renders it."""
+serves on; ``cancel`` frees a slot; a model without a chat template gets a 400, and so does a
+request beyond the context (naming the most ``max_tokens`` that fits, or that the prompt
+alone is too long); the chat template renders as Hugging Face renders it."""
 
 import numpy as np
 from fastapi.testclient import TestClient
 
-from triax.inference.engine import Engine, EngineConfig, InferenceError
+from triax.inference.context_length import check_context
+from triax.inference.engine import EngineConfig, InferenceError
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server
@@ -27,8 +29,6 @@ class FakeEngine:
         self.kv = KVBlocks(groups=1, blocks=4 * slots, block_size=16, slots=slots, max_blocks=4)
         self.recovered = 0
 
-    positions_needed = staticmethod(Engine.positions_needed)
-
     def release(self, slot):
         self.kv.release(slot)
 
@@ -38,6 +38,7 @@ class FakeEngine:
     def check_prompt(self, n, max_new):
         if n == 0:
             raise InferenceError("empty prompt")
+        check_context(n, max_new, self.ecfg.max_len, model_len=256)
 
     def prefill(self, slots, prompts, seeds, settings=None):
         for s, p in zip(slots, prompts):
@@ -83,6 +84,29 @@ def test_http_engine_error_is_a_500_and_the_server_serves_on():
         r = http.post("/v1/chat/completions", json={
             "model": "fake", "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"]
+    assert server.free_slots == server.total_slots and server.engines[0].kv.committed == 0
+
+
+def test_a_request_beyond_the_context_gets_a_400_naming_what_fits():
+    server = Server([FakeEngine()])          # max_len 64
+    with TestClient(create_app(server, ByteTokenizer(), "fake")) as http:
+        def error(prompt, max_tokens):
+            r = http.post("/v1/completions", json={"model": "fake", "prompt": prompt,
+                                                   "max_tokens": max_tokens})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}
+            assert err["code"] == "context_length_exceeded", err
+            return err
+        err = error([1, 2, 3], 70)           # 3 + 70 - 1 = 72 positions of 64
+        assert err["param"] == "max_tokens" and "at most 62" in err["message"], err
+        err = error(list(range(1, 71)), 1)   # the prompt alone: no max_tokens fits
+        assert err["param"] == "prompt", err
+        assert "longer than the context of 64 cached positions" in err["message"], err
+        assert "at most 0" not in err["message"] and "max_new_tokens" not in err["message"]
+        r = http.post("/v1/completions", json={"model": "fake", "prompt": [20, 21, 22],
+                                               "max_tokens": 62, "temperature": 0})
+        assert r.status_code == 200, r.text  # the most that fits is served
     assert server.free_slots == server.total_slots and server.engines[0].kv.committed == 0
 
 

@@ -93,7 +93,8 @@ def test_stash_holds_activations_only():
     head's transpose, rotary tables and masks are recomputed, and leaves the pullback never
     reads are dropped. What is left is activations, so the stash scales with the
     micro-batch's rows (up to a scalar or two of loss bookkeeping)."""
-    from triax.pipeline.pipelined import PipelineConfig, activation_buffer_bytes
+    from triax.pipeline.buffer_sizes import activation_buffer_bytes
+    from triax.pipeline.pipelined import PipelineConfig
     cfg, exe = config.TINY.replace(num_layers=2), ExecConfig(compute_dtype="bfloat16")
     stash = [activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), exe, rows, 16)["stash"]
              for rows in (2, 4)]
@@ -106,7 +107,8 @@ def test_zero_bubble_schedules_hold_1f1b_activation_buffers():
     stages; the post-stack's residuals (final norm, head) sit in head cells with slots of
     their own, which only the last chunk's micro-batches take (ZB-V: two at once, 1F1B:
     one) instead of in every chunk's slot; B_in's cut lives in its micro-batch's slot."""
-    from triax.pipeline.pipelined import PipelineConfig, activation_buffer_bytes
+    from triax.pipeline.buffer_sizes import activation_buffer_bytes
+    from triax.pipeline.pipelined import PipelineConfig
     cfg = config.TINY.replace(num_layers=8)
     total = {k: sum(activation_buffer_bytes(cfg, 4, PipelineConfig(k, 8), ExecConfig(), 2,
                                             16).values())

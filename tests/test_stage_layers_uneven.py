@@ -15,10 +15,10 @@ from triax.pipeline import ScheduleError
 from triax.pipeline.pipelined import PipelineConfig
 from triax.pipeline.stage_counts import StageCountsError
 from triax.pipeline.stage_layers import StageLayers
-from triax.sharding.introspect.layer_slots import stage_op_flops
 from triax.training.config import RunConfig
 from triax.training.setup import build_run
 from triax.training.step import Trainer
+from layer_slot_flops import stage_op_flops
 from pipeline_helpers import single_device_references
 
 B, T = 8, 16

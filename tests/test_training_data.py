@@ -130,14 +130,15 @@ def test_default_mesh_is_3d_on_8_devices():
 
 def test_config_file_toml_and_yaml_and_flags_override(tmp_path):
     from triax.cli.main import build_parser
-    from triax.cli.train_cmd import run_config_from_args
+    from triax.cli.train_cmd import run_config_and_given
     toml = tmp_path / "run.toml"
     toml.write_text('model = "tiny"\nsteps = 7\nbatch-size = 8\n[mesh]\ndata = 4\ntensor = 2\n')
     yml = tmp_path / "run.yaml"
     yml.write_text("steps: 9\nlr: 0.01\n")
     args = build_parser().parse_args(["train", "--config", str(toml), "--steps", "3"])
-    run = run_config_from_args(args)
+    run, given = run_config_and_given(args)
     assert (run.steps, run.batch_size, run.mesh) == (3, 8, "data=4,tensor=2")
+    assert given == {"model", "steps", "batch_size", "mesh"}
     assert load_config_file(str(yml)) == {"steps": 9, "lr": 0.01}
     bad = tmp_path / "bad.yaml"
     bad.write_text("stepz: 3\n")

@@ -1,4 +1,5 @@
-"""What each pipeline stage's ops compute under uneven stages, read from the compiled program.
+"""What each pipeline stage's ops compute under uneven stages, read from the compiled program
+(``test_stage_layers_uneven.py``'s measure: nothing in triax needs it, so it lives here).
 
 Every stage runs the same SPMD program; a stage shorter than the longest runs its chunk's
 ``Lc`` layer slots each as a two-branch conditional (the runtime's ``layer_count``,
