@@ -9,8 +9,8 @@ Rules, in order:
   5. Slow intra-node links (PCIe) keep TP at 2 at most when another plan fits.
 
     >>> from triax.models import config
-    >>> from triax.planner import hardware
-    >>> from triax.planner.workload import Workload
+    >>> from triax.costs import hardware
+    >>> from triax.costs.workload import Workload
     >>> w = Workload.of(config.get("llama3-70b"), train=False, batch=8, seq=4096)
     >>> rec = plan(w, hardware.cluster("h100-80gb", 8, 1))
     >>> rec.plans[0].layout.tensor
@@ -25,18 +25,18 @@ from typing import Optional
 from triax.models.loss import chunk_recompute_flops
 from triax.pipeline import ScheduleKind
 from triax.pipeline.pipelined import default_microbatches, unpipelinable_mesh_reason
-from triax.planner.comm import crossing_axes
+from triax.costs.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.hardware import Cluster
-from triax.planner.activations import logits_bytes, loss_tokens
+from triax.costs.hardware import Cluster
+from triax.costs.activations import logits_bytes, loss_tokens
 from triax.models.lora import param_count
 from triax.planner.lora_advice import lora_reasoning, lora_would_fit
-from triax.planner.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
+from triax.costs.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
 from triax.planner.op_costs import op_costs_for
-from triax.planner.pipeline_math import microbatch_constraint
+from triax.costs.pipeline_math import microbatch_constraint
 from triax.planner.context_reasoning import context_reasoning
 from triax.planner.search import context_reason, search
-from triax.planner.workload import FP32, Layout, Workload
+from triax.costs.workload import FP32, Layout, Workload
 from triax.sharding.context import SCHEMES
 from triax.sharding.rules import get_strategy
 from triax.training.config import context_fix

@@ -7,7 +7,7 @@ collectives (``triax.sharding.introspect``). JAX fixes its device count at start
 plan needing another count runs in a subprocess with ``JAX_NUM_CPU_DEVICES`` set.
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny", num_layers=2), train=True, dtype="fp32",
     ...                 batch=8, seq=16)
     >>> row = verify(w, Layout(data=8))          # doctest: +SKIP
@@ -24,11 +24,11 @@ import sys
 from typing import Optional
 
 from triax.models import config
-from triax.planner.comm import traffic
-from triax.planner.hardware import load_catalog
-from triax.planner.memory import estimate
+from triax.costs.comm import traffic
+from triax.costs.hardware import load_catalog
+from triax.costs.memory import estimate
 from triax.pipeline import ScheduleKind
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 from triax.training.config import PRECISIONS, RunConfig
 from triax.units import human_bytes
 

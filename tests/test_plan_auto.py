@@ -51,7 +51,7 @@ def big():
 
 def test_big_budget_takes_the_models_fastest_and_equals_one_device(big, devices):
     cluster, _ = auto.present_cluster()
-    fastest = auto._searched(auto.workload_of(RUN, RUN.model_config()), cluster,
+    fastest = auto._searched(Workload.of_run(RUN, backend=jax.devices()[0].platform), cluster,
                              ("none", "full"))[0]
     assert big.plan == fastest and not big.refused
     assert big.compiled.peak_bytes <= big.budget.usable

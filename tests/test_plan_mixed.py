@@ -9,10 +9,10 @@ import pytest
 
 from triax.cli.main import main
 from triax.models import config
-from triax.planner import hardware
-from triax.planner.hardware import GB, TFLOPS, Catalog, Device, FormFactor
+from triax.costs import hardware
+from triax.costs.hardware import GB, TFLOPS, Catalog, Device, FormFactor
 from triax.planner.mixed import plan_mixed
-from triax.planner.workload import Workload
+from triax.costs.workload import Workload
 from triax.sharding.introspect import memory_from_compiled
 from triax.training.config import RunConfig
 from triax.training.setup import build_run

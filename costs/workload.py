@@ -18,16 +18,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from triax import choices
 from triax.choices import PRECISION_BYTES
+from triax.inference.kv_pool import CACHE_PRECISION   # the pool's home (no engine loaded)
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
 from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import get_strategy
+
+if TYPE_CHECKING:   # above this layer: taken as they come, never imported
+    from triax.inference.engine import EngineConfig
+    from triax.training.config import RunConfig
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
@@ -69,6 +74,32 @@ class Workload:
         resolve(kw.get("attention", "auto"))   # an unknown --attention names the choices
         check_loss_chunks(kw.get("loss_chunks", 1), kw.get("seq", 2048))
         return cls(cfg, int(params or cfg.num_params), **kw)
+
+    @classmethod
+    def of_run(cls, run: "RunConfig", cfg: Optional[ModelConfig] = None, *, train: bool = True,
+               params: Optional[int] = None, backend: str = "gpu") -> "Workload":
+        """The one mapping from a run's settings (a ``training.config.RunConfig``) to what
+        is planned: its model (``cfg``; default ``run.model_config()``, none when only
+        ``params`` is given), precision, batch, sequence, remat, loss chunks, attention and
+        (to serve it, ``train=False``) KV pool; ``backend`` as ``Workload.backend``."""
+        if cfg is None and not params:
+            cfg = run.model_config()
+        pool = run.pool_settings()
+        return cls.of(cfg, params, train=train, dtype=run.precision, batch=run.batch_size,
+                      seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
+                      attention=run.attention, backend=backend, kv_blocks=pool.kv_blocks,
+                      kv_memory=pool.kv_memory, kv_block_size=pool.block_size)
+
+    @classmethod
+    def of_engine(cls, cfg: ModelConfig, ecfg: "EngineConfig",
+                  backend: str = "gpu") -> "Workload":
+        """The one mapping from a serving engine's settings (an
+        ``inference.engine.EngineConfig``) to what is planned: ``max_batch`` slots of
+        ``max_len`` positions, its KV pool, weights and pool in the pool's precision
+        (``inference.kv_pool.CACHE_PRECISION``: what the engine holds)."""
+        return cls.of(cfg, train=False, dtype=CACHE_PRECISION, batch=ecfg.max_batch,
+                      seq=ecfg.max_len, backend=backend, kv_blocks=ecfg.kv_blocks,
+                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size)
 
     @property
     def run_label(self) -> str:

@@ -23,9 +23,9 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import MoE
 from triax.models.transformer import REMAT_POLICIES
-from triax.planner.param_layout import layout_rules, local_elements, param_leaves
-from triax.planner.pipeline_math import peak_in_flight
-from triax.planner.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.param_layout import layout_rules, local_elements, param_leaves
+from triax.costs.pipeline_math import peak_in_flight
+from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline import ScheduleKind
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.jaxpr_split import reads
@@ -33,7 +33,7 @@ from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.context_costs import scheme_memory
 from triax.sharding.experts import varying_weight_axes
 from triax.sharding.rules import Rules, get_strategy
-from triax.training.config import PRECISIONS
+from triax.choices import PRECISIONS
 
 def tensor_local(logical: str, n: int, tensor: int, rules: Optional[Rules] = None) -> int:
     """``n`` (a head count, an MLP width named ``logical``) on one of ``tensor`` ranks, as

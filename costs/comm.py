@@ -16,7 +16,7 @@ one rank-wide all-reduce per row-parallel adapter forward and per column-paralle
 backward over ``tensor`` (:func:`_lora_tensor`).
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> traffic(w, Layout(data=8))["data"].payload == config.get("tiny").num_params * 4
     True
@@ -25,18 +25,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from triax.planner.hardware import Cluster, Link
+from triax.costs.hardware import Cluster, Link
 from triax.models.lora import is_adapter_path, pair_leaf
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
-from triax.planner.activations import tensor_local
+from triax.costs.activations import tensor_local
 from triax.pipeline.fsdp import layer_passes
-from triax.planner.memory import pipelined_fsdp
-from triax.planner.param_layout import (layout_rules, local_elements, local_param_elements,
+from triax.costs.memory import pipelined_fsdp
+from triax.costs.param_layout import (layout_rules, local_elements, local_param_elements,
                                         param_leaves)
 from triax.pipeline.chunk_routes import moving_rounds, routed
-from triax.planner.pipeline_math import schedule_table
-from triax.planner.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.pipeline_math import schedule_table
+from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.sharding.context_costs import order_collective, scheme_collectives
 from triax.sharding.rules import get_strategy
 
