@@ -23,7 +23,7 @@ from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elem
                                         local_param_elements, param_leaves)
 from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
-from triax.sharding.rules import ShardingError, get_strategy
+from triax.sharding.rules import ShardingError
 from triax.units import decimal_bytes
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
@@ -81,7 +81,7 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
         return 0.0
     settings = PoolSettings(w.kv_blocks, w.kv_memory, w.kv_block_size)
     try:
-        pool = planned_pool(w.cfg, lay.sizes, get_strategy(lay.strategy), w.batch, w.seq,
+        pool = planned_pool(w.cfg, lay.sizes, lay.strategy, w.batch, w.seq,
                             settings, lay.microbatches if lay.pipe > 1 else 0, w.dtype_bytes)
     except InferenceError as e:
         raise ShardingError(f"the KV pool on {lay.mesh_str}: {e}") from None
@@ -136,7 +136,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     if pipelined_fsdp(w, lay, "layer"):   # one block's fp32 weights, gathered as it runs
         return _block_grad_elements(w, lay) * FP32 + (
             _block_grad_elements(w, lay) * w.dtype_bytes if w.mixed else 0)
-    if get_strategy(lay.strategy).fsdp and lay.data > 1:
+    if lay.strategy.fsdp and lay.data > 1:
         return _block_grad_elements(w, lay) * w.dtype_bytes
     if w.mixed:
         return p_local / w.cfg.num_layers * w.dtype_bytes
@@ -147,7 +147,7 @@ def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
     """A pipelined step under FSDP whose stages hold the weights as ``mode`` says
     (``lay.pipeline_fsdp``): ``stage``, the executor gathers the whole stage over ``data``
     once per step, outside the tick loop; ``layer``, one block at a time per op."""
-    return lay.pipe > 1 and w.cfg is not None and get_strategy(lay.strategy).fsdp \
+    return lay.pipe > 1 and w.cfg is not None and lay.strategy.fsdp \
         and lay.data > 1 and lay.pipeline_fsdp == mode
 
 

@@ -28,7 +28,7 @@ from triax.models.attention import resolve
 from triax.models.config import ModelConfig
 from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
-from triax.sharding.rules import get_strategy
+from triax.sharding.rules import Strategy, get_strategy
 
 if TYPE_CHECKING:   # above this layer: taken as they come, never imported
     from triax.inference.engine import EngineConfig
@@ -141,7 +141,7 @@ class Layout:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
-    strategy: str = "dp"
+    strategy: Strategy = "dp"   # given by name or resolved; held resolved (.name prints it)
     schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
     virtual: int = 1
@@ -149,6 +149,9 @@ class Layout:
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
     pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
     stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", get_strategy(self.strategy))
 
     @property
     def devices(self) -> int:
@@ -166,15 +169,16 @@ class Layout:
     def batch_shards(self) -> int:
         """Ways the global batch is split: the mesh axes the strategy maps ``batch`` to
         (``data``; with the MoE rules also ``expert``)."""
-        axes = get_strategy(self.strategy).rules.mesh_axes("batch")
+        axes = self.strategy.rules.mesh_axes("batch")
         return math.prod(self.sizes.get(a, 1) for a in axes)
 
     def unsharded_over_data(self) -> "Layout":
         """The same layout with the parameters not split over ``data`` (what a gather
         yields): the memory model's per-block working set and the traffic model's gathers."""
         # ZeRO-1 splits only the optimizer over data: its parameters are already dp's.
-        name = {**choices.FSDP_BASE, "zero1": "dp"}.get(self.strategy, self.strategy)
-        return dataclasses.replace(self, data=1, strategy=name)
+        name = self.strategy.name
+        return dataclasses.replace(self, data=1,
+                                   strategy={**choices.FSDP_BASE, "zero1": "dp"}.get(name, name))
 
     def describe(self) -> str:
         sched = "" if self.pipe == 1 or self.schedule is None else (
@@ -184,7 +188,7 @@ class Layout:
         by_layer = ", FSDP by layer" if self.pipe > 1 and self.pipeline_fsdp == "layer" else ""
         uneven = "" if self.stage_layers is None else \
             f", stage layers {','.join(map(str, self.stage_layers))}"
-        return f"{self.mesh_str} {self.strategy}{sched}{ctx}{by_layer}{uneven}"
+        return f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}"
 
 
 def ceil_div(a: int, b: int) -> int:

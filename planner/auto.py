@@ -197,7 +197,7 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
                                                         if n > 1}:
             return False
     piped = lay.pipe > 1
-    checks = {"strategy": lay.strategy == run.strategy, "remat": w.remat == run.remat,
+    checks = {"strategy": lay.strategy.name == run.strategy, "remat": w.remat == run.remat,
               "loss_chunks": w.loss_chunks == run.loss_chunks,
               "schedule": not piped or lay.schedule.value == run.schedule,
               "microbatches": not piped or run.microbatches in (0, lay.microbatches),

@@ -52,7 +52,7 @@ class PlanResult:
 
     def to_json(self) -> dict:
         lay = self.layout
-        return {"mesh": lay.mesh_str, "strategy": lay.strategy,
+        return {"mesh": lay.mesh_str, "strategy": lay.strategy.name,
                 "schedule": lay.schedule.value if lay.pipe > 1 and lay.schedule else None,
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,

@@ -74,7 +74,7 @@ class MixedPlan:
         lay = self.layout
         return {"mixed": True, "stages": [d.name for d in self.stages],
                 "devices_per_stage": self.stage_devices, "mesh": lay.mesh_str,
-                "strategy": lay.strategy, "schedule": lay.schedule.value,
+                "strategy": lay.strategy.name, "schedule": lay.schedule.value,
                 "microbatches": lay.microbatches, "stage_layers": list(self.uneven),
                 "equal_stage_layers": list(self.equal),
                 "speed_only_stage_layers": list(self.by_speed),
@@ -96,7 +96,7 @@ class MixedPlan:
             f"shortened until the memory fits)")
         return "\n".join([
             f"Mixed generations: {S} pipeline stages of {self.stage_devices} device(s) each "
-            f"({kinds}); {lay.mesh_str} {lay.strategy}, {lay.schedule.value} "
+            f"({kinds}); {lay.mesh_str} {lay.strategy.name}, {lay.schedule.value} "
             f"M={lay.microbatches}.",
             f"  Layers per stage: {layers}{capped}; equal: {','.join(map(str, self.equal))}. "
             f"One layer's compute per step, by stage: {per}.",
@@ -111,7 +111,7 @@ class MixedPlan:
             "Modelled too, and still low for uneven stages (compiled peaks ran 1.10-1.28x "
             "the model on tiny and small, docs/planner.md): compile the run (triax inspect) "
             "to check.",
-            f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy} --schedule "
+            f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy.name} --schedule "
             f"{lay.schedule.value} --microbatches {lay.microbatches} --stage-layers {layers}"])
 
 

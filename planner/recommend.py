@@ -38,7 +38,6 @@ from triax.planner.context_reasoning import context_reasoning
 from triax.planner.search import context_reason, search
 from triax.costs.workload import FP32, Layout, Workload
 from triax.sharding.context import SCHEMES
-from triax.sharding.rules import get_strategy
 from triax.training.config import context_fix
 from triax.units import decimal_bytes
 
@@ -246,7 +245,7 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
                          f"{cluster.devices}")
     shards = layout.batch_shards
     if w.batch % shards:
-        axes = "×".join(a for a in get_strategy(layout.strategy).rules.mesh_axes("batch")
+        axes = "×".join(a for a in layout.strategy.rules.mesh_axes("batch")
                         if layout.sizes.get(a, 1) > 1) or "data"
         raise ValueError(f"batch size {w.batch} does not divide over {axes}={shards}; "
                          f"choose a batch size divisible by {shards}")
@@ -268,9 +267,9 @@ def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
     """pipe > 1: 1F1B (forward-only for inference) and the pipeline's default micro-batch
     count (capped at the local batch) unless given; check M."""
     reason = w.cfg is not None and unpipelinable_mesh_reason(
-        w.cfg, layout.sizes, get_strategy(layout.strategy).rules)
+        w.cfg, layout.sizes, layout.strategy.rules)
     if reason:
-        raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy}: {reason}")
+        raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy.name}: {reason}")
     local = max(w.batch // layout.batch_shards, 1)
     if layout.schedule is None:
         kind = ScheduleKind.ONE_F_ONE_B if w.train else ScheduleKind.FORWARD_ONLY

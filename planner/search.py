@@ -171,7 +171,7 @@ def loss_chunks_keep_the_split(w: Workload, lay: Layout) -> bool:
     ``context``, ``res_seq`` also over ``tensor`` under SP), so slicing moves no data."""
     if w.loss_chunks == 1:     # the whole sequence: nothing sliced (and the search unchanged)
         return True
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     return all((w.seq // w.loss_chunks) % rules.split_size(name, lay.sizes) == 0
                for name in ("seq", "res_seq"))
 

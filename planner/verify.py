@@ -42,7 +42,7 @@ def layout_fields(w: Workload, lay: Layout) -> dict:
     schedule, micro-batches, chunks, remat, loss chunks, context scheme): what ``--plan
     auto`` fills in and ``run_config`` builds with."""
     return dict(mesh=lay.mesh_str,
-                strategy=lay.strategy, remat=w.remat, loss_chunks=w.loss_chunks,
+                strategy=lay.strategy.name, remat=w.remat, loss_chunks=w.loss_chunks,
                 context_attention=lay.context_attention,
                 schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
                 microbatches=lay.microbatches, virtual=lay.virtual)
@@ -98,7 +98,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "max_seq_len": w.cfg.max_seq_len, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "loss_chunks": w.loss_chunks,
-                      "sizes": lay.sizes, "strategy": lay.strategy,
+                      "sizes": lay.sizes, "strategy": lay.strategy.name,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
                       "context_attention": lay.context_attention,
