@@ -31,8 +31,8 @@ from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import Strategy, get_strategy
 
 if TYPE_CHECKING:   # above this layer: taken as they come, never imported
-    from triax.inference.engine import EngineConfig
-    from triax.training.config import RunConfig
+    import triax.inference.engine
+    import triax.training.config
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
@@ -76,8 +76,9 @@ class Workload:
         return cls(cfg, int(params or cfg.num_params), **kw)
 
     @classmethod
-    def of_run(cls, run: "RunConfig", cfg: Optional[ModelConfig] = None, *, train: bool = True,
-               params: Optional[int] = None, backend: str = "gpu") -> "Workload":
+    def of_run(cls, run: "triax.training.config.RunConfig", cfg: Optional[ModelConfig] = None,
+               *, train: bool = True, params: Optional[int] = None,
+               backend: str = "gpu") -> "Workload":
         """The one mapping from a run's settings (a ``training.config.RunConfig``) to what
         is planned: its model (``cfg``; default ``run.model_config()``, none when only
         ``params`` is given), precision, batch, sequence, remat, loss chunks, attention and
@@ -91,7 +92,7 @@ class Workload:
                       kv_memory=pool.kv_memory, kv_block_size=pool.block_size)
 
     @classmethod
-    def of_engine(cls, cfg: ModelConfig, ecfg: "EngineConfig",
+    def of_engine(cls, cfg: ModelConfig, ecfg: "triax.inference.engine.EngineConfig",
                   backend: str = "gpu") -> "Workload":
         """The one mapping from a serving engine's settings (an
         ``inference.engine.EngineConfig``) to what is planned: ``max_batch`` slots of
