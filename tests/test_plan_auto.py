@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from triax.cli.main import main
+from triax.costs.workload import Workload
 from triax.mesh import make_mesh
 from triax.planner import auto
 from triax.training.config import RunConfig
