@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 from triax.choices import PRECISIONS
