@@ -34,8 +34,9 @@ _PUBLIC = {
     "get_strategy": "triax.sharding.rules",
     "inspect": "triax.sharding.introspect.step_report",
     "verify": ("triax.planner.verify", "verify_trainer"),
+    "auto_trainer": "triax.planner.auto_model",
     "plan": "triax.planner",
-    "generate": "triax.inference",
+    "generate": ("triax.inference.generate", "generate"),
     "pipeline": ("triax.pipeline", None),        # the subpackage: triax.pipeline.build(...)
 }
 __all__ = sorted(_PUBLIC)

@@ -30,9 +30,9 @@ from tables import BENCHMARKS_MD, write_section  # noqa: E402  (bench/ is the sc
 
 from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
-from triax.planner.comm import traffic  # noqa: E402
-from triax.planner.memory import estimate  # noqa: E402
-from triax.planner.workload import Layout, Workload  # noqa: E402
+from triax.costs.comm import traffic  # noqa: E402
+from triax.costs.memory import estimate  # noqa: E402
+from triax.costs.workload import Layout, Workload  # noqa: E402
 from triax.sharding.context import SCHEMES  # noqa: E402
 from triax.sharding.introspect import bytes_over, collectives_from_compiled, \
     memory_from_compiled  # noqa: E402

@@ -26,7 +26,7 @@ from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.models.config import LoraConfig  # noqa: E402
 from triax.planner import Layout, Workload  # noqa: E402
-from triax.planner.memory import estimate  # noqa: E402
+from triax.costs.memory import estimate  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
 

@@ -29,7 +29,7 @@ from triax.mesh import make_mesh  # noqa: E402
 from triax.models import config  # noqa: E402
 from triax.planner import Layout, Workload, cluster, evaluate  # noqa: E402
 from triax.units import mib  # noqa: E402
-from triax.planner.comm import traffic  # noqa: E402
+from triax.costs.comm import traffic  # noqa: E402
 from triax.sharding.experts import all_to_all_bytes  # noqa: E402
 from triax.sharding.introspect import bytes_over, collectives_from_compiled  # noqa: E402
 from triax.sharding.rules import get_strategy  # noqa: E402

@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from triax.models import config  # noqa: E402
 from triax.pipeline import ScheduleKind  # noqa: E402
 from triax.planner.verify import verify  # noqa: E402
-from triax.planner.workload import Layout, Workload  # noqa: E402
+from triax.costs.workload import Layout, Workload  # noqa: E402
 from triax.units import mib  # noqa: E402
 
 ONE_F_ONE_B, GPIPE = ScheduleKind.ONE_F_ONE_B, ScheduleKind.GPIPE

@@ -33,8 +33,18 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError) as e:
         # User errors: one clear line, no traceback. Bugs still raise other exceptions.
-        print(f"triax {args.command}: error: {e}", file=sys.stderr)
+        print(f"triax {args.command}: error: {advised(e)}", file=sys.stderr)
         return 2
+
+
+def advised(e: Exception) -> Exception:
+    """A predicted out-of-memory says what the planner would run instead: the check sits
+    below the planner, so the suggestion is asked for here (``planner.memory_advice``)."""
+    from triax.costs.fits import OutOfMemoryPredicted   # no JAX
+    if not isinstance(e, OutOfMemoryPredicted):
+        return e
+    from triax.planner.memory_advice import advise
+    return advise(e)
 
 
 if __name__ == "__main__":

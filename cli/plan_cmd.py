@@ -69,7 +69,7 @@ def _layout(args):
     # Imported here: triax.mesh and the rules load JAX, which must first see the simulated
     # device count (run() sets it).
     from triax.mesh import parse_mesh
-    from triax.planner.workload import Layout
+    from triax.costs.workload import Layout
     from triax.sharding.rules import get_strategy
     if args.mesh is None:
         if args.strategy or args.schedule:
@@ -88,17 +88,12 @@ def _layout(args):
                   context_attention=args.context_attention or "all-gather")
 
 
-def _pool(args) -> dict:
-    """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size`` as ``Workload`` takes them:
-    serving's pool (checked as serve checks them), for ``--inference`` only."""
-    from triax.cli.serving_flags import pool_of
+def _check_pool(args) -> None:
+    """``--kv-blocks`` / ``--kv-memory`` size serving's pool: for ``--inference`` only."""
     given = [f for f in ("kv_blocks", "kv_memory") if getattr(args, f) is not None]
     if args.train and given:
         raise ValueError(f"--{given[0].replace('_', '-')} sizes serving's KV pool: plan it "
                          f"with --inference, or drop it for --train")
-    pool = pool_of(args)
-    return {"kv_blocks": pool["kv_blocks"], "kv_memory": pool["kv_memory"],
-            "kv_block_size": pool["block_size"]}
 
 
 def run(args) -> int:
@@ -106,10 +101,10 @@ def run(args) -> int:
     # which needs simulated CPU devices: set before anything starts JAX's backend.
     start_devices()
     from triax.models import config
-    from triax.planner import hardware
+    from triax.costs import hardware
     from triax.planner.recommend import plan
     from triax.planner.plan_table import text_report
-    from triax.planner.workload import Workload
+    from triax.costs.workload import Workload
 
     cat = hardware.load_catalog(args.hardware)
     mixed = ":" in args.gpu
@@ -125,17 +120,20 @@ def run(args) -> int:
         cfg = cfg if args.num_layers is None else cfg.replace(num_layers=args.num_layers)
     if cfg is not None and args.max_seq_len is not None:
         cfg = cfg.replace(max_seq_len=args.max_seq_len)
+    _check_pool(args)
+    from triax.training.config import RunConfig   # the run's settings, checked as train's
+    run = RunConfig(precision=args.dtype, batch_size=args.batch_size, seq_len=args.seq_len,
+                    remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks,
+                    kv_blocks=args.kv_blocks, kv_memory=args.kv_memory,
+                    kv_block_size=args.kv_block_size, lora_rank=args.lora_rank,
+                    lora_alpha=args.lora_alpha, lora_targets=args.lora_targets,
+                    base_dtype=args.base_dtype)
     if args.lora_rank:   # adapters as a run would build them (RunConfig.lora_config)
-        from triax.training.config import RunConfig
         if cfg is None:
             raise ValueError("--lora-rank needs a model (--model or --model-dir), not --params")
-        cfg = cfg.replace(lora=RunConfig(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                                         lora_targets=args.lora_targets,
-                                         base_dtype=args.base_dtype).lora_config())
-    w = Workload.of(cfg, int(args.params) if args.params else None, train=args.train,
-                    dtype=args.dtype, batch=args.batch_size, seq=args.seq_len,
-                    remat=args.remat, attention=args.attention, loss_chunks=args.loss_chunks,
-                    **_pool(args))
+        cfg = cfg.replace(lora=run.lora_config())
+    w = Workload.of_run(run, cfg, train=args.train,
+                        params=int(args.params) if args.params else None)
     if mixed:
         return _mixed(args, w, cat)
     schemes = (args.context_attention,) if args.context_attention else choices.CONTEXT_SCHEMES
@@ -150,7 +148,7 @@ def run(args) -> int:
 
 def _mixed(args, w, cat) -> int:
     """Mixed generations (``planner.mixed``): the uneven split against equal stages."""
-    from triax.planner.hardware import parse_gpu
+    from triax.costs.hardware import parse_gpu
     from triax.planner.mixed import plan_mixed
     if args.mesh is not None:
         raise ValueError("--mesh does not go with mixed --gpu groups: the stages are the "

@@ -86,12 +86,11 @@ def load_tokenizer_for(args):
 
 def pool_of(args) -> dict:
     """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size`` as ``build_server`` takes them
-    (checked as ``RunConfig`` checks them)."""
-    from triax.training.config import RunConfig
-    run = RunConfig(kv_blocks=args.kv_blocks, kv_memory=args.kv_memory,
-                    kv_block_size=args.kv_block_size)
-    return {"kv_blocks": run.kv_blocks or 0, "kv_memory": run.kv_memory_bytes(),
-            "block_size": run.kv_block_size}
+    (checked by their one home, ``inference.pool_settings``)."""
+    import dataclasses
+    from triax.inference.pool_settings import PoolSettings
+    return dataclasses.asdict(PoolSettings.of_flags(args.kv_blocks, args.kv_memory,
+                                                    args.kv_block_size))
 
 
 def build_from_args(args, sampling, longest: int, max_new_tokens: int, layout=None, **kw):

@@ -25,11 +25,12 @@ from triax.text.byte_tokenizer import ByteTokenizer
 from triax.mesh import describe
 from triax.mesh import mesh_sizes as sizes_of
 from triax.choices import KV_BLOCK_SIZE
+from triax.costs.fits import Replan, check_fits
+from triax.costs.workload import Workload
 from triax.models import config as model_config
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import get_strategy
 from triax.text.tokenizer import Tokenizer
-from triax.training.memory_check import check_fits, planner_suggestion
 
 TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer.BYTE_VOCAB)
 
@@ -114,23 +115,14 @@ def source_config(checkpoint, model, num_layers, model_dir, adapter=None):
 
 def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None) -> None:
     """One replica's weights and KV cache per device against a device's memory
-    (``triax.training.memory_check``); the planner suggests a serving layout if they don't fit."""
+    (``costs.fits``); the error carries the serving workload, for the planner above to
+    suggest a layout that fits."""
     pool = kv_pool(cfg, mesh, get_strategy(strategy), ecfg)
-
-    def suggest(capacity_bytes: int) -> str:
-        from triax.planner import Workload  # above inference: asked only when it does not fit
-        # Served as triax serves: fp32 weights and pool (kv_pool.CACHE_DTYPE).
-        w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch, seq=ecfg.max_len,
-                        kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
-                        kv_block_size=ecfg.block_size)
-        return planner_suggestion(w, capacity_bytes,
-                                  {"mesh": sizes_of(mesh), "remat": "none",
-                                   "strategy": get_strategy(strategy).name},
-                                  devices=mesh.devices.size)
-
+    replan = Replan(Workload.of_engine(cfg, ecfg), sizes_of(mesh), get_strategy(strategy).name,
+                    devices=mesh.devices.size)
     check_fits(f"serving {cfg.name} ({ecfg.max_batch} slots, a KV pool of {pool.total_blocks} "
                f"blocks × {pool.block_size} positions)",
-               held_bytes_per_device(cfg, mesh, strategy, ecfg), capacity, suggest)
+               held_bytes_per_device(cfg, mesh, strategy, ecfg), capacity, replan)
 
 
 def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,

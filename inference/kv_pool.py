@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
+from triax.choices import PRECISIONS
 from triax.inference.errors import InferenceError
+from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES, mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import CACHE_AXES, PAGED_AXES, cache_shape
@@ -34,8 +35,9 @@ from triax.pipeline.pipelined import default_decode_microbatches
 from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.rules import Strategy
 
-CACHE_DTYPE = jnp.float32
-CACHE_ITEMSIZE = jnp.dtype(CACHE_DTYPE).itemsize
+CACHE_PRECISION = "fp32"   # the engine's pool (and weights): what the planner counts too
+CACHE_DTYPE = jnp.dtype(PRECISIONS[CACHE_PRECISION])
+CACHE_ITEMSIZE = CACHE_DTYPE.itemsize
 
 
 def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
@@ -120,12 +122,14 @@ def bytes_per_block(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, block_size
     return _per_device(shape, sh) // sh.shard_shape(shape)[1]   # over the groups held here
 
 
-def planned_pool(cfg: ModelConfig, sizes: Mapping[str, int], strategy: Strategy, ecfg,
+def planned_pool(cfg: ModelConfig, sizes: Mapping[str, int], strategy: Strategy, slots: int,
+                 max_len: int, settings: PoolSettings, microbatches: int = 0,
                  itemsize: int = CACHE_ITEMSIZE) -> KVPool:
-    """The pool ``kv_pool`` would build on a mesh of ``sizes`` (axes left out are 1), with
-    ``itemsize`` bytes per value: no devices needed (``triax plan``'s KV term)."""
+    """The pool ``kv_pool`` would build on a mesh of ``sizes`` (axes left out are 1) for
+    ``slots`` sequences of ``max_len`` positions, with ``itemsize`` bytes per value: no
+    devices needed (``triax plan``'s KV term)."""
     mesh = AbstractMesh(tuple(int(sizes.get(a, 1)) for a in AXES), AXES)
-    return kv_pool(cfg, mesh, strategy, ecfg, itemsize)
+    return _pool(cfg, mesh, strategy, slots, max_len, settings, microbatches, itemsize)
 
 
 def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg,
@@ -133,33 +137,39 @@ def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg,
     """The pool ``ecfg`` (an ``EngineConfig``) asks for on ``mesh``; a clear error when its
     size or block size cannot be. ``itemsize``: what ``--kv-memory`` buys (the engine's is
     ``CACHE_DTYPE``'s)."""
-    P, C = ecfg.block_size, mesh_sizes(mesh)["context"]
+    settings = PoolSettings(ecfg.kv_blocks, ecfg.kv_memory, ecfg.block_size)
+    return _pool(cfg, mesh, strategy, ecfg.max_batch, ecfg.max_len, settings,
+                 ecfg.microbatches, itemsize)
+
+
+def _pool(cfg, mesh, strategy, slots, max_len, settings: PoolSettings, microbatches,
+          itemsize) -> KVPool:
+    P, C = settings.block_size, mesh_sizes(mesh)["context"]
     ctx = split_context(mesh, strategy)
     if P < 1 or (ctx is not None and P % ctx.size):
         raise InferenceError(f"--kv-block-size {P}: choose a positive multiple of "
                              f"context={C} (a block's positions stripe over context)")
-    G = row_groups(mesh, strategy, ecfg.microbatches)
-    if ecfg.max_batch % G:
-        raise InferenceError(f"{ecfg.max_batch} decode slots do not split into the KV pool's "
+    G = row_groups(mesh, strategy, microbatches)
+    if slots % G:
+        raise InferenceError(f"{slots} decode slots do not split into the KV pool's "
                              f"{G} row groups (batch shards × micro-batches); choose --slots "
                              f"a multiple of {G}")
-    M = -(-ecfg.max_len // P)
-    if ecfg.kv_blocks:
-        if ecfg.kv_blocks % G:
-            raise InferenceError(f"--kv-blocks {ecfg.kv_blocks} does not split into the "
+    M = -(-max_len // P)
+    if settings.kv_blocks:
+        if settings.kv_blocks % G:
+            raise InferenceError(f"--kv-blocks {settings.kv_blocks} does not split into the "
                                  f"pool's {G} row groups; choose a multiple of {G}")
-        total = ecfg.kv_blocks
-    elif ecfg.kv_memory:
+        total = settings.kv_blocks
+    elif settings.kv_memory:
         # A device holds its groups' blocks: n per group cost n × one block of each of them.
         one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P), itemsize)
-        if ecfg.kv_memory < one:
+        if settings.kv_memory < one:
             raise InferenceError(
-                f"--kv-memory {ecfg.kv_memory} bytes holds no KV block: one block per row "
+                f"--kv-memory {settings.kv_memory} bytes holds no KV block: one block per row "
                 f"group takes {one} bytes per device (--kv-block-size {P}); give at least "
                 f"{one} bytes, or a smaller --kv-block-size")
-        total = ecfg.kv_memory // one * G
+        total = settings.kv_memory // one * G
     else:   # what slot-reserved caches of max_len positions would take
-        total = ecfg.max_batch * M
+        total = slots * M
     shape, sh = _placed(cfg, mesh, strategy, G, total // G, P)
     return KVPool(G, total // G, P, M, shape, sh, itemsize)
-

@@ -4,7 +4,7 @@ For one layer and one sequence, ``Tq`` queries against ``S`` keys, with ``N`` qu
 ``K`` KV heads and head dim ``H`` as the device holds them (the planner divides by
 ``tensor``). In elements (of the compute dtype), beyond what the attention *layer* keeps
 whatever the kernel: 5·N·H + 3·K·H per token of its own (q, k and v around rope, the
-kernel's operands, the output ``wo`` reads; ``triax.planner.memory``'s block formula, the
+kernel's operands, the output ``wo`` reads; ``triax.costs.memory``'s block formula, the
 same for every kernel in ``memory_analysis``: ~1,390 elements per token of tiny with the
 reference kernel at short T, blockwise and the ring alike).
 

@@ -12,10 +12,10 @@ See docs/planner.md for the formulas and assumptions.
 from triax.pipeline import ScheduleKind   # a pipelined Layout's schedule
 from triax.planner.recommend import Recommendation, plan
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.hardware import Catalog, Cluster, Device, Link, cluster, load_catalog
-from triax.planner.memory import Assumptions, Memory, estimate, min_devices_for_weights
+from triax.costs.hardware import Catalog, Cluster, Device, Link, cluster, load_catalog
+from triax.costs.memory import Assumptions, Memory, estimate, min_devices_for_weights
 from triax.planner.search import search
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 
 __all__ = ["Assumptions", "Catalog", "Cluster", "Device", "Layout", "Link", "Memory",
            "PlanResult", "Recommendation", "ScheduleKind", "Workload", "cluster", "estimate",

@@ -8,7 +8,7 @@ first whose compiled peak per device fits the budget less ``FIT_MARGIN`` is chos
 ``RunConfig`` is what runs (and what the checkpoint saves, so ``--resume`` keeps it).
 
 The budget is ``--device-memory`` when given, else what a device has
-(``training.memory_check.device_capacity``: the allocator's limit, or on simulated CPU
+(``costs.fits.device_capacity``: the allocator's limit, or on simulated CPU
 devices the host's available memory divided among them); the report says which.
 
     >>> from triax.training.config import RunConfig
@@ -30,15 +30,15 @@ import jax
 
 from triax.mesh import parse_mesh
 from triax.planner.evaluate import PlanResult
-from triax.planner.hardware import Catalog, Cluster, load_catalog
-from triax.planner.memory import Assumptions
+from triax.costs.fits import device_capacity
+from triax.costs.hardware import Catalog, Cluster, load_catalog
+from triax.costs.memory import Assumptions
 from triax.planner.search import search
 from triax.planner.verify import LAYOUT_FIELDS, layout_fields
-from triax.planner.workload import Workload
+from triax.costs.workload import Workload
 from triax.sharding.introspect import MemoryReport, memory_from_compiled
 from triax.sharding.rules import ShardingError
 from triax.training.config import RunConfig
-from triax.training.memory_check import device_capacity
 from triax.units import human_bytes
 
 # Headroom kept below the budget: the allocator's fragmentation and the runtime's own
@@ -197,7 +197,7 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
                                                         if n > 1}:
             return False
     piped = lay.pipe > 1
-    checks = {"strategy": lay.strategy == run.strategy, "remat": w.remat == run.remat,
+    checks = {"strategy": lay.strategy.name == run.strategy, "remat": w.remat == run.remat,
               "loss_chunks": w.loss_chunks == run.loss_chunks,
               "schedule": not piped or lay.schedule.value == run.schedule,
               "microbatches": not piped or run.microbatches in (0, lay.microbatches),
@@ -205,13 +205,6 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
               "context_attention": lay.context == 1
               or lay.context_attention == run.context_attention}
     return all(ok for name, ok in checks.items() if name in given)
-
-
-def workload_of(run: RunConfig, cfg, train: bool = True) -> Workload:
-    """The planner's workload for a run (the step's own precision, batch and sequence)."""
-    return Workload.of(cfg, train=train, dtype=run.precision, batch=run.batch_size,
-                       seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
-                       attention=run.attention, backend=jax.devices()[0].platform)
 
 
 def choose_train(run: RunConfig, given: frozenset, cfg=None,
@@ -231,7 +224,7 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
         saved, why = kept
         return AutoChoice(saved, budget, devices, run.objective, reasons=[why])
     cluster, speeds = present_cluster()
-    w = workload_of(run, cfg)
+    w = Workload.of_run(run, cfg, backend=jax.devices()[0].platform)
     remats = (run.remat,) if "remat" in given else ("none", "full")
     ranked = [p for p in _searched(w, cluster, remats) if matches(p, run, given, n)]
     if not ranked:

@@ -1,5 +1,5 @@
-"""``Trainer.for_model(..., plan="auto")``: a user's model, where the planner has no
-formulas, laid out by compiling.
+"""``triax.auto_trainer``: a user's model, where the planner has no formulas, laid out by
+compiling (``Trainer.for_model`` with the mesh and strategy chosen).
 
 Every strategy × ``data × tensor`` mesh over the devices present (the model's own rules
 added to each preset, as ``Trainer`` does) is AOT-compiled on abstract inputs
@@ -7,7 +7,7 @@ added to each preset, as ``Trainer`` does) is AOT-compiled on abstract inputs
 its per-device peak (``memory_analysis``) against the budget less ``auto.FIT_MARGIN``, and
 its modelled step time, the HLO's FLOPs at the device's peak plus each mesh axis's
 collective bytes (``sharding.introspect``'s HLO parser) over that axis's link in the
-hardware catalogue (``planner.comm.axis_links``). The fastest that fits is chosen. Results
+hardware catalogue (``costs.comm.axis_links``). The fastest that fits is chosen. Results
 are cached by (model, mesh, strategy, batch shapes), so a second call compiles nothing.
 
 Pipelined layouts are not searched here: a pipeline needs the model's stage protocol and a
@@ -15,24 +15,26 @@ schedule (give ``pipeline=PipelineConfig(...)`` with a mesh of your choice).
 
     >>> [f"{m['data']}x{m['tensor']} {s}" for m, s in candidates(4)]
     ['4x1 dp', '4x1 fsdp', '4x1 zero1', '2x2 tp', '2x2 fsdp_tp', '1x4 tp']
-    >>> trainer = Trainer.for_model(make_model, loss_fn, plan="auto",           # doctest: +SKIP
-    ...                             example_batch=batch, device_memory="2GiB")
+    >>> trainer = auto_trainer(make_model, loss_fn, example_batch=batch,       # doctest: +SKIP
+    ...                        device_memory="2GiB")
     >>> print(trainer.auto.describe())                                          # doctest: +SKIP
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from triax.mesh import make_mesh
 from triax.planner.auto import Budget, NoPlanFits, budget_for, present_cluster
-from triax.planner.comm import axis_links
-from triax.planner.workload import Layout, divisors
+from triax.costs.comm import axis_links
+from triax.costs.workload import Layout, divisors
 from triax.sharding.introspect import bytes_over, collectives_from_compiled, memory_from_compiled
 from triax.sharding.rules import ShardingError
+from triax.training.step import Trainer
+from triax.training.user_model import UserModel
 from triax.units import human_bytes
 
 # What a compile found, per (model, mesh sizes, strategy, batch shapes, trainer keywords).
@@ -149,6 +151,24 @@ def _figures(compiled, mesh, mesh_key, strategy, cluster) -> Scored:
     step = flops / cluster.device.peak_flops("fp32") + sum(
         b / links[a].bandwidth + links[a].latency for a, b in comm.items() if b)
     return Scored(mesh_key, strategy, mem.peak_bytes, flops, tuple(comm.items()), step)
+
+
+def auto_trainer(make_model: Callable, loss_fn: Optional[Callable], *,
+                 example_batch, device_memory: Optional[str] = None,
+                 rules: Optional[dict] = None, default: Optional[str] = None, **kw) -> Trainer:
+    """``Trainer.for_model``'s Trainer on the mesh and strategy chosen here: every candidate
+    compiled on ``example_batch``'s shapes (arrays or ShapeDtypeStructs), the fastest whose
+    compiled peak fits ``device_memory`` (e.g. ``"2GiB"``; default what a device has) built;
+    its report is ``trainer.auto``. ``kw``: the constructor's (no ``pipeline``)."""
+    if kw.get("pipeline") is not None:
+        raise ValueError("auto_trainer chooses the mesh and strategy of an unpipelined step: "
+                         "give a pipeline with a mesh of your choice to Trainer.for_model")
+    model = UserModel.of(make_model, loss_fn, rules, default)
+    choice = choose_for_model(model, lambda m, s: Trainer(model, m, s, **kw), example_batch,
+                              device_memory, kw_key=tuple(sorted(kw.items())))
+    trainer = Trainer(model, make_mesh(**dict(choice.chosen.mesh)), choice.chosen.strategy, **kw)
+    trainer.auto = choice
+    return trainer
 
 
 def choose_for_model(model, trainer_for, example_batch, device_memory: Optional[str] = None,

@@ -27,8 +27,8 @@ import jax
 from triax.pipeline import ScheduleKind
 from triax.planner.auto import Budget, NoPlanFits, budget_for, present_cluster
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.memory import Assumptions
-from triax.planner.workload import Layout, Workload, divisors
+from triax.costs.memory import Assumptions
+from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.units import human_bytes
@@ -124,10 +124,7 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
             kv_pool(cfg, replica_meshes(sizes, r)[0], st, ecfg)   # a pool this layout builds
         except (ValueError, ShardingError):
             continue
-        w = Workload.of(cfg, train=False, dtype="fp32", batch=ecfg.max_batch,
-                        seq=ecfg.max_len, backend=jax.devices()[0].platform,
-                        kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
-                        kv_block_size=ecfg.block_size)
+        w = Workload.of_engine(cfg, ecfg, backend=jax.devices()[0].platform)
         p = sizes.get("pipe", 1)
         lay = Layout(tensor=sizes.get("tensor", 1), pipe=p, data=sizes.get("data", 1),
                      context=sizes.get("context", 1), strategy="tp",

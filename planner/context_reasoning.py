@@ -3,10 +3,10 @@ sequence over ``context`` (and by which scheme), or why it does not, from the se
 plans' own figures.
 
     >>> from triax.models import config
-    >>> from triax.planner import hardware
+    >>> from triax.costs import hardware
     >>> from triax.planner.evaluate import evaluate
     >>> from triax.planner.search import SearchResult
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=1, seq=262144, remat="full")
     >>> nodes = hardware.cluster("h100-80gb", 8, 4)
     >>> ring, gather = (evaluate(w, Layout(context=8, tensor=4, strategy="tp_sp",

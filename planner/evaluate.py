@@ -1,8 +1,8 @@
 """One plan, evaluated: memory, communication, compute, step time, MFU, fit.
 
     >>> from triax.models import config
-    >>> from triax.planner import hardware
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs import hardware
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=8, seq=4096, remat="full")
     >>> p = evaluate(w, Layout(data=8, strategy="fsdp"), hardware.cluster("h100-80gb", 8, 1))
     >>> p.fits, round(p.memory.total / 1e9)
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
-from triax.planner import comm
-from triax.planner.hardware import Cluster
-from triax.planner.memory import Assumptions, Memory, estimate
-from triax.planner.pipeline_math import bubble_fraction, work_factor
-from triax.planner.workload import Layout, Workload, ceil_div
+from triax.costs import comm
+from triax.costs.hardware import Cluster
+from triax.costs.memory import Assumptions, Memory, estimate
+from triax.planner.op_costs import measured_bubble, work_factor
+from triax.costs.workload import Layout, Workload, ceil_div
 from triax.units import decimal_bytes
 
 
@@ -52,7 +52,7 @@ class PlanResult:
 
     def to_json(self) -> dict:
         lay = self.layout
-        return {"mesh": lay.mesh_str, "strategy": lay.strategy,
+        return {"mesh": lay.mesh_str, "strategy": lay.strategy.name,
                 "schedule": lay.schedule.value if lay.pipe > 1 and lay.schedule else None,
                 "microbatches": lay.microbatches if lay.pipe > 1 else None,
                 "virtual": lay.virtual if lay.pipe > 1 else None,
@@ -94,7 +94,7 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
                                                    w.loss_chunks) / w.cfg.flops_per_token(w.seq)
         if lay.pipe > 1:     # what the executor's ops cost beyond F + B (ZB-H1's W today)
             compute *= work_factor(lay.schedule, w.remat)
-        bubble = bubble_fraction(lay.schedule, lay.pipe, lay.microbatches, lay.virtual,
+        bubble = measured_bubble(lay.schedule, lay.pipe, lay.microbatches, lay.virtual,
                                  w.remat)
         return compute, bubble, compute / (1.0 - bubble)
     # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.

@@ -11,10 +11,10 @@ from typing import Optional
 
 from triax.models.config import LoraConfig
 from triax.planner.evaluate import PlanResult
-from triax.planner.hardware import Cluster
-from triax.planner.memory import min_devices_for_weights
+from triax.costs.hardware import Cluster
+from triax.costs.memory import min_devices_for_weights
 from triax.planner.search import search
-from triax.planner.workload import Workload
+from triax.costs.workload import Workload
 from triax.units import decimal_bytes
 
 # The adapters the advice suggests: rank 16 (alpha 32) on all seven projections, bf16 base.

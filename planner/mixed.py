@@ -10,7 +10,7 @@ slowest stage (``pipeline.stage_counts.split_by_time``) gives the slower kind fe
 
 **The timing is modelled, not measured**: a pipelined step is paced by its slowest stage, so
 the predicted step is ``max_s(layers_s × seconds per layer_s) / (1 − bubble)`` (the
-schedule's bubble: ``pipeline_math.bubble_fraction``) plus the communication the same model
+schedule's bubble: ``op_costs.measured_bubble``) plus the communication the same model
 leaves exposed (the largest of the kinds'), against the same with equal stages.
 
 Memory is asked of ``memory.estimate`` for the uneven layout: the executor pads every stage's
@@ -19,7 +19,7 @@ stage needs the same bytes, which must fit each group's devices; the longest sta
 shortened (its layers moved to the next fastest) until it does.
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Workload
+    >>> from triax.costs.workload import Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=32, seq=2048, remat="full")
     >>> m = plan_mixed(w, hardware.parse_gpu("h100-80gb:8,a100-80gb:8"))
     >>> m.by_speed, m.uneven, m.uneven_step_s < m.equal_step_s   # 25 layers would not fit
@@ -34,11 +34,12 @@ from typing import Optional
 from triax.pipeline import ScheduleKind
 from triax.pipeline.pipelined import default_microbatches
 from triax.pipeline.stage_counts import StageCountsError, equal_counts, split_by_time
-from triax.planner import hardware
+from triax.costs import hardware
 from triax.planner.evaluate import evaluate
-from triax.planner.memory import Memory, estimate
-from triax.planner.pipeline_math import bubble_fraction, microbatch_constraint
-from triax.planner.workload import Layout, Workload
+from triax.costs.memory import Memory, estimate
+from triax.costs.pipeline_math import microbatch_constraint
+from triax.planner.op_costs import measured_bubble
+from triax.costs.workload import Layout, Workload
 from triax.units import decimal_bytes
 
 
@@ -73,7 +74,7 @@ class MixedPlan:
         lay = self.layout
         return {"mixed": True, "stages": [d.name for d in self.stages],
                 "devices_per_stage": self.stage_devices, "mesh": lay.mesh_str,
-                "strategy": lay.strategy, "schedule": lay.schedule.value,
+                "strategy": lay.strategy.name, "schedule": lay.schedule.value,
                 "microbatches": lay.microbatches, "stage_layers": list(self.uneven),
                 "equal_stage_layers": list(self.equal),
                 "speed_only_stage_layers": list(self.by_speed),
@@ -95,7 +96,7 @@ class MixedPlan:
             f"shortened until the memory fits)")
         return "\n".join([
             f"Mixed generations: {S} pipeline stages of {self.stage_devices} device(s) each "
-            f"({kinds}); {lay.mesh_str} {lay.strategy}, {lay.schedule.value} "
+            f"({kinds}); {lay.mesh_str} {lay.strategy.name}, {lay.schedule.value} "
             f"M={lay.microbatches}.",
             f"  Layers per stage: {layers}{capped}; equal: {','.join(map(str, self.equal))}. "
             f"One layer's compute per step, by stage: {per}.",
@@ -110,7 +111,7 @@ class MixedPlan:
             "Modelled too, and still low for uneven stages (compiled peaks ran 1.10-1.28x "
             "the model on tiny and small, docs/planner.md): compile the run (triax inspect) "
             "to check.",
-            f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy} --schedule "
+            f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy.name} --schedule "
             f"{lay.schedule.value} --microbatches {lay.microbatches} --stage-layers {layers}"])
 
 
@@ -153,7 +154,7 @@ def plan_mixed(w: Workload, groups, strategy: str = "fsdp",
                             res.step_time_s - res.compute_time_s / (1.0 - res.bubble))
     seconds = tuple(per_kind[d.name][0] for d in stages)
     comm = max(c for _, c in per_kind.values())
-    bubble = bubble_fraction(schedule, S, M, 1, w.remat)
+    bubble = measured_bubble(schedule, S, M, 1, w.remat)
     equal = equal_counts(L, S)
     by_speed = split_by_time(L, seconds)
     cap = max(by_speed)

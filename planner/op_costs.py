@@ -30,6 +30,7 @@ from typing import Optional
 
 import jax
 
+from triax.costs.pipeline_math import bubble_fraction
 from triax.memo_on_disk import on_disk
 from triax.mesh import make_mesh
 from triax.models import config
@@ -90,6 +91,28 @@ def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCos
     if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
         return OpCosts(((OpKind.F, 1.0),), "forward only: one op kind", measured=True)
     return _measure(_measured_as(schedule), remat)
+
+
+@functools.lru_cache(maxsize=4096)
+def measured_bubble(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
+                    virtual: int = 1, remat: str = "none") -> float:
+    """The schedule's bubble (``costs.pipeline_math.bubble_fraction``), its ops weighted by
+    the costs measured under ``remat`` (:func:`op_costs_for`)."""
+    if stages <= 1 or schedule is None:
+        return 0.0
+    return bubble_fraction(schedule, stages, microbatches, virtual,
+                           op_costs_for(schedule, remat).as_dict())
+
+
+def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:
+    """A micro-batch's work under ``schedule`` over a forward plus one full backward (what
+    the model-FLOP compute time counts), both measured on the executor under ``remat``.
+    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (1 too, with the
+    split backward: B_in and W share B's matmuls)."""
+    if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
+        return 1.0
+    return (op_costs_for(schedule, remat).per_microbatch
+            / op_costs_for(ScheduleKind.ONE_F_ONE_B, remat).per_microbatch)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,8 +9,8 @@ Rules, in order:
   5. Slow intra-node links (PCIe) keep TP at 2 at most when another plan fits.
 
     >>> from triax.models import config
-    >>> from triax.planner import hardware
-    >>> from triax.planner.workload import Workload
+    >>> from triax.costs import hardware
+    >>> from triax.costs.workload import Workload
     >>> w = Workload.of(config.get("llama3-70b"), train=False, batch=8, seq=4096)
     >>> rec = plan(w, hardware.cluster("h100-80gb", 8, 1))
     >>> rec.plans[0].layout.tensor
@@ -25,20 +25,19 @@ from typing import Optional
 from triax.models.loss import chunk_recompute_flops
 from triax.pipeline import ScheduleKind
 from triax.pipeline.pipelined import default_microbatches, unpipelinable_mesh_reason
-from triax.planner.comm import crossing_axes
+from triax.costs.comm import crossing_axes
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.hardware import Cluster
-from triax.planner.activations import logits_bytes, loss_tokens
+from triax.costs.hardware import Cluster
+from triax.costs.activations import logits_bytes, loss_tokens
 from triax.models.lora import param_count
 from triax.planner.lora_advice import lora_reasoning, lora_would_fit
-from triax.planner.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
+from triax.costs.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
 from triax.planner.op_costs import op_costs_for
-from triax.planner.pipeline_math import microbatch_constraint
+from triax.costs.pipeline_math import microbatch_constraint
 from triax.planner.context_reasoning import context_reasoning
 from triax.planner.search import context_reason, search
-from triax.planner.workload import FP32, Layout, Workload
+from triax.costs.workload import FP32, Layout, Workload
 from triax.sharding.context import SCHEMES
-from triax.sharding.rules import get_strategy
 from triax.training.config import context_fix
 from triax.units import decimal_bytes
 
@@ -246,7 +245,7 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
                          f"{cluster.devices}")
     shards = layout.batch_shards
     if w.batch % shards:
-        axes = "×".join(a for a in get_strategy(layout.strategy).rules.mesh_axes("batch")
+        axes = "×".join(a for a in layout.strategy.rules.mesh_axes("batch")
                         if layout.sizes.get(a, 1) > 1) or "data"
         raise ValueError(f"batch size {w.batch} does not divide over {axes}={shards}; "
                          f"choose a batch size divisible by {shards}")
@@ -268,9 +267,9 @@ def _pipeline_defaults(w: Workload, layout: Layout) -> Layout:
     """pipe > 1: 1F1B (forward-only for inference) and the pipeline's default micro-batch
     count (capped at the local batch) unless given; check M."""
     reason = w.cfg is not None and unpipelinable_mesh_reason(
-        w.cfg, layout.sizes, get_strategy(layout.strategy).rules)
+        w.cfg, layout.sizes, layout.strategy.rules)
     if reason:
-        raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy}: {reason}")
+        raise ValueError(f"--mesh {layout.mesh_str} --strategy {layout.strategy.name}: {reason}")
     local = max(w.batch // layout.batch_shards, 1)
     if layout.schedule is None:
         kind = ScheduleKind.ONE_F_ONE_B if w.train else ScheduleKind.FORWARD_ONLY

@@ -3,8 +3,8 @@ devices, every strategy, schedule, micro-batch count and context scheme; drop wh
 split or does not fit; rank the rest by estimated step time.
 
     >>> from triax.models import config
-    >>> from triax.planner import hardware
-    >>> from triax.planner.workload import Workload
+    >>> from triax.costs import hardware
+    >>> from triax.costs.workload import Workload
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=64, seq=4096)
     >>> res = search(w, hardware.cluster("h100-80gb", 8, 1))
     >>> res.fitting[0].fits
@@ -19,10 +19,10 @@ from typing import Iterator, Optional
 from triax.pipeline import ScheduleKind, chunks_per_stage
 from triax.pipeline.pipelined import unpipelinable_mesh_reason
 from triax.planner.evaluate import PlanResult, evaluate
-from triax.planner.hardware import Cluster
-from triax.planner.memory import Assumptions
-from triax.planner.pipeline_math import microbatch_constraint
-from triax.planner.workload import Layout, Workload, divisors
+from triax.costs.hardware import Cluster
+from triax.costs.memory import Assumptions
+from triax.costs.pipeline_math import microbatch_constraint
+from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.context import SCHEMES, zigzag_order
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
@@ -171,7 +171,7 @@ def loss_chunks_keep_the_split(w: Workload, lay: Layout) -> bool:
     ``context``, ``res_seq`` also over ``tensor`` under SP), so slicing moves no data."""
     if w.loss_chunks == 1:     # the whole sequence: nothing sliced (and the search unchanged)
         return True
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     return all((w.seq // w.loss_chunks) % rules.split_size(name, lay.sizes) == 0
                for name in ("seq", "res_seq"))
 

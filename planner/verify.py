@@ -7,7 +7,7 @@ collectives (``triax.sharding.introspect``). JAX fixes its device count at start
 plan needing another count runs in a subprocess with ``JAX_NUM_CPU_DEVICES`` set.
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny", num_layers=2), train=True, dtype="fp32",
     ...                 batch=8, seq=16)
     >>> row = verify(w, Layout(data=8))          # doctest: +SKIP
@@ -24,11 +24,11 @@ import sys
 from typing import Optional
 
 from triax.models import config
-from triax.planner.comm import traffic
-from triax.planner.hardware import load_catalog
-from triax.planner.memory import estimate
+from triax.costs.comm import traffic
+from triax.costs.hardware import load_catalog
+from triax.costs.memory import estimate
 from triax.pipeline import ScheduleKind
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 from triax.training.config import PRECISIONS, RunConfig
 from triax.units import human_bytes
 
@@ -42,7 +42,7 @@ def layout_fields(w: Workload, lay: Layout) -> dict:
     schedule, micro-batches, chunks, remat, loss chunks, context scheme): what ``--plan
     auto`` fills in and ``run_config`` builds with."""
     return dict(mesh=lay.mesh_str,
-                strategy=lay.strategy, remat=w.remat, loss_chunks=w.loss_chunks,
+                strategy=lay.strategy.name, remat=w.remat, loss_chunks=w.loss_chunks,
                 context_attention=lay.context_attention,
                 schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
                 microbatches=lay.microbatches, virtual=lay.virtual)
@@ -98,7 +98,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "max_seq_len": w.cfg.max_seq_len, "dtype": w.dtype,
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "loss_chunks": w.loss_chunks,
-                      "sizes": lay.sizes, "strategy": lay.strategy,
+                      "sizes": lay.sizes, "strategy": lay.strategy.name,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
                       "context_attention": lay.context_attention,

@@ -81,7 +81,7 @@ def varying_weight_axes(rules: Rules, sizes: dict[str, int]) -> tuple[str, ...]:
     per-shard (``pcast``, so that their gradient's sum over those axes is fp32), where it is
     not nested in a pipeline's ``shard_map`` (which owns those axes already). The marked
     weights are a new value per layer, so the layer scan keeps each layer's copy of the
-    device's expert weights for the backward (the planner counts it: ``planner.memory``).
+    device's expert weights for the backward (the planner counts it: ``costs.memory``).
 
     >>> from triax.sharding.rules import get_strategy
     >>> rules = get_strategy("dp").rules

@@ -16,11 +16,11 @@ from triax.inference.kv_pool import bytes_per_block
 from triax.inference.reference import greedy_reference
 from triax.mesh import make_mesh
 from triax.models import config
-from triax.planner.memory import kv_cache_bytes
-from triax.planner.workload import Layout, Workload
+from triax.costs.memory import kv_cache_bytes
+from triax.costs.workload import Layout, Workload
 from triax.sharding.rules import get_strategy
 from triax.training.config import RunConfig
-from triax.training.memory_check import OutOfMemoryPredicted
+from triax.costs.fits import OutOfMemoryPredicted
 from inference_helpers import host_params, placed_bytes
 
 CFG = config.TINY.replace(num_layers=2)

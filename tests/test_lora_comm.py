@@ -1,4 +1,4 @@
-"""The planner prices a LoRA step's communication from what it moves (``planner.comm``): the
+"""The planner prices a LoRA step's communication from what it moves (``costs.comm``): the
 adapters' gradients only (no all-reduce or reduce-scatter of a frozen base weight), FSDP
 still gathering the base, and the adapters' rank-wide all-reduces over ``tensor``. Checked
 per mesh axis against the compiled HLO's collectives (``planner.verify``, what ``plan
@@ -8,9 +8,9 @@ import pytest
 from triax.models import config, lora
 from triax.models.config import LoraConfig
 from triax.pipeline import ScheduleKind
-from triax.planner.comm import traffic
+from triax.costs.comm import traffic
 from triax.planner.verify import verify
-from triax.planner.workload import FP32, Layout, Workload
+from triax.costs.workload import FP32, Layout, Workload
 
 CASES = {  # name: (base dtype, layers, layout)
     "dp": ("float32", 2, Layout(data=8, strategy="dp")),

@@ -27,7 +27,7 @@ from triax.models.config import LoraConfig
 from triax.models.quantize import SUFFIX, cast_like, kernel, quantize
 from triax.models.transformer import Transformer
 from triax.planner.verify import verify
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 from triax.training.step import Trainer
 
 BASE = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0))

@@ -5,11 +5,11 @@ import pytest
 
 from triax.models import config
 from triax.models.config import LoraConfig
-from triax.planner import hardware
+from triax.costs import hardware
 from triax.planner.lora_advice import best_fit, lora_reasoning
 from triax.planner.recommend import plan
 from triax.planner.verify import verify
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 
 
 @pytest.mark.parametrize("gpus", [1])  # 2 × 80 GB: docs/benchmarks.md (its search compiles op costs)

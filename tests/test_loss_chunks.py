@@ -78,7 +78,7 @@ def _temporaries(chunks, seq):
 def test_chunked_loss_holds_one_slice_of_logits():
     # One sequence per device: 256 tokens × 8192 vocab of fp32 logits is 8 MiB, and the
     # unchunked step keeps logits, log-probabilities and their gradient alive together
-    # (the three the planner counts, planner.activations.activation_bytes).
+    # (the three the planner counts, costs.activations.activation_bytes).
     seq, chunks = 256, 8
     logits = seq * BIG_VOCAB.vocab_size * 4
     saved = _temporaries(1, seq) - _temporaries(chunks, seq)

@@ -159,9 +159,9 @@ def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
     """``auto`` asks the planner's memory model for the run in stage mode (its pricing is
     checked against compiles by ``bench/planner_verify.py --pipeline-fsdp``; here a stand-in
     returns a fixed need, so no model is priced)."""
-    import triax.planner
+    import triax.training.setup
+    from triax.costs.fits import MEMORY_ENV
     from triax.training.config import RunConfig
-    from triax.training.memory_check import MEMORY_ENV
     from triax.training.setup import pipeline_fsdp_for
     asked = []
 
@@ -171,7 +171,7 @@ def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
     def estimate(w, lay):
         asked.append((w.cfg, lay))
         return Need()
-    monkeypatch.setattr(triax.planner, "estimate", estimate)
+    monkeypatch.setattr(triax.training.setup, "estimate", estimate)
     mesh = make_mesh(**SIZES)
     run = RunConfig(model="tiny", num_layers=4, mesh="data=2,pipe=2,tensor=2",
                     strategy="fsdp_tp", batch_size=B, seq_len=T, microbatches=M)
@@ -182,7 +182,7 @@ def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
     assert pipeline_fsdp_for(run, CFG, mesh) == "layer"
     cfg, lay = asked[-1]
     assert cfg == CFG and lay.pipeline_fsdp == "stage" and lay.sizes["pipe"] == 2 \
-        and lay.microbatches == M and lay.strategy == "fsdp_tp"
+        and lay.microbatches == M and lay.strategy.name == "fsdp_tp"
     n = len(asked)   # given modes, and runs without FSDP over data, ask nothing
     assert pipeline_fsdp_for(run.replace(pipeline_fsdp="stage"), CFG, mesh) == "stage"
     assert pipeline_fsdp_for(run.replace(pipeline_fsdp="layer"), CFG, mesh) == "layer"

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from triax.cli.main import main
+from triax.costs.workload import Workload
 from triax.mesh import make_mesh
 from triax.planner import auto
 from triax.training.config import RunConfig
@@ -51,7 +52,7 @@ def big():
 
 def test_big_budget_takes_the_models_fastest_and_equals_one_device(big, devices):
     cluster, _ = auto.present_cluster()
-    fastest = auto._searched(auto.workload_of(RUN, RUN.model_config()), cluster,
+    fastest = auto._searched(Workload.of_run(RUN, backend=jax.devices()[0].platform), cluster,
                              ("none", "full"))[0]
     assert big.plan == fastest and not big.refused
     assert big.compiled.peak_bytes <= big.budget.usable

@@ -1,4 +1,4 @@
-"""``Trainer.for_model(plan="auto")``: a user's model (the MLP-Mixer and the ViT of
+"""``triax.auto_trainer``: a user's model (the MLP-Mixer and the ViT of
 ``user_models``) laid out by compiling every strategy × data × tensor mesh of 8 simulated
 devices; the choice fits its budget and trains like one device. One search per model, shared
 through a module fixture."""
@@ -30,8 +30,8 @@ def make_vit(rngs):
 
 
 def _auto(device_memory):
-    return triax.Trainer.for_model(make, mixer_loss, rules=MIXER_RULES, plan="auto",
-                                   example_batch=BATCHES[0], device_memory=device_memory)
+    return triax.auto_trainer(make, mixer_loss, rules=MIXER_RULES, example_batch=BATCHES[0],
+                              device_memory=device_memory)
 
 
 def _losses(trainer, batches=BATCHES):
@@ -78,8 +78,8 @@ def test_second_call_compiles_nothing_and_too_small_a_budget_is_refused(searched
 def test_for_model_auto_on_the_vit_fits_and_equals_one_device(devices):
     """The ViT: its budget too sits below data=8 dp's compiled peak, so the choice shards."""
     def auto(budget):
-        return triax.Trainer.for_model(make_vit, vit_loss, rules=VIT_RULES, plan="auto",
-                                       example_batch=VIT_BATCHES[0], device_memory=budget)
+        return triax.auto_trainer(make_vit, vit_loss, rules=VIT_RULES,
+                                  example_batch=VIT_BATCHES[0], device_memory=budget)
     first = auto("1GiB").auto
     dp = next(x for x in [first.chosen, first.runner_up, *first.refused]
               if x and x.strategy == "dp" and dict(x.mesh)["data"] == 8)

@@ -9,10 +9,10 @@ import pytest
 
 from triax.cli.main import main
 from triax.models import config
-from triax.planner import hardware
-from triax.planner.hardware import GB, TFLOPS, Catalog, Device, FormFactor
+from triax.costs import hardware
+from triax.costs.hardware import GB, TFLOPS, Catalog, Device, FormFactor
 from triax.planner.mixed import plan_mixed
-from triax.planner.workload import Workload
+from triax.costs.workload import Workload
 from triax.sharding.introspect import memory_from_compiled
 from triax.training.config import RunConfig
 from triax.training.setup import build_run
@@ -48,7 +48,7 @@ def test_the_slower_group_gets_fewer_layers_and_a_faster_step(small_plan):
 def test_the_chosen_split_compiles_within_each_groups_memory(small_plan):
     m = small_plan
     lay = m.layout
-    run = RunConfig(model="tiny", num_layers=4, mesh=lay.mesh_str, strategy=lay.strategy,
+    run = RunConfig(model="tiny", num_layers=4, mesh=lay.mesh_str, strategy=lay.strategy.name,
                     batch_size=16, seq_len=16, schedule=lay.schedule.value,
                     microbatches=lay.microbatches,
                     stage_layers=",".join(map(str, m.uneven)))

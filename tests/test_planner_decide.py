@@ -11,12 +11,12 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.pipeline import ScheduleError, ScheduleKind, build
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
-from triax.planner import hardware
+from triax.costs import hardware
 from triax.planner.recommend import plan
-from triax.planner.memory import estimate, min_devices_for_weights
-from triax.planner.pipeline_math import microbatch_constraint, peak_in_flight
+from triax.costs.memory import estimate, min_devices_for_weights
+from triax.costs.pipeline_math import microbatch_constraint, peak_in_flight
 from triax.planner.search import layouts, long_sequence_loss_chunks, loss_chunks_keep_the_split
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 
 
 def _w(name, train, batch=8, seq=4096, **kw):
@@ -153,7 +153,7 @@ def test_moe_training_ranks_pipelined_plans():
     assert all("aborts XLA's SPMD partitioner" in r for r in rec.reasoning
                if r.startswith("Not runnable"))
     assert not any(p.layout.pipe > 1 and p.layout.expert > 1 and p.layout.tensor > 1
-                   and "tp" in p.layout.strategy for p in rec.plans)
+                   and "tp" in p.layout.strategy.name for p in rec.plans)
 
 
 def test_schedule_constraints_are_the_generators():

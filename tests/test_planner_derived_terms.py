@@ -2,7 +2,7 @@
 
 A layer loop keeps for the backward what its forward stacks: the loop's zero-initialised
 stacked outputs (``[trips, ...]`` buffers). These tests read them off compiled HLO and set
-them beside what ``planner.memory`` counts, term by term:
+them beside what ``costs.memory`` counts, term by term:
 
 * an MoE layer's residuals (``moe_residual_elements``: traced from ``models.moe``, the ones
   its pullback reads), on scanned MoE layers alone;
@@ -27,10 +27,10 @@ from triax.models.moe import MoE
 from triax.models.layers import ExecConfig
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
-from triax.planner.activations import (_expert_weight_copies, layer_activation_elements,
+from triax.costs.activations import (_expert_weight_copies, layer_activation_elements,
                                        moe_residual_elements)
-from triax.planner.memory import _fresh_grad_elements
-from triax.planner.workload import Layout, Workload
+from triax.costs.memory import _fresh_grad_elements
+from triax.costs.workload import Layout, Workload
 from triax.sharding.introspect.hlo_text import compiled_text, parse_module
 from triax.training.step import Trainer
 

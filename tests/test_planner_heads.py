@@ -4,11 +4,11 @@ refuses what the rules refuse (query heads), never a third answer."""
 import pytest
 
 from triax.models import config
-from triax.planner.comm import traffic
-from triax.planner.activations import layer_activation_elements, tensor_local
-from triax.planner.memory import estimate
+from triax.costs.comm import traffic
+from triax.costs.activations import layer_activation_elements, tensor_local
+from triax.costs.memory import estimate
 from triax.planner.verify import compile_figures, run_config
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 from triax.sharding.rules import ShardingError
 
 

@@ -5,13 +5,13 @@ import pytest
 
 from triax.models import config
 from triax.pipeline import ScheduleKind
-from triax.planner.comm import traffic
-from triax.planner.memory import estimate
-from triax.planner.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
+from triax.costs.comm import traffic
+from triax.costs.memory import estimate
+from triax.costs.pipeline_math import bubble_fraction, peak_in_flight, schedule_table
 from triax.pipeline import build
 from triax.pipeline.tick_program import compile_program
 from triax.planner.verify import compile_figures
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 
 # model, layers, batch, seq, layout: few layers keep compiles short.
 CASES = {

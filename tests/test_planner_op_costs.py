@@ -12,10 +12,10 @@ import pytest
 
 from triax.models import config
 from triax.pipeline import DEFAULT_COSTS, OpKind, ScheduleKind, build
-from triax.planner import hardware
+from triax.costs import hardware
 from triax.planner.recommend import evaluate, plan
 from triax.planner.op_costs import op_costs_for
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 
 F, B, B_IN, W = OpKind.F, OpKind.B, OpKind.B_IN, OpKind.W
 S, M = 4, 8
@@ -73,9 +73,9 @@ def test_without_two_cpu_devices_the_unit_costs_are_said():
         import json
         from triax.models import config
         from triax.pipeline import DEFAULT_COSTS, ScheduleKind, build
-        from triax.planner import hardware
+        from triax.costs import hardware
         from triax.planner.recommend import plan
-        from triax.planner.workload import Layout, Workload
+        from triax.costs.workload import Layout, Workload
         w = Workload.of(config.get("tiny"), train=True, batch=32, seq=128)
         rec = plan(w, hardware.cluster("h100-80gb", 8, 1), layout=Layout(
             data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ZB_H1, microbatches={M}))

@@ -15,7 +15,8 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.sharding.introspect import memory_from_compiled
 from triax.training.config import RunConfig, RunConfigWarning
-from triax.training.memory_check import MEMORY_ENV, check_train_memory, device_capacity
+from triax.costs.fits import MEMORY_ENV, device_capacity
+from triax.training.memory_check import check_train_memory
 from triax.training.setup import build_run
 from triax.units import human_bytes
 

@@ -10,9 +10,9 @@ from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.pipeline.pipelined import PipelineConfig
-from triax.planner.memory import estimate
+from triax.costs.memory import estimate
 from triax.planner.verify import compile_figures
-from triax.planner.workload import Layout, Workload
+from triax.costs.workload import Layout, Workload
 from triax.sharding.introspect import collectives_from_compiled
 from triax.training.step import Trainer
 

@@ -33,6 +33,8 @@ import yaml
 # configs, whose packages import JAX, are imported where they are built.
 from triax import choices
 from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
+from triax.inference.pool_settings import PoolSettings   # no JAX
+from triax.training.config_warning import RunConfigWarning  # re-exported: importers use it
 from triax.pipeline.schedules import ScheduleKind
 from triax.pipeline.stage_counts import check_counts, parse_counts
 from triax.units import parse_bytes
@@ -177,10 +179,7 @@ class RunConfig:
                 raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
-        if self.kv_memory is not None:
-            if self.kv_blocks is not None:
-                raise ValueError("give one of --kv-blocks and --kv-memory (both size the pool)")
-            self.kv_memory_bytes()
+        self.pool_settings()   # a bad --kv-* fails here, naming the flag
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
             counts = self.stage_counts()    # by check_pipeline, the model's layers there too
             try:
@@ -244,17 +243,9 @@ class RunConfig:
                              f"--device-memory 40GiB")
         return n
 
-    def kv_memory_bytes(self) -> int:
-        """``--kv-memory`` in bytes (0: not given)."""
-        if self.kv_memory is None:
-            return 0
-        try:
-            n = parse_bytes(self.kv_memory)
-        except ValueError as e:
-            raise ValueError(f"--kv-memory: {e}") from None
-        if n <= 0:
-            raise ValueError(f"--kv-memory {self.kv_memory}: must be > 0, e.g. --kv-memory 2GiB")
-        return n
+    def pool_settings(self) -> PoolSettings:
+        """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size``: serving's KV pool."""
+        return PoolSettings.of_flags(self.kv_blocks, self.kv_memory, self.kv_block_size)
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
@@ -322,10 +313,6 @@ def context_fix(seq_len: int, max_seq_len: int) -> str:
             f"the context (RoPE needs no table)")
 
 
-class RunConfigWarning(UserWarning):
-    """A setting that is legal but probably not what was meant."""
-
-
 # What each numeric setting must be, and the fix an error names.
 _GE1, _GT0, _GE0 = ("≥ 1", lambda v: v >= 1), ("> 0", lambda v: v > 0), ("≥ 0", lambda v: v >= 0)
 _BOUNDS = {
@@ -338,8 +325,6 @@ _BOUNDS = {
     "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
     "max_seq_len": (*_GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
     "grad_accum": (*_GE1, "use 1 for no accumulation"),
-    "kv_blocks": (*_GE1, "give the pool's blocks, e.g. --kv-blocks 512, or leave it out"),
-    "kv_block_size": (*_GE1, "give positions per block, e.g. --kv-block-size 16"),
     "lora_rank": (*_GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
     "lora_alpha": (*_GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
     "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1, "give the probability of zeroing "

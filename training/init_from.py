@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 
@@ -18,10 +18,10 @@ from triax.sharding.partition import init_fn
 from triax.hf.tokenizer import FILE, load_tokenizer
 from triax.models.config import ModelConfig
 from triax.models.quantize import cast_like
-from triax.training.config import RunConfig, RunConfigWarning
+from triax.training.config_warning import RunConfigWarning
 
-# RunConfig's own default model: the one value of --model that --init-from may leave set.
-_DEFAULT_MODEL = next(f.default for f in dataclasses.fields(RunConfig) if f.name == "model")
+if TYPE_CHECKING:   # RunConfig.model_config calls here: the run is taken as it comes
+    from triax.training.config import RunConfig
 
 
 def init_from_config(run: RunConfig) -> ModelConfig:
@@ -29,7 +29,9 @@ def init_from_config(run: RunConfig) -> ModelConfig:
     ``--seq-len`` past the context it was trained on lengthens it (RoPE needs no table), with
     a warning: the positions past it are untrained, not impossible."""
     cfg = read_model_config(run.init_from)
-    if run.model not in (_DEFAULT_MODEL, cfg.name):
+    # RunConfig's own default model: the one value of --model that --init-from may leave set.
+    default_model = next(f.default for f in dataclasses.fields(run) if f.name == "model")
+    if run.model not in (default_model, cfg.name):
         raise ValueError(f"--model {run.model!r} conflicts with --init-from {run.init_from!r}: "
                          f"the model comes from its config.json ({cfg.name}); drop --model")
     if os.path.isfile(os.path.join(run.init_from, FILE)):  # ids it makes must fit the model

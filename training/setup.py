@@ -27,9 +27,13 @@ from typing import Optional
 import jax
 from jax.sharding import Mesh
 
+from triax.costs.fits import device_capacity
+from triax.costs.memory import estimate
+from triax.costs.workload import Layout, Workload
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
 from triax.pipeline.pipelined import PipelineConfig, default_microbatches
+from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig
@@ -112,7 +116,7 @@ def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[Pipel
 def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
     """The one home of ``--pipeline-fsdp auto``: ``stage`` (a gather per step: the least
     traffic) where the planner's memory model of that run fits one device's memory
-    (``memory_check.device_capacity``; unknown: assumed to fit), else ``layer`` (FSDP's
+    (``costs.fits.device_capacity``; unknown: assumed to fit), else ``layer`` (FSDP's
     memory, a gather per layer per op). Without FSDP over ``data`` the two are one."""
     if run.pipeline_fsdp != "auto":
         return run.pipeline_fsdp
@@ -120,17 +124,13 @@ def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
     if not get_strategy(run.strategy).fsdp or sizes.get("data", 1) < 2 \
             or not isinstance(cfg, ModelConfig):
         return "stage"
-    from triax.planner import Layout, Workload, estimate   # the planner sits above training
-    from triax.pipeline import ScheduleKind
-    from triax.training.memory_check import device_capacity
     capacity = device_capacity()
     lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
                  strategy=run.strategy, schedule=ScheduleKind(run.schedule),
                  microbatches=run.microbatches or default_microbatches(sizes["pipe"]),
                  virtual=run.virtual, pipeline_fsdp="stage",
                  stage_layers=run.check_pipeline(cfg, sizes["pipe"]))
-    w = Workload.of(cfg, train=True, dtype=run.precision, batch=run.batch_size,
-                    seq=run.seq_len, remat=run.remat)
+    w = Workload.of_run(run, cfg)
     fits = capacity is None or estimate(w, lay).modelled <= capacity[0]
     return "stage" if fits else "layer"
 

@@ -27,8 +27,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from triax import choices
-from triax.mesh import make_mesh
 from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models import lora
@@ -61,7 +59,7 @@ class Trainer:
     Every argument is hashable: ``triax.training.step_cache`` keys compiled steps on them.
     """
 
-    auto = None   # for_model(plan="auto"): what was chosen and why (planner.auto_model)
+    auto = None   # triax.auto_trainer's: what was chosen and why (planner.auto_model)
 
     def __init__(self, model: "ModelConfig | UserModel", mesh: Mesh,
                  strategy: str | Strategy = "dp", *,
@@ -110,10 +108,9 @@ class Trainer:
 
     @classmethod
     def for_model(cls, make_model: Callable, loss_fn: Optional[Callable],
-                  mesh: Optional[Mesh] = None, strategy: str | Strategy = "fsdp_tp",
+                  mesh: Mesh, strategy: str | Strategy = "fsdp_tp",
                   rules: Optional[dict] = None, *, default: Optional[str] = None,
-                  plan: str = "flags", example_batch: Optional[Batch] = None,
-                  device_memory: Optional[str] = None, **kw) -> "Trainer":
+                  **kw) -> "Trainer":
         """A Trainer for any Flax NNX model whose parameters carry logical axis names.
 
         ``make_model(rngs) -> nnx.Module``; ``loss_fn(model, batch) -> (loss, aux dict)``, or
@@ -125,31 +122,10 @@ class Trainer:
         ``optim=OptimConfig(...)``, ``total_steps``, ``accum_steps``. ``step`` donates the
         state it is given: keep the returned one. See docs/your_model.md.
 
-        ``plan="auto"`` chooses the mesh and strategy instead (give neither): every strategy
-        × data × tensor mesh over the devices is compiled on ``example_batch``'s shapes
-        and the fastest whose compiled peak fits ``device_memory`` (e.g. ``"2GiB"``; default
-        what a device has) is built; its report is ``trainer.auto``
-        (``triax.planner.auto_model``).
+        To have the mesh and strategy chosen by compiling every candidate, the planner above
+        builds the Trainer instead: ``triax.auto_trainer`` (``triax.planner.auto_model``).
         """
-        model = UserModel.of(make_model, loss_fn, rules, default)
-        choices.check("plan", plan, choices.PLAN_MODES)
-        if plan == "flags":
-            if mesh is None:
-                raise ValueError("Trainer.for_model: give a mesh, or plan='auto' (with "
-                                 "example_batch=) to choose one")
-            return cls(model, mesh, strategy, **kw)
-        if mesh is not None or example_batch is None or kw.get("pipeline") is not None:
-            raise ValueError("Trainer.for_model(plan='auto') chooses the mesh and strategy: "
-                             "give example_batch= (arrays or ShapeDtypeStructs), no mesh and "
-                             "no pipeline")
-        from triax.planner.auto_model import choose_for_model  # the planner sits above
-        kw_key = tuple(sorted(kw.items()))
-        choice = choose_for_model(model, lambda m, s: cls(model, m, s, **kw), example_batch,
-                                  device_memory, kw_key=kw_key)
-        trainer = cls(model, make_mesh(**dict(choice.chosen.mesh)), choice.chosen.strategy,
-                      **kw)
-        trainer.auto = choice
-        return trainer
+        return cls(UserModel.of(make_model, loss_fn, rules, default), mesh, strategy, **kw)
 
     # ---- shardings -------------------------------------------------------------------------
     @cached_property

@@ -1,8 +1,9 @@
 """Pipeline bubble and in-flight micro-batches per schedule: the one place the planner asks.
 
 ``triax.pipeline``'s validated schedule tables give the figures (peak in-flight, and the
-bubble weighted by the op costs measured on the compiled executor: :mod:`.op_costs`), and its generators say which (S, M, v) a schedule can run
-(:func:`microbatch_constraint`). A request no table is built for falls back to the closed
+bubble weighted by given op costs: the planner weighs it with those measured on the compiled
+executor, ``triax.planner.op_costs.measured_bubble``), and its generators say which (S, M,
+v) a schedule can run (:func:`microbatch_constraint`). A request no table is built for falls back to the closed
 forms the tables reproduce (``triax.pipeline.closed_form_bubble``; ZB-H1 about a third of
 1F1B's). ``None`` is an unpipelined layout.
 
@@ -13,10 +14,10 @@ forms the tables reproduce (``triax.pipeline.closed_form_bubble``; ZB-H1 about a
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Mapping, Optional
 
-from triax.pipeline import Schedule, ScheduleError, ScheduleKind, build, closed_form_bubble
-from triax.planner.op_costs import op_costs_for
+from triax.pipeline import (DEFAULT_COSTS, OpKind, Schedule, ScheduleError, ScheduleKind, build,
+                            closed_form_bubble)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -31,19 +32,16 @@ def schedule_table(schedule: Optional[ScheduleKind], stages: int, microbatches: 
         return None
 
 
-@functools.lru_cache(maxsize=4096)
 def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches: int,
-                    virtual: int = 1, remat: str = "none") -> float:
-    """Idle fraction of a stage's time over one step: the table's, its ops weighted by the
-    costs measured on the compiled executor under ``remat`` (:func:`.op_costs.op_costs_for`),
-    else the closed form."""
+                    virtual: int = 1, costs: Optional[Mapping[OpKind, float]] = None) -> float:
+    """Idle fraction of a stage's time over one step: the table's, its ops weighted by
+    ``costs`` (relative to F = 1; None: ``DEFAULT_COSTS``), else the closed form."""
     S, M, v = stages, microbatches, virtual
     if S <= 1 or schedule is None:
         return 0.0
     table = schedule_table(schedule, S, M, v)
     if table is not None:
-        costs = op_costs_for(schedule, remat).as_dict()
-        return float(table.bubble_fraction(costs=costs))
+        return float(table.bubble_fraction(costs=dict(costs or DEFAULT_COSTS)))
     closed = closed_form_bubble(schedule, S, M, v)
     if closed is not None:
         return closed
@@ -51,17 +49,6 @@ def bubble_fraction(schedule: Optional[ScheduleKind], stages: int, microbatches:
     # 1F1B's bubble; ZB-V is priced as 1F1B (a bound, where no table is built).
     one_f_one_b = closed_form_bubble(ScheduleKind.ONE_F_ONE_B, S, M)
     return one_f_one_b / 3 if schedule is ScheduleKind.ZB_H1 else one_f_one_b
-
-
-def work_factor(schedule: Optional[ScheduleKind], remat: str = "none") -> float:
-    """A micro-batch's work under ``schedule`` over a forward plus one full backward (what
-    the model-FLOP compute time counts), both measured on the executor under ``remat``.
-    1 for GPipe, 1F1B and interleaved; ZB-H1's F + B_in + W over F + B (1 too, with the
-    split backward: B_in and W share B's matmuls)."""
-    if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
-        return 1.0
-    return (op_costs_for(schedule, remat).per_microbatch
-            / op_costs_for(ScheduleKind.ONE_F_ONE_B, remat).per_microbatch)
 
 
 def peak_in_flight(schedule: Optional[ScheduleKind], stages: int, microbatches: int,

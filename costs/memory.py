@@ -4,7 +4,7 @@ Parameter-shaped terms are exact: they walk the model's real parameter tree, pla
 step places it (:mod:`.param_layout`); the activations are :mod:`.activations`'.
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> m = estimate(w, Layout(data=8))
     >>> m.params == config.get("tiny").num_params * 4
@@ -15,12 +15,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
-from triax.planner.activations import activation_bytes
-from triax.planner.param_layout import (layout_rules, local_base_bytes, local_elements,
+from triax.costs.activations import activation_bytes
+from triax.inference.errors import InferenceError
+from triax.inference.kv_pool import planned_pool   # the pool's one home (no engine needed)
+from triax.inference.pool_settings import PoolSettings
+from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elements,
                                         local_param_elements, param_leaves)
-from triax.planner.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
-from triax.sharding.rules import ShardingError, get_strategy
+from triax.sharding.rules import ShardingError
 from triax.units import decimal_bytes
 
 ADAM_MOMENTS = 2        # mu and nu, fp32
@@ -74,18 +77,12 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
     one home (``inference.kv_pool.planned_pool``): ``w.batch`` slots of ``w.seq`` positions,
     sized by ``w.kv_blocks`` / ``w.kv_memory``, in the workload's dtype. A pool the layout
     cannot split (its row groups, a block over ``context``) is a ``ShardingError``."""
-    cfg = w.cfg
-    if cfg is None or w.train:
+    if w.cfg is None or w.train:
         return 0.0
-    # inference sits below the planner; imported here so the planner loads without it
-    from triax.inference.engine import EngineConfig
-    from triax.inference.errors import InferenceError
-    from triax.inference.kv_pool import planned_pool
-    ecfg = EngineConfig(max_batch=w.batch, max_len=w.seq, kv_blocks=w.kv_blocks,
-                        kv_memory=w.kv_memory, block_size=w.kv_block_size,
-                        microbatches=lay.microbatches if lay.pipe > 1 else 0)
+    settings = PoolSettings(w.kv_blocks, w.kv_memory, w.kv_block_size)
     try:
-        pool = planned_pool(cfg, lay.sizes, get_strategy(lay.strategy), ecfg, w.dtype_bytes)
+        pool = planned_pool(w.cfg, lay.sizes, lay.strategy, w.batch, w.seq,
+                            settings, lay.microbatches if lay.pipe > 1 else 0, w.dtype_bytes)
     except InferenceError as e:
         raise ShardingError(f"the KV pool on {lay.mesh_str}: {e}") from None
     return float(pool.bytes_per_device())
@@ -139,7 +136,7 @@ def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
     if pipelined_fsdp(w, lay, "layer"):   # one block's fp32 weights, gathered as it runs
         return _block_grad_elements(w, lay) * FP32 + (
             _block_grad_elements(w, lay) * w.dtype_bytes if w.mixed else 0)
-    if get_strategy(lay.strategy).fsdp and lay.data > 1:
+    if lay.strategy.fsdp and lay.data > 1:
         return _block_grad_elements(w, lay) * w.dtype_bytes
     if w.mixed:
         return p_local / w.cfg.num_layers * w.dtype_bytes
@@ -150,7 +147,7 @@ def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
     """A pipelined step under FSDP whose stages hold the weights as ``mode`` says
     (``lay.pipeline_fsdp``): ``stage``, the executor gathers the whole stage over ``data``
     once per step, outside the tick loop; ``layer``, one block at a time per op."""
-    return lay.pipe > 1 and w.cfg is not None and get_strategy(lay.strategy).fsdp \
+    return lay.pipe > 1 and w.cfg is not None and lay.strategy.fsdp \
         and lay.data > 1 and lay.pipeline_fsdp == mode
 
 

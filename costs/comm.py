@@ -16,7 +16,7 @@ one rank-wide all-reduce per row-parallel adapter forward and per column-paralle
 backward over ``tensor`` (:func:`_lora_tensor`).
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> traffic(w, Layout(data=8))["data"].payload == config.get("tiny").num_params * 4
     True
@@ -25,20 +25,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from triax.planner.hardware import Cluster, Link
+from triax.costs.hardware import Cluster, Link
 from triax.models.lora import is_adapter_path, pair_leaf
 from triax.models.moe import capacity
 from triax.mesh.build import AXES
-from triax.planner.activations import tensor_local
+from triax.costs.activations import tensor_local
 from triax.pipeline.fsdp import layer_passes
-from triax.planner.memory import pipelined_fsdp
-from triax.planner.param_layout import (layout_rules, local_elements, local_param_elements,
+from triax.costs.memory import pipelined_fsdp
+from triax.costs.param_layout import (layout_rules, local_elements, local_param_elements,
                                         param_leaves)
 from triax.pipeline.chunk_routes import moving_rounds, routed
-from triax.planner.pipeline_math import schedule_table
-from triax.planner.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.pipeline_math import schedule_table
+from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.sharding.context_costs import order_collective, scheme_collectives
-from triax.sharding.rules import get_strategy
 
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _WIRE = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
@@ -97,13 +96,13 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         return out
     # Tokens one device runs: a training step's B·T (T/C of each sequence under context
     # parallelism), or one decode step's B new tokens.
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     tokens = w.batch / lay.batch_shards * (
         w.seq / rules.split_size("seq", lay.sizes) if w.train else 1)
     act = tokens * w.cfg.embed_dim * w.dtype_bytes       # one B·T·D activation
     layers = ceil_div(w.cfg.num_layers, lay.pipe)
     passes = 2 if w.train else 1                          # forward (+ backward)
-    if "tensor" in out and "heads" in get_strategy(lay.strategy).rules.as_dict():
+    if "tensor" in out and "heads" in lay.strategy.rules.as_dict():
         _tensor_axis(w, lay, out["tensor"], act, layers, passes)
     if "pipe" in out:
         _pipe_axis(w, lay, out["pipe"], act, passes)
@@ -129,7 +128,7 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     cfg = w.cfg
     rows = w.batch / lay.batch_shards           # sequences on the device (pipe == 1)
     kv = tensor_local("act_kv_heads", cfg.num_kv_heads, lay.tensor,
-                      get_strategy(lay.strategy).rules)
+                      lay.strategy.rules)
     forward_again = 2 if w.remat != "none" else 1
     size = {"compute": w.dtype_bytes, "float32": FP32, "int32": 4}
     for kind, elements, fwd, bwd, dtype in scheme_collectives(
@@ -142,9 +141,9 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
                                            context=lay.context)
     if ops:
         t.add(kind, rows * elements * 4, ops)                   # int32
-    st = get_strategy(lay.strategy)
+    st = lay.strategy
     fsdp = st.fsdp and lay.data > 1
-    whole = get_strategy(lay.unsharded_over_data().strategy).rules
+    whole = lay.unsharded_over_data().strategy.rules
     grads = 0
     for path, shape, logical in param_leaves(cfg):   # at the optimizer's (ZeRO-1) sharding
         if not trained(w, path):
@@ -179,7 +178,7 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
     # partial sums over its own query heads, all-reduced at their own width (tokens·K·H)
     # before the replicated projections' backward, not at the residual's (tokens·D).
     K, H = w.cfg.num_kv_heads, w.cfg.head_dim
-    replicated = tensor_local("act_kv_heads", K, lay.tensor, get_strategy(lay.strategy).rules) == K
+    replicated = tensor_local("act_kv_heads", K, lay.tensor, lay.strategy.rules) == K
     kv = act * K * H / w.cfg.embed_dim if replicated else act
     t.add("all-reduce", kv, 2 * train * layers)   # the input gradients of k and v
     if w.lora is not None:
@@ -220,7 +219,7 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
     table = schedule_table(lay.schedule, lay.pipe, M, lay.virtual)
     sends = table.ticks if table is not None else M * lay.virtual
     t.add("collective-permute", act / M, sends * passes)
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     if routed(w.cfg.num_layers, lay.pipe, lay.virtual):
         # Interleaved and ZB-V: each step moves chunks from their storage stage to the stage that runs
         # them (and their gradients back), one chunk per device per moving round.
@@ -230,7 +229,7 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
         t.add("collective-permute", chunk,
               moving_rounds(lay.pipe, lay.virtual, v_shape) * passes)
     if w.train:   # summed over pipe whole over data, before FSDP's reduce-scatter
-        whole = get_strategy(lay.unsharded_over_data().strategy).rules
+        whole = lay.unsharded_over_data().strategy.rules
         shared = sum(local_elements(s, l, whole, lay.sizes) for p, s, l in param_leaves(w.cfg)
                      if not p.startswith("blocks/") and trained(w, p))
         if shared:
@@ -240,7 +239,7 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
 def _other_batch_axes(w: Workload, lay: Layout, out: dict) -> None:
     """Batch axes besides ``data`` (the MoE rules split the batch over ``expert`` too): each
     gradient is all-reduced over those of them its parameter is not split over."""
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     for axis in rules.mesh_axes("batch"):
         if axis == "data" or axis not in out:
             continue
@@ -253,7 +252,7 @@ def _data_axis(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """Gradient reduction (DP), plus parameter gathers (ZeRO-1 after the update; FSDP in
     the forward and again in the backward). Under LoRA only the adapters' gradients are
     reduced and only they are gathered after a ZeRO-1 update."""
-    st = get_strategy(lay.strategy)
+    st = lay.strategy
     sharded_opt = "data" in st.optimizer_rules.mesh_axes("embed")
     # this replica's trained params (all of them, or the LoRA adapters)
     full = local_param_elements(w, lay.unsharded_over_data(), part=_trained_part(w))
@@ -272,8 +271,8 @@ def _zero1(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     """ZeRO-1: a trained leaf the optimizer rules split over ``data`` has its gradient
     reduce-scattered and its update gathered; one they keep whole (a norm scale, an
     adapter's rank-by-heads B) is all-reduced."""
-    opt = get_strategy(lay.strategy).optimizer_rules
-    whole = get_strategy(lay.unsharded_over_data().strategy).rules
+    opt = lay.strategy.optimizer_rules
+    whole = lay.unsharded_over_data().strategy.rules
     for path, shape, logical in param_leaves(w.cfg):
         if not trained(w, path):
             continue
@@ -303,8 +302,8 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     is the smaller (``fsdp_gathers_table``), the table is gathered for the forward and the
     backward and its gradient all-reduced. A frozen LoRA base leaf is gathered the same but
     reduces no gradient, and a frozen table moves only in the forward."""
-    sharded = get_strategy(lay.strategy).rules
-    whole = get_strategy(lay.unsharded_over_data().strategy).rules
+    sharded = lay.strategy.rules
+    whole = lay.unsharded_over_data().strategy.rules
     for path, shape, logical in param_leaves(w.cfg):
         full = local_elements(shape, logical, whole, lay.sizes)
         split = local_elements(shape, logical, sharded, lay.sizes) < full

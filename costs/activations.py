@@ -23,9 +23,9 @@ from triax.models.config import ModelConfig
 from triax.models.layers import ExecConfig
 from triax.models.moe import MoE
 from triax.models.transformer import REMAT_POLICIES
-from triax.planner.param_layout import layout_rules, local_elements, param_leaves
-from triax.planner.pipeline_math import peak_in_flight
-from triax.planner.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.param_layout import layout_rules, local_elements, param_leaves
+from triax.costs.pipeline_math import peak_in_flight
+from triax.costs.workload import FP32, Layout, Workload, ceil_div
 from triax.pipeline import ScheduleKind
 from triax.pipeline.buffer_sizes import activation_buffer_bytes
 from triax.pipeline.jaxpr_split import reads
@@ -33,7 +33,7 @@ from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding.context_costs import scheme_memory
 from triax.sharding.experts import varying_weight_axes
 from triax.sharding.rules import Rules, get_strategy
-from triax.training.config import PRECISIONS
+from triax.choices import PRECISIONS
 
 def tensor_local(logical: str, n: int, tensor: int, rules: Optional[Rules] = None) -> int:
     """``n`` (a head count, an MLP width named ``logical``) on one of ``tensor`` ranks, as
@@ -136,7 +136,7 @@ def _expert_weight_copies(w: Workload, lay: Layout) -> float:
     layer, which the layer scan keeps for the backward, so each layer's device-local expert
     weights are stored once more. Not under a pipeline (its ``shard_map`` owns those axes)
     nor under remat (the checkpointed layer recomputes them)."""
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     if w.cfg.moe is None or lay.pipe > 1 or w.remat != "none" \
             or not varying_weight_axes(rules, lay.sizes):
         return 0.0
@@ -156,7 +156,7 @@ def attention_kernel(w: Workload, lay: Layout) -> str:
     """The attention kernel the step runs (``models.attention_memory.kernel_for``): the
     workload's implementation on its backend; a context-parallel step's local blocks are not
     plain causal, so ``dot_product`` takes XLA's path there, never cuDNN's."""
-    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
+    context = lay.strategy.rules.split_size("seq", lay.sizes)
     return kernel_for(w.attention, w.backend, PRECISIONS[w.dtype], w.cfg.head_dim,
                       plain_causal=context == 1)
 
@@ -165,8 +165,8 @@ def attention_per_token(w: Workload, lay: Layout, remat: str) -> AttentionMemory
     """What one layer's attention keeps per local token: the kernel on the whole sequence,
     or under context parallelism the scheme's figures (``sharding.context_costs``)."""
     cfg = w.cfg
-    context = get_strategy(lay.strategy).rules.split_size("seq", lay.sizes)
-    rules = get_strategy(lay.strategy).rules
+    context = lay.strategy.rules.split_size("seq", lay.sizes)
+    rules = lay.strategy.rules
     m = scheme_memory(lay.context_attention, attention_kernel(w, lay), seq=w.seq,
                       context=context,
                       heads=tensor_local("act_heads", cfg.num_heads, lay.tensor, rules),
@@ -186,7 +186,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
     cfg = w.cfg
     if cfg is None or not w.train:
         return 0.0 if cfg is None else _inference_activations(w, lay)
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     local_batch = w.batch / lay.batch_shards
     mb_tokens = local_batch / max(lay.microbatches, 1) * w.seq / rules.split_size("seq",
                                                                                   lay.sizes)
@@ -207,7 +207,7 @@ def activation_bytes(w: Workload, lay: Layout) -> float:
 def loss_tokens(w: Workload, lay: Layout, chunks: Optional[int] = None) -> float:
     """Tokens whose logits are alive at once on a device: its micro-batch's share of the
     sequence, over ``chunks`` (default ``w.loss_chunks``) slices of it (models.loss)."""
-    rules = get_strategy(lay.strategy).rules
+    rules = lay.strategy.rules
     rows = w.batch / lay.batch_shards / max(lay.microbatches, 1)
     return rows * w.seq / rules.split_size("seq", lay.sizes) / (chunks or w.loss_chunks)
 
@@ -244,5 +244,5 @@ def _inference_activations(w: Workload, lay: Layout) -> float:
     cfg = w.cfg
     tokens = w.batch / lay.batch_shards * w.seq / max(lay.microbatches, 1)
     one = layer_activation_elements(cfg, tokens, w.seq, lay.tensor, "none",
-                                    rules=get_strategy(lay.strategy).rules)
+                                    rules=lay.strategy.rules)
     return (one + w.batch / lay.batch_shards * cfg.vocab_size / lay.tensor) * w.dtype_bytes

@@ -18,16 +18,21 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from triax import choices
 from triax.choices import PRECISION_BYTES
+from triax.inference.kv_pool import CACHE_PRECISION   # the pool's home (no engine loaded)
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
 from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
-from triax.sharding.rules import get_strategy
+from triax.sharding.rules import Strategy, get_strategy
+
+if TYPE_CHECKING:   # above this layer: taken as they come, never imported
+    import triax.inference.engine
+    import triax.training.config
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
@@ -70,6 +75,33 @@ class Workload:
         check_loss_chunks(kw.get("loss_chunks", 1), kw.get("seq", 2048))
         return cls(cfg, int(params or cfg.num_params), **kw)
 
+    @classmethod
+    def of_run(cls, run: "triax.training.config.RunConfig", cfg: Optional[ModelConfig] = None,
+               *, train: bool = True, params: Optional[int] = None,
+               backend: str = "gpu") -> "Workload":
+        """The one mapping from a run's settings (a ``training.config.RunConfig``) to what
+        is planned: its model (``cfg``; default ``run.model_config()``, none when only
+        ``params`` is given), precision, batch, sequence, remat, loss chunks, attention and
+        (to serve it, ``train=False``) KV pool; ``backend`` as ``Workload.backend``."""
+        if cfg is None and not params:
+            cfg = run.model_config()
+        pool = run.pool_settings()
+        return cls.of(cfg, params, train=train, dtype=run.precision, batch=run.batch_size,
+                      seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
+                      attention=run.attention, backend=backend, kv_blocks=pool.kv_blocks,
+                      kv_memory=pool.kv_memory, kv_block_size=pool.block_size)
+
+    @classmethod
+    def of_engine(cls, cfg: ModelConfig, ecfg: "triax.inference.engine.EngineConfig",
+                  backend: str = "gpu") -> "Workload":
+        """The one mapping from a serving engine's settings (an
+        ``inference.engine.EngineConfig``) to what is planned: ``max_batch`` slots of
+        ``max_len`` positions, its KV pool, weights and pool in the pool's precision
+        (``inference.kv_pool.CACHE_PRECISION``: what the engine holds)."""
+        return cls.of(cfg, train=False, dtype=CACHE_PRECISION, batch=ecfg.max_batch,
+                      seq=ecfg.max_len, backend=backend, kv_blocks=ecfg.kv_blocks,
+                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size)
+
     @property
     def run_label(self) -> str:
         """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)."""
@@ -110,7 +142,7 @@ class Layout:
     tensor: int = 1
     pipe: int = 1
     expert: int = 1
-    strategy: str = "dp"
+    strategy: Strategy = "dp"   # given by name or resolved; held resolved (.name prints it)
     schedule: Optional[ScheduleKind] = None     # None: not pipelined (pipe == 1)
     microbatches: int = 1
     virtual: int = 1
@@ -118,6 +150,9 @@ class Layout:
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
     pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
     stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
+
+    def __post_init__(self):
+        object.__setattr__(self, "strategy", get_strategy(self.strategy))
 
     @property
     def devices(self) -> int:
@@ -135,15 +170,16 @@ class Layout:
     def batch_shards(self) -> int:
         """Ways the global batch is split: the mesh axes the strategy maps ``batch`` to
         (``data``; with the MoE rules also ``expert``)."""
-        axes = get_strategy(self.strategy).rules.mesh_axes("batch")
+        axes = self.strategy.rules.mesh_axes("batch")
         return math.prod(self.sizes.get(a, 1) for a in axes)
 
     def unsharded_over_data(self) -> "Layout":
         """The same layout with the parameters not split over ``data`` (what a gather
         yields): the memory model's per-block working set and the traffic model's gathers."""
         # ZeRO-1 splits only the optimizer over data: its parameters are already dp's.
-        name = {**choices.FSDP_BASE, "zero1": "dp"}.get(self.strategy, self.strategy)
-        return dataclasses.replace(self, data=1, strategy=name)
+        name = self.strategy.name
+        return dataclasses.replace(self, data=1,
+                                   strategy={**choices.FSDP_BASE, "zero1": "dp"}.get(name, name))
 
     def describe(self) -> str:
         sched = "" if self.pipe == 1 or self.schedule is None else (
@@ -153,7 +189,7 @@ class Layout:
         by_layer = ", FSDP by layer" if self.pipe > 1 and self.pipeline_fsdp == "layer" else ""
         uneven = "" if self.stage_layers is None else \
             f", stage layers {','.join(map(str, self.stage_layers))}"
-        return f"{self.mesh_str} {self.strategy}{sched}{ctx}{by_layer}{uneven}"
+        return f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}"
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -4,7 +4,7 @@ Figures are vendor datasheet numbers: dense (not 2:4 sparse) tensor-core FLOP/s,
 bandwidth, and per-GPU one-direction link bandwidth. Memory is in decimal GB (1e9 bytes),
 the conservative reading of "80 GB".
 
-    >>> from triax.planner import hardware
+    >>> from triax.costs import hardware
     >>> c = hardware.cluster("h100-80gb", gpus_per_node=8, nodes=2)
     >>> c.devices, c.intra.name, c.inter.name
     (16, 'nvlink4', 'ib-400')

@@ -5,7 +5,7 @@ many devices. A ``--params N`` estimate (no config) shards the whole count over 
 that would hold it.
 
     >>> from triax.models import config
-    >>> from triax.planner.workload import Layout, Workload
+    >>> from triax.costs.workload import Layout, Workload
     >>> w = Workload.of(config.get("tiny"), train=True, dtype="fp32", batch=8, seq=16)
     >>> local_param_elements(w, Layout(data=8)) == config.get("tiny").num_params
     True
@@ -20,9 +20,9 @@ import jax
 from triax.models.config import ModelConfig
 from triax.models.lora import is_adapter_path
 from triax.pipeline.stage_layers import pipeline_strategy
-from triax.planner.workload import Layout, Workload, ceil_div, prod
+from triax.costs.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
-from triax.sharding.rules import Rules, get_strategy
+from triax.sharding.rules import Rules
 
 Leaf = tuple[str, tuple[int, ...], tuple]   # (path, shape, logical axes)
 
@@ -71,7 +71,7 @@ def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
     """The rules the step places parameters with: the strategy's, as the pipeline adapts
     them for ``pipe`` (``pipeline_strategy``: an uneven layer count keeps every layer on
     every stage)."""
-    st = get_strategy(lay.strategy)
+    st = lay.strategy
     if lay.pipe > 1 and w.cfg is not None:
         st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe, lay.stage_layers)
     return st.optimizer_rules if optimizer else st.rules

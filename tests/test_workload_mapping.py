@@ -1,0 +1,62 @@
+"""One mapping from a run's settings to what the analytic model plans (``Workload.of_run``)
+and one from a serving engine's (``Workload.of_engine``): every setting that shapes the
+workload reaches it, and through it the memory estimate (issue 34: four copies had drifted,
+two dropping ``--loss-chunks`` and ``--attention``; the serving copies wrote "fp32")."""
+import dataclasses
+
+import pytest
+
+from triax.costs.memory import estimate
+from triax.costs.workload import Layout, Workload
+from triax.inference.engine import EngineConfig
+from triax.inference.kv_pool import CACHE_DTYPE, CACHE_PRECISION
+from triax.inference.pool_settings import PoolSettings
+from triax.models import config
+from triax.training.config import RunConfig
+
+CFG = config.get("tiny", num_layers=2)
+RUN = RunConfig(model="tiny", num_layers=2, batch_size=8, seq_len=256)
+
+
+def test_of_run_carries_every_setting_that_shapes_the_workload():
+    run = RUN.replace(precision="fp32", batch_size=4, seq_len=128, remat="full", loss_chunks=4,
+                      attention="blockwise", kv_memory="1MiB", kv_block_size=32)
+    w = Workload.of_run(run, CFG, train=False, backend="cpu")
+    assert (w.cfg, w.train, w.dtype, w.batch, w.seq, w.remat, w.loss_chunks, w.attention,
+            w.backend) == (CFG, False, "fp32", 4, 128, "full", 4, "blockwise", "cpu")
+    assert (w.kv_blocks, w.kv_memory, w.kv_block_size) == (0, 1 << 20, 32)
+    assert Workload.of_run(RUN).cfg == RUN.model_config()   # the run's own model by default
+    assert Workload.of_run(RUN, params=7e9).cfg is None     # or only a parameter count
+
+
+@pytest.mark.parametrize("field, a, b", [("loss_chunks", 1, 8), ("attention", "reference",
+                                                                    "blockwise"),
+                                         ("remat", "none", "full"), ("seq_len", 256, 128)])
+def test_each_setting_reaches_the_memory_estimate(field, a, b):
+    lay = Layout(data=8)
+    one, other = (estimate(Workload.of_run(RUN.replace(**{field: v}), CFG), lay)
+                  for v in (a, b))
+    assert other.activations < one.activations
+
+
+def test_of_engine_plans_the_engines_pool_in_its_precision():
+    ecfg = EngineConfig(max_batch=4, max_len=64, kv_blocks=8, block_size=16)
+    w = Workload.of_engine(CFG, ecfg)
+    assert (w.train, w.batch, w.seq, w.kv_blocks, w.kv_block_size) == (False, 4, 64, 8, 16)
+    assert w.dtype == CACHE_PRECISION and w.dtype_bytes == CACHE_DTYPE.itemsize
+    # the KV term is that pool: 8 blocks of 16 positions, k and v, every layer and head
+    kv = estimate(w, Layout(tensor=2, strategy="tp")).kv_cache
+    assert kv == 2 * CFG.num_layers * 8 * 16 * CFG.num_kv_heads // 2 * CFG.head_dim * 4
+
+
+def test_the_pool_settings_have_one_home_that_run_config_uses():
+    assert RUN.replace(kv_memory="2KiB").pool_settings() == PoolSettings(0, 2048, 16)
+    for bad in (dict(kv_blocks=0), dict(kv_block_size=0), dict(kv_memory="-1"),
+                dict(kv_blocks=4, kv_memory="1MiB")):
+        with pytest.raises(ValueError, match="--kv-") as from_home:
+            PoolSettings.of_flags(**bad)
+        with pytest.raises(ValueError) as from_run:
+            RUN.replace(**bad)
+        assert str(from_run.value) == str(from_home.value)
+    assert dataclasses.asdict(PoolSettings()) == {"kv_blocks": 0, "kv_memory": 0,
+                                                  "block_size": 16}
