@@ -32,15 +32,10 @@ import contextlib
 import contextvars
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from triax.models.attention import AttentionFn
-    from triax.models.axes import Constraint
-    from triax.models.decode import CacheAttentionFn
-    from triax.models.moe import MoERunner
 
 
 @dataclass(frozen=True)
@@ -64,13 +59,16 @@ class Runtime:
     on whole arrays."""
 
     exe: ExecConfig = ExecConfig()        # protocol.current_exec: dtype, remat, kernel, chunks
+    # The hooks are typed as plain callables: their aliases live in the modules that call
+    # them (models.axes.Constraint, attention.AttentionFn, decode.CacheAttentionFn,
+    # moe.MoERunner), which import this one.
     # (x, logical_axes) -> x: resolves the logical activation axes (models.axes.constrain)
-    constraint: Optional[Constraint] = None
+    constraint: Optional[Callable] = None
     # replaces every models.attention.attention call (context parallelism's kernel)
-    attention: Optional[AttentionFn] = None
+    attention: Optional[Callable] = None
     # replaces every models.decode.cached_attention call (the context-split cache)
-    cache_attention: Optional[CacheAttentionFn] = None
-    moe_runner: Optional[MoERunner] = None   # how MoE token work runs (models.moe; None: here)
+    cache_attention: Optional[Callable] = None
+    moe_runner: Optional[Callable] = None   # how MoE token work runs (models.moe; None: here)
     moe_inference: bool = False       # every MoE layer routes dropless (models.moe.capacity)
     # run_stack reads each layer's parameters through this (a pipeline stage's FSDP gather by
     # layer); its result is never kept for the backward, which calls it again
