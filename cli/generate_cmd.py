@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.serving_flags import (add_model_flags, build_from_args, choose_layout,
                                      load_tokenizer_for)
@@ -35,7 +36,7 @@ def add_parser(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json(p, "print one JSON object")
     p.set_defaults(func=run)
 
 

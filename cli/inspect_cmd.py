@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags, run_values
 from triax.training.config import RunConfig
@@ -24,7 +25,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="what lives where, what crosses devices, memory per device",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_flags(p, FIELDS, DEFAULTS)
-    p.add_argument("--json", action="store_true", help="machine-readable report")
+    add_json(p, "machine-readable report")
     p.set_defaults(func=run)
 
 

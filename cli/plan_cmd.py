@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 
+from triax.cli.flags import add_flags, add_json
 from triax import choices
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags
+from triax.config_fields import KVPool
 from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
 
 RUN_FLAGS = ("batch_size", "seq_len", "num_layers", "max_seq_len", "mesh", "strategy", "remat",
              "loss_chunks", "context_attention", "attention", "lora_rank", "lora_alpha",
-             "lora_targets", "base_dtype", "kv_blocks", "kv_memory", "kv_block_size")
+             "lora_targets", "base_dtype")
 PLAN_DEFAULTS = {"batch_size": 8, "seq_len": 2048, "mesh": None, "strategy": None,
                  "context_attention": None}
 PLAN_NOTES = {
@@ -52,6 +54,7 @@ def add_parser(sub) -> None:
     # The flags a run shares, from RunConfig's fields (one help, one set of choices); a
     # plan's defaults: a search over meshes and strategies, at a longer sequence.
     add_run_flags(p, RUN_FLAGS, PLAN_DEFAULTS, notes=PLAN_NOTES, fill=True)
+    add_flags(p, KVPool, notes={"kv_blocks": PLAN_NOTES["kv_blocks"]}, fill=True)
     # Not RunConfig's: a plan may be for inference (forward-only), and its micro-batches
     # default to 1 where a run's 0 means 2 × pipe.
     p.add_argument("--schedule", choices=tuple(k.value for k in ScheduleKind),
@@ -61,7 +64,7 @@ def add_parser(sub) -> None:
     p.add_argument("--verify", action="store_true",
                    help="compile the top plans on simulated CPU devices and compare")
     p.add_argument("--hardware", help="TOML file of extra devices, links and clusters")
-    p.add_argument("--json", action="store_true")
+    add_json(p)
     p.set_defaults(func=run)
 
 

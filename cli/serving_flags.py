@@ -7,7 +7,9 @@ by ``;`` (``pipe=2;context=2;tensor=2;tensor=2``), which take consecutive device
 """
 from __future__ import annotations
 
+from triax.cli.flags import add_flags
 from triax.cli.run_flags import add_run_flags
+from triax.config_fields import KVPool
 
 
 def add_model_flags(p, mesh_note: str = "") -> None:
@@ -33,7 +35,7 @@ def add_model_flags(p, mesh_note: str = "") -> None:
     p.add_argument("--slots", type=int, default=8, help="decode slots per replica (each "
                    "takes KV blocks as its sequence grows: with a pool smaller than slots × "
                    "the longest sequence, requests are admitted as blocks are free)")
-    add_run_flags(p, ["kv_blocks", "kv_memory", "kv_block_size"], fill=True)
+    add_flags(p, KVPool, fill=True)
     p.add_argument("--skip-memory-check", action="store_true",
                    help="load even when a replica's weights and KV cache per device exceed a "
                         "device's memory ($TRIAX_DEVICE_MEMORY sets a device's bytes)")
@@ -86,12 +88,8 @@ def load_tokenizer_for(args):
 
 def pool_of(args) -> dict:
     """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size`` as ``build_server`` takes them
-    (checked as ``RunConfig`` checks them)."""
-    from triax.training.config import RunConfig
-    run = RunConfig(kv_blocks=args.kv_blocks, kv_memory=args.kv_memory,
-                    kv_block_size=args.kv_block_size)
-    return {"kv_blocks": run.kv_blocks or 0, "kv_memory": run.kv_memory_bytes(),
-            "block_size": run.kv_block_size}
+    (checked by ``KVPool``)."""
+    return KVPool(args.kv_blocks, args.kv_memory, args.kv_block_size).engine_kw()
 
 
 def build_from_args(args, sampling, longest: int, max_new_tokens: int, layout=None, **kw):

@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags, run_values
 from triax.training.config import RunConfig, load_config_file
@@ -31,8 +32,7 @@ def add_parser(sub) -> None:
     # How the command reports, not part of the run: so not RunConfig's.
     p.add_argument("--dry-run", action="store_true",
                    help="with --plan auto: print the choice and stop (nothing is allocated)")
-    p.add_argument("--json", action="store_true",
-                   help="with --plan auto: print the choice as one JSON object")
+    add_json(p, "with --plan auto: print the choice as one JSON object")
     g = p.add_argument_group("multi-process (default: auto-detect SLURM, Open MPI, Kubernetes)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int)
