@@ -6,6 +6,8 @@ import pytest
 
 from triax import choices
 from triax.cli.main import build_parser
+from triax.cli.serve_cmd import DEFAULTS as SERVE_DEFAULTS
+from triax.cli.serving_flags import serve_config
 from triax.pipeline.schedules import ScheduleKind
 from triax.cli.run_flags import FIELDS as RUN_FIELDS
 from triax.training.config import TRAIN_SCHEDULES
@@ -100,9 +102,13 @@ def test_command_defaults():
     assert (plan.batch_size, plan.seq_len, plan.mesh, plan.strategy, plan.remat,
             plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers,
             plan.max_seq_len) == (8, 2048, None, None, "none", None, "auto", 1, None, None)
-    gen = p.parse_args(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "1"])
-    assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == \
-        (0, "", "all-gather", None)
+    gen = serve_config(p.parse_args(["generate", "--model", "tiny", "--prompt", "hi",
+                                     "--max-new-tokens", "1"]))
+    assert (gen.source.seed, gen.layout.mesh, gen.layout.context_attention,
+            gen.source.num_layers, gen.engine.slots, gen.engine.max_queue) == \
+        (0, "", "all-gather", None, 8, None)
+    serve = serve_config(p.parse_args(["serve", "--model", "tiny"]), **SERVE_DEFAULTS)
+    assert (serve.engine.max_queue, serve.http.port) == (64, 8000)
     # train and inspect leave what is not given to --config and RunConfig.
     train = p.parse_args(["train"])
     assert train.seq_len is None and train.mesh is None and train.seed is None
