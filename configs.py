@@ -129,7 +129,7 @@ def check_fields(obj, bounds: dict) -> None:
     fix. None is "not set" (an Optional field) and passes."""
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
-        if "choices" in f.metadata:
+        if "choices" in f.metadata and value is not None:
             choices.check(f.name, value, f.metadata["choices"])
         if f.name in bounds and value is not None:
             must, ok, fix = bounds[f.name]

@@ -33,7 +33,8 @@ def flag_name(name: str) -> str:
 
 
 def add_flags(p, cls, names: Optional[Iterable[str]] = None, defaults: Optional[dict] = None,
-              notes: Optional[dict] = None, fill: bool = False) -> None:
+              notes: Optional[dict] = None, fill: bool = False,
+              aliases: Optional[dict] = None) -> None:
     """Add a flag per leaf of ``cls`` in ``names`` (all when None), with the field's help and
     choices, so a flag several commands share is written once.
 
@@ -41,7 +42,8 @@ def add_flags(p, cls, names: Optional[Iterable[str]] = None, defaults: Optional[
     help; a field's ``default_help`` metadata describes a default that is not a plain value).
     ``notes``: a clause the command adds to a field's help, in place of the shown default.
     ``fill``: the parsed value is the default when the flag is left out, for commands that
-    read ``args`` directly; otherwise None, so a ``--config`` file and ``cls`` fill it."""
+    read ``args`` directly; otherwise None, so a ``--config`` file and ``cls`` fill it.
+    ``aliases``: a field's older flag names, still accepted."""
     found, defaults, notes = leaves(cls), defaults or {}, notes or {}
     for name in (found if names is None else names):
         leaf = found[name]
@@ -65,7 +67,8 @@ def add_flags(p, cls, names: Optional[Iterable[str]] = None, defaults: Optional[
             if shown is not None:
                 help_ += f" (default: {shown})"
         repeat = typing.get_origin(leaf.annotation) is tuple
-        p.add_argument(flag_name(name), type=typ, default=parsed, help=help_,
+        p.add_argument(flag_name(name), *(aliases or {}).get(name, ()), type=typ, dest=name,
+                       default=parsed, help=help_,
                        choices=f.metadata.get("choices"), action="append" if repeat else None,
                        metavar=f.metadata.get("metavar"))
 

@@ -19,9 +19,10 @@ from triax.training.config import RunConfig
 FIELDS = {name: leaf.field for name, leaf in leaves(RunConfig).items()}
 
 
-def add_run_flags(p, names=None, defaults=None, notes=None, fill: bool = False) -> None:
+def add_run_flags(p, names=None, defaults=None, notes=None, fill: bool = False,
+                  aliases=None) -> None:
     """``add_flags`` for ``RunConfig``."""
-    add_flags(p, RunConfig, names, defaults, notes, fill)
+    add_flags(p, RunConfig, names, defaults, notes, fill, aliases)
 
 
 def run_values(args: argparse.Namespace) -> dict:
