@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import typing
+import warnings
 from typing import Any, NamedTuple
 
 from triax import choices
@@ -139,3 +140,9 @@ def check_fields(obj, bounds: dict) -> None:
 
 # The usual bounds (``(must, ok)``; a config's ``bounds`` adds the fix its error names).
 GE1, GT0, GE0 = ("≥ 1", lambda v: v >= 1), ("> 0", lambda v: v > 0), ("≥ 0", lambda v: v >= 0)
+
+
+def warn_inert(messages, category=UserWarning) -> None:
+    """Warn once per sentence naming a flag that has no effect (``inert_flags``' answers)."""
+    for m in messages:
+        warnings.warn(m, category, stacklevel=3)

@@ -194,6 +194,20 @@ class ServeConfig:
     def replace(self, **flat) -> "ServeConfig":
         return configs.replace_flat(self, **flat)
 
+    def inert_flags(self, given) -> list[str]:
+        """A sentence per flag in ``given`` (field names) that has no effect here: sampling
+        filters under greedy decoding, the search's settings without ``--plan auto``."""
+        given, lay, out = set(given), self.layout, []
+        if self.sampling.temperature == 0:
+            out += [f"--{f.replace('_', '-')} has no effect with greedy decoding (give "
+                    f"--temperature T > 0 to sample)" for f in ("top_k", "top_p") if f in given]
+        if lay.plan != "auto" and "objective" in given:
+            out.append("--objective has no effect without --plan auto (it ranks the search)")
+        if lay.plan != "auto" and self.engine.skip_memory_check and "device_memory" in given:
+            out.append("--device-memory has no effect with --skip-memory-check and no "
+                       "--plan auto (nothing is checked against it)")
+        return out
+
     def sampling_config(self):
         """The ``SamplingConfig`` requests get by default (``inference.sampling``)."""
         from triax.inference.sampling import SamplingConfig   # loads JAX

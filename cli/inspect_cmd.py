@@ -14,7 +14,9 @@ from triax.cli.common import start_devices
 from triax.cli.flags import add_json
 from triax.cli.run_flags import FIELDS as RUN_FIELDS
 from triax.cli.run_flags import add_run_flags, run_values
-from triax.training.config import RunConfig, load_config_file
+from triax.training.config import RunConfig, RunConfigWarning, load_config_file
+from triax.configs import warn_inert
+from triax.training.inert import inert_flags
 
 # The run's fields that do not change the compiled step: how long it runs, what it reads,
 # where it writes and reports, how a layout is searched.
@@ -42,8 +44,9 @@ def run(args) -> int:
     from triax.sharding.introspect import inspect_trainer
     from triax.training.setup import build_run
 
-    values = load_config_file(args.config) if args.config else {}
-    run_cfg = RunConfig(**{**DEFAULTS, **values, **run_values(args)})
+    values = {**(load_config_file(args.config) if args.config else {}), **run_values(args)}
+    run_cfg = RunConfig(**{**DEFAULTS, **values})
+    warn_inert(inert_flags(run_cfg, values), RunConfigWarning)
     built = build_run(run_cfg)
     report = inspect_trainer(built.trainer, run_cfg.batch_size, run_cfg.seq_len)
     print(report.dumps() if args.json else report.to_text())

@@ -24,7 +24,9 @@ from triax.cli.plan_config import PlanConfig
 from triax.cli.run_flags import add_run_flags
 from triax.config_fields import KVPool
 from triax.pipeline.schedules import ScheduleKind   # JAX-free, as training.config needs
-from triax.training.config import RunConfig
+from triax.training.config import RunConfig, RunConfigWarning
+from triax.configs import warn_inert
+from triax.training.inert import inert_flags
 
 # The run's fields a plan sizes; their defaults are train's (RunConfig's), but for the
 # layout, which a plan searches unless given.
@@ -78,7 +80,9 @@ def plan_inputs(args) -> Inputs:
     if not pc.inference and pool.given():
         raise ValueError(f"{pool.given()[0]} sizes serving's KV pool: plan it with "
                          f"--inference, or drop it for --train")
-    return Inputs(RunConfig(**run_given), pc, pool, layout, model)
+    run = RunConfig(**run_given)
+    warn_inert(inert_flags(run, run_given), RunConfigWarning)
+    return Inputs(run, pc, pool, layout, model)
 
 
 def _layout(inp: Inputs):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from triax.cli.flags import add_flags, given
 from triax.config_fields import KVPool
-from triax.configs import leaves
+from triax.configs import leaves, warn_inert
 from triax.serve_config import Engine, Layout, Sampling, ServeConfig, Source
 
 NOTES = {
@@ -51,7 +51,10 @@ def add_sampling_flags(p, required=("max_new_tokens",)) -> None:
 def serve_config(args, **defaults) -> ServeConfig:
     """The ``ServeConfig`` the flags describe; ``defaults``: the command's own, under the
     flags given."""
-    return ServeConfig.of(**{**defaults, **given(args, ServeConfig)})
+    values = given(args, ServeConfig)
+    config = ServeConfig.of(**{**defaults, **values})
+    warn_inert(config.inert_flags(values))
+    return config
 
 
 def choose_layout(config: ServeConfig, longest: int, max_new_tokens: int):

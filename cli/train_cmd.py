@@ -19,7 +19,9 @@ import sys
 from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags, run_values
-from triax.training.config import RunConfig, load_config_file
+from triax.training.config import RunConfig, RunConfigWarning, load_config_file
+from triax.configs import warn_inert
+from triax.training.inert import inert_flags
 
 # Nothing here imports JAX at module level: the device count must be set before it loads.
 
@@ -57,7 +59,9 @@ def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
         raise ValueError(f"--model {values['model']!r} conflicts with --init-from "
                          f"{values['init_from']!r}: the model comes from its config.json; "
                          f"drop --model")
-    return RunConfig(**values), frozenset(values)
+    run = RunConfig(**values)
+    warn_inert(inert_flags(run, values), RunConfigWarning)
+    return run, frozenset(values)
 
 
 def run(args) -> int:
