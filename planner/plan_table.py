@@ -34,7 +34,8 @@ def text_report(rec: Recommendation, verified: Optional[list] = None,
         lines.append(f"{i:>2} {name:<42} {p.workload.remat:<5} "
                      f"{'yes' if p.fits else 'NO':<4} "
                      + " ".join(f"{human_bytes(b):>10}" for b in sizes)
-                     + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%} {human_count(p.tokens_per_s):>9}")
+                     + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%}"
+                     + f" {human_count(p.tokens_per_s):>9}")
         comm = ", ".join(f"{a} {human_bytes(t.wire)} ({p.comm_time_by_axis[a] * 1e3:.2f} ms)"
                          for a, t in p.traffic.items()) or "none"
         lines.append(f"   comm per device per step: {comm}")

@@ -5,8 +5,10 @@ whose effect depends on a layout not chosen yet (``--plan auto`` picks the mesh)
 alone. Settings that cannot work are errors in ``RunConfig`` instead. JAX-free.
 
     >>> from triax.training.config import RunConfig
-    >>> inert_flags(RunConfig(mesh="data=8"), {"mesh", "schedule", "lora_alpha"})
-    ['--schedule has no effect: the mesh data=8 has no pipe axis (add pipe=N to --mesh)', '--lora-alpha has no effect without LoRA (give --lora-rank R)']
+    >>> for line in inert_flags(RunConfig(mesh="data=8"), {"mesh", "schedule", "lora_alpha"}):
+    ...     print(line)
+    --schedule has no effect: the mesh data=8 has no pipe axis (add pipe=N to --mesh)
+    --lora-alpha has no effect without LoRA (give --lora-rank R)
 """
 from __future__ import annotations
 
