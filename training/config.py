@@ -23,7 +23,7 @@ import dataclasses
 import os
 import tomllib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import yaml
