@@ -10,6 +10,8 @@ whose devices' memory is sold in GB).
     ('81 GB', '1.3 GB', '160 GB')
     >>> parse_bytes("5GB"), parse_bytes("2MiB"), parse_bytes("1000")
     (5000000000, 2097152, 1000)
+    >>> human_count(481725137), human_count(5367), human_count(12)
+    ('482M', '5.37k', '12')
 """
 from __future__ import annotations
 
@@ -23,6 +25,15 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def human_count(n: float) -> str:
+    """A count or rate in three significant figures with a decimal prefix (k, M, G, T)."""
+    for unit in ("", "k", "M", "G"):
+        if abs(n) < 999.5:
+            return f"{n:.3g}{unit}"
+        n /= 1000
+    return f"{n:.3g}T"
 
 
 GB = 1e9   # a decimal gigabyte, the conservative reading of a device's "80 GB"

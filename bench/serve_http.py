@@ -43,6 +43,7 @@ from request_stream import requests  # noqa: E402  (bench/ is the script's dir)
 from tables import BENCHMARKS_MD, write_section  # noqa: E402
 
 from triax.inference.generate import build_server  # noqa: E402
+from triax.serve_config import ServeConfig  # noqa: E402
 
 SECTION = "## HTTP serving"
 
@@ -152,9 +153,10 @@ def main() -> None:
     args.num_layers = args.num_layers or (None if GPU else 2)
     args.requests = args.requests or (400 if GPU else 160)
     args.replicas = args.replicas or len(jax.devices())
-    server = build_server(model=args.model, seed=0, mesh_sizes={"tensor": 1},
-                          replicas=args.replicas, longest=args.max_len, max_new_tokens=0,
-                          slots=args.slots, num_layers=args.num_layers,
+    server = build_server(ServeConfig.of(model=args.model, seed=0, mesh="tensor=1",
+                                         replicas=args.replicas, slots=args.slots,
+                                         num_layers=args.num_layers),
+                          longest=args.max_len, max_new_tokens=0,
                           devices=jax.devices()[:args.replicas])
     cfg = server.engines[0].cfg
     reqs = requests(args.requests, args.max_prompt, args.max_new, min(cfg.vocab_size, 256))

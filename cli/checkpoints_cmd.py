@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from triax.cli.flags import add_json
 from triax.units import human_bytes
 
 
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("checkpoints", help="list checkpoints: steps, sizes, mesh, config",
                        description=__doc__)
     p.add_argument("directory", help="a --checkpoint-dir of triax train")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_json(p, "print JSON instead of a table")
     p.add_argument("--verify", action="store_true",
                    help="read every step's arrays back and check their checksums")
     p.set_defaults(func=run)

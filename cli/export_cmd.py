@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 
 
@@ -32,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--adapter-only", action="store_true", help="a LoRA run: write its "
                    "adapters in PEFT's format instead of the merged model")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json(p, "print one JSON object")
     p.set_defaults(func=run)
 
 

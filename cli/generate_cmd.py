@@ -17,9 +17,11 @@ import argparse
 import json
 import sys
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
-from triax.cli.serving_flags import (add_model_flags, build_from_args, choose_layout,
-                                     load_tokenizer_for)
+from triax.cli.flags import add_json
+from triax.cli.serving_flags import (add_model_flags, add_sampling_flags, choose_layout,
+                                     load_tokenizer_for, serve_config)
 
 
 def add_parser(sub) -> None:
@@ -30,12 +32,8 @@ def add_parser(sub) -> None:
     prm = p.add_mutually_exclusive_group(required=True)
     prm.add_argument("--prompt", action="append", help="prompt text (repeatable)")
     prm.add_argument("--prompts-file", metavar="F", help="one prompt per line")
-    p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_sampling_flags(p)
+    add_json(p)
     p.set_defaults(func=run)
 
 
@@ -47,27 +45,24 @@ def _prompts(args) -> list[str]:
 
 
 def run(args) -> int:
-    if args.greedy and args.temperature:
-        raise ValueError("--greedy and --temperature contradict; give one of them")
+    config = serve_config(args)
     start_devices()
     # Loaded only now: these modules start JAX, which must see the simulated device count.
-    from triax.inference.generate import generate
-    from triax.inference.sampling import SamplingConfig
-    tokenizer = load_tokenizer_for(args)
+    from triax.inference.generate import build_server, generate
+    tokenizer = load_tokenizer_for(config.source)
     prompts = _prompts(args)
     if not prompts or any(not p for p in prompts):
         raise ValueError("empty prompt: every --prompt (or prompts-file line) needs text")
-    sampling = SamplingConfig(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, stop_tokens=tuple(args.stop_token))
     longest = max((len(tokenizer.encode(p)) for p in prompts), default=1)
-    layout = choose_layout(args, longest, args.max_new_tokens)
-    if layout[2] is not None:   # --plan auto's choice
-        if args.dry_run:
-            print(json.dumps(layout[2].to_json()) if args.json else layout[2].describe())
+    max_new = config.sampling.max_new_tokens
+    config, choice = choose_layout(config, longest, max_new)
+    if choice is not None:   # --plan auto's choice
+        if config.layout.dry_run:
+            print(json.dumps(choice.to_json()) if args.json else choice.describe())
             return 0
-        print(layout[2].describe(), file=sys.stderr)
-    server = build_from_args(args, sampling, longest, args.max_new_tokens, layout=layout)
-    out = generate(server, prompts, args.max_new_tokens, tokenizer)
+        print(choice.describe(), file=sys.stderr)
+    server = build_server(config, longest, max_new)
+    out = generate(server, prompts, max_new, tokenizer)
     if args.json:
         keep = ("prompt", "text", "tokens")
         print(json.dumps({"results": [{k: r[k] for k in keep} for r in out["results"]],

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from triax.cli.flags import add_json
 from triax.pipeline import build
 from triax.pipeline.schedules import ScheduleKind
 
@@ -20,7 +21,7 @@ def add_parser(sub) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline stages S")
     p.add_argument("--microbatches", type=int, required=True, help="micro-batches M")
     p.add_argument("--virtual", type=int, default=1, help="chunks per stage (interleaved; zb-v always runs 2, in a V)")
-    p.add_argument("--json", action="store_true", help="machine-readable facts")
+    add_json(p, "machine-readable facts")
     p.add_argument("--png", metavar="FILE", help="save the timeline (.png or .svg)")
     p.add_argument("--table", action="store_true", help="also print the tick table")
     p.set_defaults(func=run)

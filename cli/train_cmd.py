@@ -16,9 +16,12 @@ import argparse
 import json
 import sys
 
+from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.run_flags import add_run_flags, run_values
-from triax.training.config import RunConfig, load_config_file
+from triax.training.config import RunConfig, RunConfigWarning, load_config_file
+from triax.configs import warn_inert
+from triax.training.inert import inert_flags
 
 # Nothing here imports JAX at module level: the device count must be set before it loads.
 
@@ -31,8 +34,7 @@ def add_parser(sub) -> None:
     # How the command reports, not part of the run: so not RunConfig's.
     p.add_argument("--dry-run", action="store_true",
                    help="with --plan auto: print the choice and stop (nothing is allocated)")
-    p.add_argument("--json", action="store_true",
-                   help="with --plan auto: print the choice as one JSON object")
+    add_json(p, "with --plan auto: print the choice as one JSON object")
     g = p.add_argument_group("multi-process (default: auto-detect SLURM, Open MPI, Kubernetes)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0")
     g.add_argument("--num-processes", type=int)
@@ -52,7 +54,9 @@ def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
         raise ValueError(f"--model {values['model']!r} conflicts with --init-from "
                          f"{values['init_from']!r}: the model comes from its config.json; "
                          f"drop --model")
-    return RunConfig(**values), frozenset(values)
+    run = RunConfig(**values)
+    warn_inert(inert_flags(run, values), RunConfigWarning)
+    return run, frozenset(values)
 
 
 def run(args) -> int:

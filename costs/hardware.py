@@ -28,6 +28,7 @@ Users add devices, links and clusters in a TOML file (see ``load_catalog``)::
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import tomllib
 from dataclasses import dataclass, field
@@ -171,6 +172,20 @@ def parse_gpu(text: str, catalog: Optional[Catalog] = None) -> tuple[tuple[Devic
                              f"{', '.join(cat.devices)}")
         groups.append((cat.device(name.strip()), int(count)))
     return tuple(groups)
+
+
+def present(catalog: Catalog, kind: str, entry: Optional[str], reference: str, per_node: int,
+            nodes: int, memory: float) -> tuple[Cluster, str]:
+    """The devices a process sees (``kind``, ``per_node`` on each of ``nodes``) as a cluster
+    of ``memory`` bytes each, and a sentence on the time model: the catalogue ``entry``'s
+    speeds, or with none the ``reference`` device's, which then only rank the plans."""
+    dev = catalog.device(entry or reference)
+    dev = dataclasses.replace(dev, name=f"{kind} (this machine)", memory=float(memory))
+    note = (f"step times modelled with {entry}'s catalogue speeds" if entry else
+            f"{kind} timings are not modelled ({kind} is not in the catalogue): step times "
+            f"and links are the {reference}'s, so they only rank the plans")
+    return Catalog(devices={dev.name: dev}, links=catalog.links).cluster(
+        dev.name, per_node, nodes), note
 
 
 def cluster(gpu: str, gpus_per_node: int = 8, nodes: int = 1, intra: Optional[str] = None,

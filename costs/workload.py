@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 from triax import choices
 from triax.choices import PRECISION_BYTES
 from triax.inference.kv_pool import CACHE_PRECISION   # the pool's home (no engine loaded)
+from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
@@ -78,14 +79,15 @@ class Workload:
     @classmethod
     def of_run(cls, run: "triax.training.config.RunConfig", cfg: Optional[ModelConfig] = None,
                *, train: bool = True, params: Optional[int] = None,
-               backend: str = "gpu") -> "Workload":
+               backend: str = "gpu", pool: Optional[PoolSettings] = None) -> "Workload":
         """The one mapping from a run's settings (a ``training.config.RunConfig``) to what
         is planned: its model (``cfg``; default ``run.model_config()``, none when only
         ``params`` is given), precision, batch, sequence, remat, loss chunks, attention and
-        (to serve it, ``train=False``) KV pool; ``backend`` as ``Workload.backend``."""
+        (to serve it, ``train=False``) the KV ``pool`` (serving's flags, not the run's;
+        default: slots × sequence); ``backend`` as ``Workload.backend``."""
         if cfg is None and not params:
             cfg = run.model_config()
-        pool = run.pool_settings()
+        pool = pool or PoolSettings()
         return cls.of(cfg, params, train=train, dtype=run.precision, batch=run.batch_size,
                       seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
                       attention=run.attention, backend=backend, kv_blocks=pool.kv_blocks,

@@ -31,6 +31,7 @@ from triax.hf.layout import Source, read_region, sources
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, param_shardings
 from triax.sharding.rules import Strategy
+from triax.serve_config import SERVE_STRATEGY
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
     return stack
 
 
-def load_params(directory: str, cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy = "tp",
+def load_params(directory: str, cfg: ModelConfig, mesh: Mesh,
+                strategy: str | Strategy = SERVE_STRATEGY,
                 ) -> tuple[dict, LoadReport]:
     """``(params, report)``: ``cfg``'s parameters from ``directory``, sharded on ``mesh``."""
     t0 = time.perf_counter()
@@ -181,7 +183,7 @@ def load_params(directory: str, cfg: ModelConfig, mesh: Mesh, strategy: str | St
     return _nest(flat), report
 
 
-def load(directory: str, mesh: Mesh, strategy: str | Strategy = "tp",
+def load(directory: str, mesh: Mesh, strategy: str | Strategy = SERVE_STRATEGY,
          name: Optional[str] = None) -> tuple[ModelConfig, dict, LoadReport]:
     """``(cfg, params, report)`` of the HF model in ``directory`` on ``mesh``."""
     cfg = read_model_config(directory, name)

@@ -25,6 +25,7 @@ from triax.models.config import LoraConfig, ModelConfig
 from triax.models import lora
 from triax.models.lora import PREFIX, WEIGHTS
 from triax.sharding.partition import abstract_model, param_shardings
+from triax.serve_config import SERVE_STRATEGY
 
 CONFIG = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -138,7 +139,7 @@ def load_adapters(directory: str, cfg: ModelConfig, shardings: dict) -> dict:
     return jax.tree.map(jax.device_put, read_adapters(directory, cfg), shardings)
 
 
-def load_adapted(model_dir: str, adapter: str, mesh, strategy="tp",
+def load_adapted(model_dir: str, adapter: str, mesh, strategy=SERVE_STRATEGY,
                  name: Optional[str] = None) -> tuple[ModelConfig, dict]:
     """``(cfg, params)``: the HF base in ``model_dir`` with the PEFT ``adapter`` beside it,
     unmerged (the model computes ``x·W + x·A·B·alpha/r``), sharded on ``mesh``."""

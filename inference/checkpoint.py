@@ -21,6 +21,7 @@ from triax.checkpoint.layout import first_line, params_meta
 from triax.models import config as model_config
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params, param_shardings
+from triax.serve_config import SERVE_STRATEGY
 
 # The inference API's name for checkpoint errors (one class: triax.checkpoint's).
 CheckpointLoadError = CheckpointError
@@ -36,7 +37,7 @@ def read_checkpoint_config(directory: str, step: Optional[int] = None) -> tuple[
 
 
 def load_params(mesh: Mesh, checkpoint: Optional[str] = None, model: Optional[str] = None,
-                seed: int = 0, strategy="tp", step: Optional[int] = None,
+                seed: int = 0, strategy=SERVE_STRATEGY, step: Optional[int] = None,
                 num_layers: Optional[int] = None) -> tuple[ModelConfig, Any]:
     """The one entry point for weights: ``(cfg, params sharded on mesh)``.
 

@@ -51,6 +51,7 @@ from triax.models.runtime import ExecConfig
 from triax.models import runtime
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
+from triax.serve_config import SERVE_STRATEGY, SLOTS
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class EngineConfig:
     """Static serving shapes: decode slots, a sequence's longest, prompt buckets,
     micro-batches, and the KV pool's size (``inference.kv_pool.kv_pool``)."""
 
-    max_batch: int = 8
+    max_batch: int = SLOTS
     max_len: int = 128           # positions a sequence may hold (prompt + generated tokens)
     min_bucket: int = 16         # prompt buckets: min_bucket·2^k, capped at max_len
     microbatches: int = 0        # pipeline decode; 0: default_decode_microbatches(pipe)
@@ -89,7 +90,8 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
 class Engine:
     """KV-cache generation for one model copy on ``mesh`` (see module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, params: Any, mesh: Mesh, strategy: str | Strategy = "tp",
+    def __init__(self, cfg: ModelConfig, params: Any, mesh: Mesh,
+                 strategy: str | Strategy = SERVE_STRATEGY,
                  ecfg: EngineConfig = EngineConfig(), sampling: SamplingConfig = SamplingConfig(),
                  exe: ExecConfig = ExecConfig()):
         if ecfg.max_len > cfg.max_seq_len:
@@ -132,7 +134,7 @@ class Engine:
         self.compiles = {"prefill": set(), "decode": set()}
 
     @classmethod
-    def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy="tp", **kw):
+    def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy=SERVE_STRATEGY, **kw):
         """An engine over a seeded random init, created already sharded."""
         params = init_params(abstract_model(cfg), mesh, strategy, seed)
         return cls(cfg, params, mesh, strategy, **kw)

@@ -1,7 +1,7 @@
 """One call from "weights + mesh + prompts" to generated text (used by the CLI and notebook).
 
-    >>> server = build_server(model="tiny", num_layers=1, seed=0, mesh_sizes={"tensor": 2},
-    ...                       replicas=4, max_new_tokens=4)
+    >>> config = ServeConfig.of(model="tiny", num_layers=1, seed=0, mesh="tensor=2", replicas=4)
+    >>> server = build_server(config, max_new_tokens=4)
     >>> out = generate(server, ["Hello", "The mesh"], max_new_tokens=4)
     >>> [len(r["tokens"]) for r in out["results"]], out["decode_tokens_per_s"] > 0
     ([4, 4], True)
@@ -18,7 +18,6 @@ from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.kv_pool import kv_pool
-from triax.inference.sampling import SamplingConfig
 from triax.inference.replicas import replica_meshes
 from triax.inference.server import Server
 from triax.text.byte_tokenizer import ByteTokenizer
@@ -28,6 +27,7 @@ from triax.choices import KV_BLOCK_SIZE
 from triax.costs.fits import Replan, check_fits
 from triax.costs.workload import Workload
 from triax.models import config as model_config
+from triax.serve_config import SLOTS, ServeConfig, Source
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import get_strategy
 from triax.text.tokenizer import Tokenizer
@@ -36,7 +36,7 @@ TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer
 
 
 def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
-                      longest: int, max_new_tokens: int, slots: int = 8, kv_blocks: int = 0,
+                      longest: int, max_new_tokens: int, slots: int = SLOTS, kv_blocks: int = 0,
                       kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE) -> EngineConfig:
     """Sequences just long enough for the longest request (rounded to 16, capped at the
     context); slots rounded up so they split over ``data`` (and pipeline micro-batches), on
@@ -51,66 +51,51 @@ def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str,
                         block_size=block_size)
 
 
-def build_server(checkpoint: Optional[str] = None, model: Optional[str] = None, seed: int = 0,
-                 mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]] | None = None,
-                 replicas: int = 1,
-                 sampling: SamplingConfig = SamplingConfig(), longest: int = 64,
-                 max_new_tokens: int = 32, slots: int = 8, strategy: str = "tp",
-                 num_layers: Optional[int] = None, devices=None,
-                 model_dir: Optional[str] = None, check_memory: bool = True,
-                 context_attention: str = "all-gather", max_queue: Optional[int] = None,
-                 adapter: Optional[str] = None, kv_blocks: int = 0, kv_memory: int = 0,
-                 block_size: int = KV_BLOCK_SIZE) -> Server:
-    """Load weights once (onto the first replica) and start ``replicas`` engines; the weights
-    come from a training ``checkpoint``, a Hugging Face ``model_dir`` (``triax.hf``), or a
-    preset ``model`` initialised from ``seed``. Unless ``check_memory`` is off, a replica's
-    weights and KV cache are checked against a device's memory before anything loads.
-    ``context_attention``: the prefill's attention across a ``context`` axis (all-gather or
-    ring; docs/long_context.md). ``mesh_sizes``: one replica's layout, or a list with one
-    per replica (``replica_meshes``). ``max_queue``: waiting requests at most (``Server``).
-    ``adapter``: a PEFT LoRA directory over ``model_dir``'s base, used unmerged.
-    ``kv_blocks`` / ``kv_memory`` (bytes per device) / ``block_size``: each replica's KV
-    pool (``engine_config_for``)."""
-    mesh_sizes = dict(mesh_sizes or {}) if isinstance(mesh_sizes, (Mapping, type(None))) \
-        else [dict(m) for m in mesh_sizes]
-    strategy = dataclasses.replace(get_strategy(strategy),
-                                   context_attention=check_scheme(context_attention))
-    meshes = replica_meshes(mesh_sizes, replicas, devices)
-    if model_dir is not None and (checkpoint or model):
-        raise InferenceError("give one of --model-dir, --checkpoint, --model")
-    if adapter is not None and model_dir is None:
-        raise InferenceError(f"--adapter {adapter!r} adapts a Hugging Face base: give "
-                             f"--model-dir BASE_DIR")
-    pool = {"kv_blocks": kv_blocks, "kv_memory": kv_memory, "block_size": block_size}
-    if check_memory:
-        cfg = source_config(checkpoint, model, num_layers, model_dir, adapter)
-        ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots, **pool)
+def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
+                 max_new_tokens: int = 32, devices=None) -> Server:
+    """Load weights once (onto the first replica) and start ``config``'s replica engines on
+    ``devices`` (default: all); the weights come from a training checkpoint, a Hugging Face
+    model directory (``triax.hf``, with a PEFT adapter used unmerged), or a preset initialised
+    from the seed (``config.source``). Unless ``skip_memory_check``, a replica's weights and
+    KV cache are checked against a device's memory before anything loads. ``longest`` /
+    ``max_new_tokens``: the longest prompt and the tokens after it, which size the sequences
+    (``engine_config_for``). ``--plan auto``'s choice comes in as ``config``'s mesh and
+    replicas (``planner.auto_serve``)."""
+    src, lay, eng = config.source, config.layout, config.engine
+    mesh_sizes = lay.mesh_sizes()
+    strategy = dataclasses.replace(get_strategy(lay.strategy),
+                                   context_attention=check_scheme(lay.context_attention))
+    meshes = replica_meshes(mesh_sizes, lay.replicas or 1, devices)
+    pool = eng.pool.engine_kw()
+    if not eng.skip_memory_check:
+        cfg = source_config(src)
+        ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
         for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
             check_serving_memory(cfg, mesh, strategy, ecfg)
-    if adapter is not None:
-        cfg, params = load_adapted(model_dir, adapter, meshes[0], strategy)
-    elif model_dir is not None:
-        cfg, params, _ = hf_load(model_dir, meshes[0], strategy)
+    if src.adapter is not None:
+        cfg, params = load_adapted(src.model_dir, src.adapter, meshes[0], strategy)
+    elif src.model_dir is not None:
+        cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
     else:
-        cfg, params = load_params(meshes[0], checkpoint, model, seed, strategy,
-                                  num_layers=num_layers)
-    ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, slots, **pool)
-    server = Server.from_params(cfg, params, meshes, strategy, ecfg, sampling)
-    server.max_queue = max_queue
+        cfg, params = load_params(meshes[0], src.checkpoint, src.model, src.seed, strategy,
+                                  num_layers=src.num_layers)
+    ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
+    server = Server.from_params(cfg, params, meshes, strategy, ecfg, config.sampling_config())
+    server.max_queue = eng.max_queue
     return server
 
 
-def source_config(checkpoint, model, num_layers, model_dir, adapter=None):
+def source_config(src: Source):
     """The model's config from the source ``build_server`` names, read without its weights
     (what ``--plan auto`` plans for)."""
-    if model_dir is not None:
-        cfg = read_model_config(model_dir)
-        return cfg if adapter is None else adapted_config(cfg, adapter)
-    if checkpoint is not None:
-        return read_checkpoint_config(checkpoint)[0]
-    if model is None:
+    if src.model_dir is not None:
+        cfg = read_model_config(src.model_dir)
+        return cfg if src.adapter is None else adapted_config(cfg, src.adapter)
+    if src.checkpoint is not None:
+        return read_checkpoint_config(src.checkpoint)[0]
+    if src.model is None:
         raise InferenceError("give --checkpoint DIR, --model-dir DIR or --model NAME")
-    return model_config.get(model, num_layers)
+    return model_config.get(src.model, src.num_layers)
 
 
 def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None) -> None:

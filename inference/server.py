@@ -48,6 +48,7 @@ from triax.inference.request import QueueFullError, Result, _Live
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
+from triax.serve_config import SERVE_STRATEGY
 
 
 class Server(Batching):
@@ -81,14 +82,14 @@ class Server(Batching):
         self._error: BaseException | None = None
 
     @classmethod
-    def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy="tp",
+    def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy=SERVE_STRATEGY,
                     ecfg: EngineConfig = EngineConfig(), sampling=SamplingConfig(), **kw):
         """One replica engine per mesh in ``meshes``, all serving ``params``."""
         return cls([Engine(cfg, params, m, strategy, ecfg, sampling, **kw) for m in meshes])
 
     @classmethod
     def from_seed(cls, cfg: ModelConfig, replicas: int = 1, mesh_sizes=None, seed: int = 0,
-                  strategy="tp", devices=None, **kw):
+                  strategy=SERVE_STRATEGY, devices=None, **kw):
         """Replicas of a seeded random init (created on the first sub-mesh, copied to the rest)."""
         meshes = replica_meshes(mesh_sizes or {}, replicas, devices)
         params = init_params(abstract_model(cfg), meshes[0], strategy, seed)

@@ -297,7 +297,7 @@ def _nothing_fits(name: str, devices: str, b: Budget, refused: list, over: list,
     fixes = [f"more devices (about {-(-need // b.usable)}× this memory in all)",
              f"a shorter --seq-len (now {run.seq_len})",
              "LoRA (only the adapters train: the optimizer state shrinks to theirs)"]
-    if run.remat != "full" or "remat" not in given:
+    if p.workload.remat != "full":   # never the setting the smallest plan already has
         fixes.append("--remat full" + (" (you fixed --remat " + run.remat + ")"
                                         if "remat" in given else ""))
     fixes.append(f"a smaller --batch-size (now {run.batch_size})")

@@ -12,8 +12,8 @@ chosen. ``mesh_sizes`` / ``replicas`` the user gives stay fixed.
     [({'tensor': 4}, 1), ({'pipe': 2, 'tensor': 2}, 1), ({'tensor': 2}, 2), ({'pipe': 2, 'tensor': 1}, 2), ({'tensor': 1}, 4)]
     >>> c = choose_serving(cfg, longest=8, max_new_tokens=8, slots=8,       # doctest: +SKIP
     ...                    device_memory="1GiB")
-    >>> server = build_server(model="tiny", mesh_sizes=c.mesh_sizes,       # doctest: +SKIP
-    ...                       replicas=c.replicas)
+    >>> server = build_server(ServeConfig.of(model="tiny", mesh=c.mesh,    # doctest: +SKIP
+    ...                                      replicas=c.replicas))
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.units import human_bytes
+from triax.serve_config import SERVE_STRATEGY, SLOTS
 
 # The budget is what the allocator gives, so the planner's fixed runtime overhead is paid.
 NO_OVERHEAD = Assumptions(overhead_bytes=0)
@@ -39,7 +40,7 @@ NO_OVERHEAD = Assumptions(overhead_bytes=0)
 
 @dataclass
 class ServeChoice:
-    mesh_sizes: dict            # one replica's mesh (build_server's mesh_sizes)
+    mesh_sizes: dict            # one replica's mesh (ServeConfig's mesh: ``mesh``)
     replicas: int
     budget: Budget
     objective: str
@@ -47,6 +48,11 @@ class ServeChoice:
     compiled_peak: int
     runner_up: Optional[tuple[dict, int, PlanResult]] = None
     refused: list = field(default_factory=list)   # (mesh, replicas, why, peak or None)
+
+    @property
+    def mesh(self) -> str:
+        """``mesh_sizes`` as ``--mesh`` (and ``ServeConfig``'s mesh) writes it."""
+        return ",".join(f"{a}={n}" for a, n in self.mesh_sizes.items())
 
     def label(self, sizes=None, replicas=None) -> str:
         sizes = self.mesh_sizes if sizes is None else sizes
@@ -74,7 +80,7 @@ class ServeChoice:
         return "\n".join(["triax --plan auto: " + lines[0], *("  " + s for s in lines[1:])])
 
     def to_json(self) -> dict:
-        return {"mesh": self.mesh_sizes, "replicas": self.replicas, "strategy": "tp",
+        return {"mesh": self.mesh_sizes, "replicas": self.replicas, "strategy": SERVE_STRATEGY,
                 "schedule": "forward-only" if self.mesh_sizes.get("pipe", 1) > 1 else None,
                 "microbatches": self.mesh_sizes.get("pipe") if self.mesh_sizes.get(
                     "pipe", 1) > 1 else None,
@@ -99,7 +105,7 @@ def splits(n: int, layers: int, mesh_sizes: Optional[Mapping[str, int]] = None,
             yield ({"pipe": p, "tensor": m // p} if p > 1 else {"tensor": m}), r
 
 
-def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
+def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = SLOTS,
                    objective: str = "throughput", device_memory: Optional[str] = None,
                    mesh_sizes: Optional[Mapping[str, int]] = None,
                    replicas: Optional[int] = None, context_attention: str = "all-gather",
@@ -114,7 +120,8 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
     from triax.inference.replicas import replica_meshes
     from triax.sharding.introspect import memory_from_compiled
     budget = budget or budget_for(device_memory)
-    st = dataclasses.replace(get_strategy("tp"), context_attention=check_scheme(context_attention))
+    st = dataclasses.replace(get_strategy(SERVE_STRATEGY),
+                             context_attention=check_scheme(context_attention))
     cluster, _ = present_cluster()
     n = jax.device_count()
     ranked = []
@@ -127,7 +134,7 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = 8,
         w = Workload.of_engine(cfg, ecfg, backend=jax.devices()[0].platform)
         p = sizes.get("pipe", 1)
         lay = Layout(tensor=sizes.get("tensor", 1), pipe=p, data=sizes.get("data", 1),
-                     context=sizes.get("context", 1), strategy="tp",
+                     context=sizes.get("context", 1), strategy=SERVE_STRATEGY,
                      schedule=ScheduleKind.FORWARD_ONLY if p > 1 else None,
                      microbatches=p, context_attention=context_attention)
         try:

@@ -8,21 +8,24 @@ from __future__ import annotations
 from typing import Optional
 
 from triax.planner.recommend import Recommendation
-from triax.units import human_bytes
+from triax.units import human_bytes, human_count
 
 _COLUMNS = ("per dev", "params", "grads", "optim", "acts", "kv")
 
 
-def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
+def text_report(rec: Recommendation, verified: Optional[list] = None,
+                notes: tuple[str, ...] = ()) -> str:
+    """The plans as one screen: what was planned on what, why, the table, the checks.
+    ``notes``: lines the caller adds under the heading (the devices' memory, time model)."""
     w = rec.workload
     lines = [f"triax plan: {w.name} ({'train' if w.train else 'inference'}, {w.dtype}, "
              f"batch {w.batch} × seq {w.seq}) on {rec.cluster.describe()}",
-             f"min devices for weights: {rec.min_devices}",
+             *notes, f"min devices for weights: {rec.min_devices}",
              f"assumptions: {rec.assumptions.describe()}", "", "Reasoning:"]
     lines += [f"  - {s}" for s in rec.reasoning]
     lines += ["", f"{'#':>2} {'plan':<42} {'remat':<5} {'fits':<4} "
                   + " ".join(f"{c:>10}" for c in _COLUMNS)
-                  + f" {'step ms':>9} {'MFU':>5} {'tok/s':>9}"]
+                  + f" {'step ms':>9} {'MFU':>5} {'tokens/s':>9}"]
     for i, p in enumerate(rec.plans, 1):
         m = p.memory
         sizes = (m.total, m.params, m.grads, m.optimizer, m.activations, m.kv_cache)
@@ -31,7 +34,8 @@ def text_report(rec: Recommendation, verified: Optional[list] = None) -> str:
         lines.append(f"{i:>2} {name:<42} {p.workload.remat:<5} "
                      f"{'yes' if p.fits else 'NO':<4} "
                      + " ".join(f"{human_bytes(b):>10}" for b in sizes)
-                     + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%} {p.tokens_per_s:>9.0f}")
+                     + f" {p.step_time_s * 1e3:>9,.1f} {p.mfu:>5.0%}"
+                     + f" {human_count(p.tokens_per_s):>9}")
         comm = ", ".join(f"{a} {human_bytes(t.wire)} ({p.comm_time_by_axis[a] * 1e3:.2f} ms)"
                          for a, t in p.traffic.items()) or "none"
         lines.append(f"   comm per device per step: {comm}")

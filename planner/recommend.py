@@ -222,8 +222,11 @@ def _op_costs(w: Workload, plans: list[PlanResult], why: list[str]) -> dict:
                    if w.train and p.layout.pipe > 1 and p.layout.schedule is not None})
     used = {f"{name} remat={remat}": op_costs_for(ScheduleKind(name), remat)
             for name, remat in keys}
+    by_costs: dict[str, list[str]] = {}   # one line per distinct set of costs, not schedule
     for key, c in used.items():
-        why.append(f"{key}: the bubble weighs each op by its cost, {c.describe()}.")
+        by_costs.setdefault(c.describe(), []).append(key)
+    for costs, keys in by_costs.items():
+        why.append(f"Pipeline bubbles ({', '.join(keys)}) weigh each op by its cost: {costs}.")
     return used
 
 

@@ -6,6 +6,9 @@ import pytest
 
 from triax import choices
 from triax.cli.main import build_parser
+from triax.cli.plan_cmd import plan_inputs
+from triax.cli.serve_cmd import DEFAULTS as SERVE_DEFAULTS
+from triax.cli.serving_flags import serve_config
 from triax.pipeline.schedules import ScheduleKind
 from triax.cli.run_flags import FIELDS as RUN_FIELDS
 from triax.training.config import TRAIN_SCHEDULES
@@ -65,7 +68,7 @@ def test_flags_accept_every_named_choice(flags, flag, names):
 
 def test_precision_names(flags):
     assert flags["train"]["--precision"] == tuple(choices.PRECISIONS)
-    assert flags["plan"]["--dtype"] == tuple(choices.PRECISIONS)
+    assert flags["plan"]["--dtype"] == flags["plan"]["--precision"] == tuple(choices.PRECISIONS)
 
 
 # Flags a command keeps as its own because they mean something else there: a plan may be
@@ -96,13 +99,18 @@ PLAN_ARGS = ["plan", "--model", "tiny", "--train", "--gpu", "h100-80gb", "--gpus
 def test_command_defaults():
     """Each command keeps its own defaults for the flags it shares with ``triax train``."""
     p = build_parser()
-    plan = p.parse_args(PLAN_ARGS)
-    assert (plan.batch_size, plan.seq_len, plan.mesh, plan.strategy, plan.remat,
-            plan.context_attention, plan.attention, plan.loss_chunks, plan.num_layers,
-            plan.max_seq_len) == (8, 2048, None, None, "none", None, "auto", 1, None, None)
-    gen = p.parse_args(["generate", "--model", "tiny", "--prompt", "hi", "--max-new-tokens", "1"])
-    assert (gen.seed, gen.mesh, gen.context_attention, gen.num_layers) == \
-        (0, "", "all-gather", None)
+    plan = plan_inputs(p.parse_args(PLAN_ARGS))   # train's defaults; the layout searched
+    run = plan.run
+    assert (run.batch_size, run.seq_len, run.precision, run.remat, run.attention,
+            run.loss_chunks, run.num_layers, run.max_seq_len, plan.layout) == \
+        (16, 128, "fp32", "none", "auto", 1, None, None, {})
+    gen = serve_config(p.parse_args(["generate", "--model", "tiny", "--prompt", "hi",
+                                     "--max-new-tokens", "1"]))
+    assert (gen.source.seed, gen.layout.mesh, gen.layout.context_attention,
+            gen.source.num_layers, gen.engine.slots, gen.engine.max_queue) == \
+        (0, "", "all-gather", None, 8, None)
+    serve = serve_config(p.parse_args(["serve", "--model", "tiny"]), **SERVE_DEFAULTS)
+    assert (serve.engine.max_queue, serve.http.port) == (64, 8000)
     # train and inspect leave what is not given to --config and RunConfig.
     train = p.parse_args(["train"])
     assert train.seq_len is None and train.mesh is None and train.seed is None

@@ -107,3 +107,24 @@ def test_flags_come_from_run_config_and_the_parser_does_not_load_jax():
         assert not any(m == "jax" or m.startswith("jax.") for m in sys.modules), "jax loaded"
     """)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _inspect(capsys, *flags) -> dict:
+    assert main(["inspect", "--model", "tiny", "--num-layers", "2", "--seq-len", "16", "--json",
+                 *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_inspect_shows_the_lora_step(capsys, devices):
+    """--lora-rank shapes the step (adapters beside the frozen base), so inspect takes it."""
+    paths = {p["path"] for p in _inspect(capsys, "--lora-rank", "4",
+                                         "--lora-targets", "q_proj")["params"]}
+    assert "blocks/attn/lora_q_proj/a" in paths and "blocks/attn/lora_k_proj/a" not in paths
+    assert not any("lora" in p["path"] for p in _inspect(capsys)["params"])
+
+
+def test_inspect_shows_the_pipeline_fsdp_step(capsys, devices):
+    """--pipeline-fsdp layer gathers each layer's weights per op, stage once per step."""
+    mesh = ["--mesh", "data=4,pipe=2", "--strategy", "fsdp", "--batch-size", "16"]
+    layer, stage = (_inspect(capsys, *mesh, "--pipeline-fsdp", mode) for mode in ("layer", "stage"))
+    assert (layer["memory"], layer["collectives"]) != (stage["memory"], stage["collectives"])

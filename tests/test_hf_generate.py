@@ -10,6 +10,7 @@ from hf_fixtures import fixture, golden
 from triax.cli.main import main
 from triax.hf.tokenizer import load_tokenizer
 from triax.inference import build_server, generate
+from triax.serve_config import ServeConfig
 
 
 def _expected(g):
@@ -35,9 +36,10 @@ def test_generate_model_dir_on_two_replicas(devices):
     g = golden("mixtral")
     prompts = [str(p) for p in g["prompts"]]
     tok = load_tokenizer(fixture("mixtral"))
-    server = build_server(model_dir=fixture("mixtral"), replicas=2, devices=devices[:2],
+    # slots=1: one prefill batch bucket, fewer compiles per replica
+    server = build_server(ServeConfig.of(model_dir=fixture("mixtral"), replicas=2, slots=1),
                           longest=max(len(tok.encode(p)) for p in prompts), max_new_tokens=8,
-                          slots=1)  # one prefill batch bucket: fewer compiles per replica
+                          devices=devices[:2])
     out = generate(server, prompts, 8, tokenizer=tok)
     assert [r["tokens"] for r in out["results"]] == _expected(g)
     assert out["results"][0]["text"] == tok.decode(g["greedy_0"])

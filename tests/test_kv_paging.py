@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from triax.config_fields import KVPool
 from triax.inference import Engine, EngineConfig, InferenceError, Server
 from triax.inference.engine import CacheFullError, held_bytes_per_device
 from triax.inference.generate import check_serving_memory
@@ -19,7 +20,6 @@ from triax.models import config
 from triax.costs.memory import kv_cache_bytes
 from triax.costs.workload import Layout, Workload
 from triax.sharding.rules import get_strategy
-from triax.training.config import RunConfig
 from triax.costs.fits import OutOfMemoryPredicted
 from inference_helpers import host_params, placed_bytes
 
@@ -190,9 +190,9 @@ def test_a_pool_too_small_is_refused_naming_the_flags(params, devices):
         Engine(CFG, None, make_mesh(data=2, devices=devices[:2]), "tp",
                dataclasses.replace(small, kv_blocks=3))
     with pytest.raises(ValueError, match="one of --kv-blocks and --kv-memory"):
-        RunConfig(kv_blocks=4, kv_memory="1GiB")
+        KVPool(kv_blocks=4, kv_memory="1GiB")
     with pytest.raises(ValueError, match="--kv-memory"):
-        RunConfig(kv_memory="lots")
+        KVPool(kv_memory="lots")
 
 
 # ---- the memory check and the planner count the pool -------------------------------------------
@@ -245,16 +245,15 @@ def test_plan_inference_counts_the_pool_it_is_given(capsys, devices, mesh, flags
 # ---- the flags -----------------------------------------------------------------------------------
 def test_the_serve_flags_size_the_pool(devices):
     from triax.cli.main import build_parser
-    from triax.cli.serving_flags import build_from_args
-    from triax.inference.sampling import SamplingConfig
+    from triax.cli.serving_flags import serve_config
+    from triax.inference.generate import build_server
     base = ["serve", "--model", "tiny", "--num-layers", "1", "--mesh", "tensor=1", "--slots",
             "4", "--max-len", "32"]
     args = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-block-size", "8"])
-    server = build_from_args(args, SamplingConfig(), longest=32, max_new_tokens=0,
-                             devices=devices[:1])
+    server = build_server(serve_config(args), longest=32, max_new_tokens=0,
+                          devices=devices[:1])
     kv = server.engines[0].kv
     assert (kv.total, kv.block_size, kv.max_blocks) == (6, 8, 4)
     both = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-memory", "1MiB"])
     with pytest.raises(ValueError, match="one of --kv-blocks and --kv-memory"):
-        build_from_args(both, SamplingConfig(), longest=32, max_new_tokens=0,
-                        devices=devices[:1])
+        serve_config(both)

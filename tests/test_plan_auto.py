@@ -96,6 +96,17 @@ def test_nothing_fits_names_the_smallest_need_and_the_fixes():
         _choose(0.1)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_nothing_fits_never_suggests_the_remat_it_has(remat):
+    """The smallest plan already rematerialises fully: --remat full is no fix to offer."""
+    from types import SimpleNamespace as NS
+    smallest = NS(layout=NS(describe=lambda: "data=8 dp"), memory=NS(total=2**30),
+                  workload=NS(remat=remat, run_label=f"remat {remat}"))
+    text = auto._nothing_fits("tiny", "8 devices", auto.Budget(2**20, "test"), [], [smallest],
+                              frozenset(), RunConfig())
+    assert ("--remat full" in text) == (remat != "full"), text
+
+
 def test_flags_the_user_gives_stay_fixed(capsys):
     assert main(["train", "--model", "tiny", "--num-layers", "1", "--batch-size", "8",
                  "--seq-len", "16", "--plan", "auto", "--strategy", "fsdp",

@@ -86,6 +86,3 @@ def test_bad_gpu_strings_are_refused(gpu, match, capsys):
     assert re.search(match, err), err
 
 
-def test_one_kind_still_needs_its_node_shape(capsys):
-    assert main(["plan", "--model", "tiny", "--train", "--gpu", "h100-80gb"]) == 2
-    assert "needs --gpus-per-node and --nodes" in capsys.readouterr().err

@@ -20,8 +20,9 @@ RUN = RunConfig(model="tiny", num_layers=2, batch_size=8, seq_len=256)
 
 def test_of_run_carries_every_setting_that_shapes_the_workload():
     run = RUN.replace(precision="fp32", batch_size=4, seq_len=128, remat="full", loss_chunks=4,
-                      attention="blockwise", kv_memory="1MiB", kv_block_size=32)
-    w = Workload.of_run(run, CFG, train=False, backend="cpu")
+                      attention="blockwise")
+    w = Workload.of_run(run, CFG, train=False, backend="cpu",
+                        pool=PoolSettings.of_flags(kv_memory="1MiB", kv_block_size=32))
     assert (w.cfg, w.train, w.dtype, w.batch, w.seq, w.remat, w.loss_chunks, w.attention,
             w.backend) == (CFG, False, "fp32", 4, 128, "full", 4, "blockwise", "cpu")
     assert (w.kv_blocks, w.kv_memory, w.kv_block_size) == (0, 1 << 20, 32)
@@ -49,14 +50,15 @@ def test_of_engine_plans_the_engines_pool_in_its_precision():
     assert kv == 2 * CFG.num_layers * 8 * 16 * CFG.num_kv_heads // 2 * CFG.head_dim * 4
 
 
-def test_the_pool_settings_have_one_home_that_run_config_uses():
-    assert RUN.replace(kv_memory="2KiB").pool_settings() == PoolSettings(0, 2048, 16)
+def test_the_pool_settings_are_checked_by_the_flags_one_home():
+    from triax.config_fields import KVPool
+    assert PoolSettings.of_flags(kv_memory="2KiB") == PoolSettings(0, 2048, 16)
     for bad in (dict(kv_blocks=0), dict(kv_block_size=0), dict(kv_memory="-1"),
                 dict(kv_blocks=4, kv_memory="1MiB")):
-        with pytest.raises(ValueError, match="--kv-") as from_home:
+        with pytest.raises(ValueError, match="--kv-") as from_settings:
             PoolSettings.of_flags(**bad)
-        with pytest.raises(ValueError) as from_run:
-            RUN.replace(**bad)
-        assert str(from_run.value) == str(from_home.value)
+        with pytest.raises(ValueError) as from_flags:
+            KVPool(**bad)
+        assert str(from_flags.value) == str(from_settings.value)
     assert dataclasses.asdict(PoolSettings()) == {"kv_blocks": 0, "kv_memory": 0,
                                                   "block_size": 16}

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import tomllib
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import yaml
@@ -32,8 +32,9 @@ import yaml
 # (the simulated device count must be set first), so the model, optimizer and execution
 # configs, whose packages import JAX, are imported where they are built.
 from triax import choices
+from triax.config_fields import shared, spec
+from triax.configs import GE0, GE1, GT0, check_fields
 from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
-from triax.inference.pool_settings import PoolSettings   # no JAX
 from triax.training.config_warning import RunConfigWarning  # re-exported: importers use it
 from triax.pipeline.schedules import ScheduleKind
 from triax.pipeline.stage_counts import check_counts, parse_counts
@@ -48,33 +49,25 @@ if TYPE_CHECKING:
 TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
 
 
-def _f(default, help: str, **meta):
-    """A field with its CLI help (and optional ``choices``) in metadata."""
-    return field(default=default, metadata={"help": help, **meta})
+_f = spec   # a field with its CLI help (and optional ``choices``) in metadata
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a training run (saved as JSON in every checkpoint)."""
 
-    model: str = _f("tiny", "model preset (tiny, small, llama3-1b, …)")
-    num_layers: Optional[int] = _f(None, "override the preset's layer count")
+    model: str = shared("model", "tiny")
+    num_layers: Optional[int] = shared("num_layers", None)
     max_seq_len: Optional[int] = _f(None, "override the model's context (its max_seq_len), "
                                           "e.g. to lengthen a preset's: RoPE needs no table")
     init_from: Optional[str] = _f(None, "Hugging Face model directory to fine-tune: the model "
                                         "from its config.json (no --model), the weights from "
                                         "its safetensors")
-    mesh: str = _f("", "axis=size pairs, e.g. data=2,tensor=2,pipe=2; one size may be -1 "
-                       "(the remaining devices)",
-                   default_help="data × tensor × pipe picked from the devices")
-    strategy: str = _f("fsdp_tp", "parallelism strategy (see triax.sharding.rules)",
-                       choices=choices.STRATEGIES)
-    context_attention: str = _f("all-gather", "attention across the context mesh axis: "
-                                              "all-gather (K/V gathered) | ring (K/V passed "
-                                              "around with ppermute)",
-                                choices=choices.CONTEXT_SCHEMES)
+    mesh: str = shared("mesh", "")
+    strategy: str = shared("strategy", "fsdp_tp")
+    context_attention: str = shared("context_attention", "all-gather")
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
-    seed: int = _f(0, "seed for parameters and data order")
+    seed: int = shared("seed", 0)
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate (warmup + cosine)")
@@ -100,10 +93,7 @@ class RunConfig:
     base_dtype: str = _f("float32", "how the frozen LoRA base is stored (bfloat16: half the "
                                     "bytes; int8: its projections int8 with per-channel "
                                     "scales; adapters stay fp32)", choices=choices.BASE_DTYPES)
-    adapter: Optional[str] = _f(None, "PEFT LoRA adapter directory (adapter_config.json + "
-                                      "adapter_model.safetensors) over the base model: train "
-                                      "continues it (with --init-from BASE), generate uses it "
-                                      "unmerged (with --model-dir BASE)")
+    adapter: Optional[str] = shared("adapter", None)
     grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
     schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
                        choices=TRAIN_SCHEDULES)
@@ -122,9 +112,7 @@ class RunConfig:
     data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
                             ".parquet file (documents with a text field, or prompt/completion "
                             "pairs whose prompts get no loss; packed)")
-    tokenizer: Optional[str] = _f(None, "Hugging Face tokenizer: a directory holding "
-                                        "tokenizer.json, or the file",
-                                  default_help="bytes, no files needed")
+    tokenizer: Optional[str] = shared("tokenizer", None)
     val_fraction: float = _f(0.05, "fraction of the data held out for validation")
     eval_every: int = _f(0, "validation loss every N steps (0: at the end only)")
     eval_batches: int = _f(4, "batches per validation")
@@ -138,48 +126,23 @@ class RunConfig:
     on_nonfinite: str = _f("stop", "a NaN/inf loss: stop | skip (drop that update) | rollback "
                                    "(restore the last checkpoint, skip the data since)",
                            choices=NONFINITE_MODES)
-    skip_memory_check: bool = _f(False, "start even when the compiled step's per-device peak "
-                                        "exceeds a device's memory (checked before allocating; "
-                                        "$TRIAX_DEVICE_MEMORY sets a device's bytes)")
+    skip_memory_check: bool = shared("skip_memory_check", False)
     # How the layout is chosen is part of the run (saved with it, so `--resume` keeps the
     # chosen layout and a --config file can ask for a search), as is the memory it must fit.
-    plan: str = _f("flags", "how the layout is chosen: flags (as given) | auto (search the "
-                            "layouts the flags leave open, compile the best in turn, run the "
-                            "first that fits a device; see docs/planner.md)",
-                   choices=choices.PLAN_MODES)
-    objective: str = _f("throughput", "what --plan auto ranks by (training: throughput)",
-                        choices=choices.OBJECTIVES)
-    device_memory: Optional[str] = _f(None, "bytes one device may use, e.g. 40GiB (for --plan "
-                                            "auto and the memory check; simulated CPU "
-                                            "devices: else host memory ÷ devices)",
-                                      default_help="the device's own, or $TRIAX_DEVICE_MEMORY")
-    # The serving engine's paged KV pool (``inference.kv_pool``; triax serve / generate).
-    kv_blocks: Optional[int] = _f(None, "blocks in each replica's paged KV pool",
-                                  default_help="--kv-memory's, else slots × the longest "
-                                               "sequence's blocks")
-    kv_memory: Optional[str] = _f(None, "bytes of paged KV pool per device, e.g. 2GiB (as many "
-                                        "whole blocks as fit; instead of --kv-blocks)")
-    kv_block_size: int = _f(choices.KV_BLOCK_SIZE, "positions per KV pool block (a multiple "
-                                                   "of the context axis)")
+    plan: str = shared("plan", "flags")
+    objective: str = shared("objective", "throughput")
+    device_memory: Optional[str] = shared("device_memory", None)
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")
 
     def __post_init__(self):
-        # Every field with a fixed set of values (its ``choices`` metadata) is checked, so a
-        # --config file fails like the flag would, naming the flag and the accepted values.
-        for f in dataclasses.fields(self):
-            if "choices" in f.metadata:
-                choices.check(f.name, getattr(self, f.name), f.metadata["choices"])
-        # Numbers that cannot train are refused here, so flags and --config files alike
-        # fail before anything is built (``--lr -1`` would otherwise ascend the gradient).
-        for name, (must, ok, fix) in _BOUNDS.items():
-            value = getattr(self, name)
-            if value is not None and not ok(value):   # None: not set (Optional fields)
-                raise ValueError(f"--{name.replace('_', '-')} {value:g}: must be {must}; {fix}")
+        # Every choice and every number that cannot train is refused here, so flags and
+        # --config files alike fail before anything is built, naming the flag and the fix
+        # (``--lr -1`` would otherwise ascend the gradient).
+        check_fields(self, _BOUNDS)
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
-        self.pool_settings()   # a bad --kv-* fails here, naming the flag
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
             counts = self.stage_counts()    # by check_pipeline, the model's layers there too
             try:
@@ -242,10 +205,6 @@ class RunConfig:
             raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
                              f"--device-memory 40GiB")
         return n
-
-    def pool_settings(self) -> PoolSettings:
-        """``--kv-blocks`` / ``--kv-memory`` / ``--kv-block-size``: serving's KV pool."""
-        return PoolSettings.of_flags(self.kv_blocks, self.kv_memory, self.kv_block_size)
 
     def replace(self, **kw) -> "RunConfig":
         return dataclasses.replace(self, **kw)
@@ -314,19 +273,18 @@ def context_fix(seq_len: int, max_seq_len: int) -> str:
 
 
 # What each numeric setting must be, and the fix an error names.
-_GE1, _GT0, _GE0 = ("≥ 1", lambda v: v >= 1), ("> 0", lambda v: v > 0), ("≥ 0", lambda v: v >= 0)
 _BOUNDS = {
-    "steps": (*_GE1, "give the number of optimizer steps to reach, e.g. --steps 200"),
-    "lr": (*_GT0, "give a positive peak learning rate, e.g. --lr 3e-3"),
-    "weight_decay": (*_GE0, "use 0 for none, or e.g. --weight-decay 0.1"),
-    "clip_norm": (*_GT0, "give a positive global norm, e.g. --clip-norm 1.0"),
-    "lr_warmup_steps": (*_GE0, "use 0 for 10% of --steps"),
-    "lr_decay_steps": (*_GE0, "use 0 for --steps"),
-    "seq_len": (*_GE1, "give the tokens per sequence, e.g. --seq-len 128"),
-    "max_seq_len": (*_GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
-    "grad_accum": (*_GE1, "use 1 for no accumulation"),
-    "lora_rank": (*_GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
-    "lora_alpha": (*_GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
+    "steps": (*GE1, "give the number of optimizer steps to reach, e.g. --steps 200"),
+    "lr": (*GT0, "give a positive peak learning rate, e.g. --lr 3e-3"),
+    "weight_decay": (*GE0, "use 0 for none, or e.g. --weight-decay 0.1"),
+    "clip_norm": (*GT0, "give a positive global norm, e.g. --clip-norm 1.0"),
+    "lr_warmup_steps": (*GE0, "use 0 for 10% of --steps"),
+    "lr_decay_steps": (*GE0, "use 0 for --steps"),
+    "seq_len": (*GE1, "give the tokens per sequence, e.g. --seq-len 128"),
+    "max_seq_len": (*GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
+    "grad_accum": (*GE1, "use 1 for no accumulation"),
+    "lora_rank": (*GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
+    "lora_alpha": (*GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
     "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1, "give the probability of zeroing "
                      "an adapter input, e.g. --lora-dropout 0.05 (0: none)"),
 }

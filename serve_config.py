@@ -1,0 +1,219 @@
+"""``ServeConfig``: everything ``triax serve`` and ``triax generate`` are told, in frozen
+sections (the model's source, the layout, the engine and its KV pool, sampling defaults,
+HTTP), checked as it is built, naming the flag and the fix. The commands' flags are its
+fields (``triax.cli.flags``), and ``inference.build_server`` takes it. JAX-free, below
+``inference``: the CLI builds its parser from these fields before JAX may start.
+
+    >>> cfg = ServeConfig.of(model="tiny", mesh="tensor=2", replicas=4)
+    >>> cfg.layout.replicas, cfg.engine.slots, cfg.layout.strategy
+    (4, 8, 'tp')
+    >>> cfg.replace(slots=4).engine.slots
+    4
+    >>> ServeConfig.of(model="tiny", port=99999)
+    Traceback (most recent call last):
+    ...
+    ValueError: --port 99999: must be in 0..65535; give a free port, e.g. --port 8000 (0: any)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Optional
+
+from triax import configs
+from triax.config_fields import KVPool, shared, spec
+from triax.configs import GE0, GE1, GT0, check_fields
+
+# The serving defaults, each in one home: engines, servers and loaders import them.
+SERVE_STRATEGY = "tp"   # tensor parallel: a decode step's weights split, not gathered
+SLOTS = 8               # decode slots per replica
+
+
+def _given(flags: dict) -> list[str]:
+    """The flags among ``flags`` (name -> value) that are set."""
+    return [f"--{k.replace('_', '-')}" for k, on in flags.items() if on]
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the weights come from (exactly one of checkpoint, model, model_dir)."""
+
+    checkpoint: Optional[str] = spec(None, "training checkpoint directory", metavar="DIR")
+    model: Optional[str] = shared("model", None)
+    model_dir: Optional[str] = spec(None, "Hugging Face model directory (config.json, "
+                                          "safetensors, tokenizer.json)", metavar="DIR")
+    adapter: Optional[str] = shared("adapter", None)
+    tokenizer: Optional[str] = shared("tokenizer", None)
+    num_layers: Optional[int] = shared("num_layers", None)
+    seed: int = shared("seed", 0)
+
+    def __post_init__(self):
+        check_fields(self, {"num_layers": (*GE1, "give the layer count, or leave it out")})
+        given = _given({"checkpoint": self.checkpoint, "model": self.model,
+                                "model_dir": self.model_dir})
+        if len(given) > 1:
+            raise ValueError(f"give one of --model-dir, --checkpoint, --model (got "
+                             f"{' and '.join(given)})")
+        if self.adapter is not None and self.model_dir is None:
+            raise ValueError(f"--adapter {self.adapter!r} adapts a Hugging Face base: give "
+                             f"--model-dir BASE_DIR")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One replica's mesh (or one per replica), the replicas, and how they are chosen."""
+
+    mesh: str = shared("mesh", "")
+    replicas: Optional[int] = spec(None, "split the devices into R replicas (default: 1, or "
+                                         "with --plan auto searched)")
+    strategy: str = shared("strategy", SERVE_STRATEGY)
+    # The prefill's attention across a context axis (docs/long_context.md).
+    context_attention: str = shared("context_attention", "all-gather")
+    plan: str = shared("plan", "flags")
+    objective: str = shared("objective", "throughput")
+    device_memory: Optional[str] = shared("device_memory", None)
+    dry_run: bool = spec(False, "with --plan auto: print the choice and stop (nothing is "
+                                "loaded)")
+
+    def __post_init__(self):
+        check_fields(self, {"replicas": (*GE1, "give the replica count, e.g. --replicas 4")})
+        if self.device_memory is not None:
+            self.device_memory_bytes()
+        if self.plan != "auto":
+            if self.dry_run:
+                raise ValueError("--dry-run reports --plan auto's choice; add --plan auto")
+        elif ";" in self.mesh:
+            raise ValueError("--plan auto lays every replica out alike: give --mesh as one "
+                             "replica's sizes (no ';'), or drop --plan auto")
+
+    def device_memory_bytes(self) -> Optional[int]:
+        """``--device-memory`` in bytes (None: not given)."""
+        from triax.units import parse_bytes
+        if self.device_memory is None:
+            return None
+        try:
+            n = parse_bytes(self.device_memory)
+        except ValueError as e:
+            raise ValueError(f"--device-memory: {e}") from None
+        if n <= 0:
+            raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
+                             f"--device-memory 40GiB")
+        return n
+
+    def mesh_sizes(self):
+        """``--mesh`` as sizes: one replica's dict, or a list with one per replica (``;``);
+        ``{"tensor": -1}`` (all of a replica's devices) when not given."""
+        from triax.mesh import parse_mesh   # loads JAX: asked only once the devices are set
+        if ";" in self.mesh:
+            return [parse_mesh(part) for part in self.mesh.split(";") if part.strip()]
+        return parse_mesh(self.mesh) or {"tensor": -1}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Each replica's engine: its slots, KV pool, queue and stop tokens."""
+
+    slots: int = spec(SLOTS, "decode slots per replica (each takes KV blocks as its sequence "
+                             "grows: with a pool smaller than slots × the longest sequence, "
+                             "requests are admitted as blocks are free)")
+    pool: KVPool = field(default_factory=KVPool)
+    max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
+                           "max_tokens (default: the model's context)")
+    max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "
+                                          "with Retry-After", default_help="unbounded")
+    stop_token: tuple[int, ...] = spec((), "token id that ends a sequence (repeatable; 257 is "
+                                           "EOS)")
+    skip_memory_check: bool = spec(False, "load even when a replica's weights and KV cache per "
+                                          "device exceed a device's memory "
+                                          "($TRIAX_DEVICE_MEMORY sets a device's bytes)")
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token", tuple(self.stop_token))
+        check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
+                            "max_len": (*GE0, "give KV positions, or 0 for the context"),
+                            "max_queue": (*GE0, "give the waiting requests at most, e.g. "
+                                                "--max-queue 64")})
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How ``generate`` picks tokens (``serve``'s requests each say their own)."""
+
+    max_new_tokens: Optional[int] = spec(None, "tokens to generate per prompt")
+    greedy: bool = spec(False, "argmax decoding (the default)")
+    temperature: float = spec(0.0, "sampling temperature (0: greedy)")
+    top_k: int = spec(0, "sample from the k likeliest tokens (0: all)")
+    top_p: float = spec(1.0, "sample from the likeliest tokens whose probability reaches p "
+                             "(1: all)")
+
+    def __post_init__(self):
+        check_fields(self, {
+            "max_new_tokens": (*GE1, "give the tokens to generate, e.g. --max-new-tokens 16"),
+            "temperature": (*GE0, "use 0 for greedy, or e.g. --temperature 0.8"),
+            "top_k": (*GE0, "use 0 for no top-k filter, or e.g. --top-k 40"),
+            "top_p": ("in (0, 1]", lambda v: 0 < v <= 1, "use 1 for no nucleus filter, or "
+                                                          "e.g. --top-p 0.95")})
+        if self.greedy and self.temperature:
+            raise ValueError("--greedy and --temperature contradict; give one of them")
+
+
+@dataclass(frozen=True)
+class HTTP:
+    """Where ``serve`` listens and how long a request may take."""
+
+    host: str = spec("127.0.0.1", "address to listen on (default: 127.0.0.1, this machine only)")
+    port: int = spec(8000, "port (0: any free port, printed when ready)")
+    request_timeout: float = spec(600.0, "seconds a request may take before it is cancelled "
+                                         "with a 408")
+    served_model_name: Optional[str] = spec(None, "the model name requests give",
+                                            default_help="--model's preset, or --model-dir's "
+                                                         "folder name")
+
+    def __post_init__(self):
+        check_fields(self, {
+            "port": ("in 0..65535", lambda v: 0 <= v <= 65535, "give a free port, e.g. --port "
+                                                               "8000 (0: any)"),
+            "request_timeout": (*GT0, "give seconds, e.g. --request-timeout 600")})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything that defines a serving run, in sections; build it flat with ``of``."""
+
+    source: Source = field(default_factory=Source)
+    layout: Layout = field(default_factory=Layout)
+    engine: Engine = field(default_factory=Engine)
+    sampling: Sampling = field(default_factory=Sampling)
+    http: HTTP = field(default_factory=HTTP)
+
+    @classmethod
+    def of(cls, **flat) -> "ServeConfig":
+        """From flat field names (as the flags are named), e.g. ``of(model="tiny", slots=4)``."""
+        return configs.from_flat(cls, flat)
+
+    def replace(self, **flat) -> "ServeConfig":
+        return configs.replace_flat(self, **flat)
+
+    def inert_flags(self, given) -> list[str]:
+        """A sentence per flag in ``given`` (field names) that has no effect here: sampling
+        filters under greedy decoding, the search's settings without ``--plan auto``."""
+        given, lay, out = set(given), self.layout, []
+        if self.sampling.temperature == 0:
+            out += [f"--{f.replace('_', '-')} has no effect with greedy decoding (give "
+                    f"--temperature T > 0 to sample)" for f in ("top_k", "top_p") if f in given]
+        if lay.plan != "auto" and "objective" in given:
+            out.append("--objective has no effect without --plan auto (it ranks the search)")
+        if lay.plan != "auto" and self.engine.skip_memory_check and "device_memory" in given:
+            out.append("--device-memory has no effect with --skip-memory-check and no "
+                       "--plan auto (nothing is checked against it)")
+        return out
+
+    def sampling_config(self):
+        """The ``SamplingConfig`` requests get by default (``inference.sampling``)."""
+        from triax.inference.sampling import SamplingConfig   # loads JAX
+        s = self.sampling
+        return SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              seed=self.source.seed, stop_tokens=self.engine.stop_token)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
