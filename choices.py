@@ -54,6 +54,10 @@ OBJECTIVES = ("throughput", "latency")
 # enough that a short sequence wastes little of its last block, large enough that the block
 # table and its gather stay small.
 KV_BLOCK_SIZE = 16
+# Serving's defaults: tensor parallel (a decode step's weights split, not gathered) and
+# the decode slots per replica.
+SERVE_STRATEGY = "tp"
+SLOTS = 8
 
 # What a NaN/inf loss does (``triax.training.faults``).
 NONFINITE_MODES = ("stop", "skip", "rollback")

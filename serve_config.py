@@ -21,12 +21,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
+from triax.choices import SERVE_STRATEGY, SLOTS
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
 # The serving defaults, each in one home: engines, servers and loaders import them.
-SERVE_STRATEGY = "tp"   # tensor parallel: a decode step's weights split, not gathered
-SLOTS = 8               # decode slots per replica
 
 
 def _given(flags: dict) -> list[str]:

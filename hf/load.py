@@ -31,7 +31,7 @@ from triax.hf.layout import Source, read_region, sources
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, param_shardings
 from triax.sharding.rules import Strategy
-from triax.serve_config import SERVE_STRATEGY
+from triax.choices import SERVE_STRATEGY
 
 
 @dataclass(frozen=True)

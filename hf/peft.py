@@ -25,7 +25,7 @@ from triax.models.config import LoraConfig, ModelConfig
 from triax.models import lora
 from triax.models.lora import PREFIX, WEIGHTS
 from triax.sharding.partition import abstract_model, param_shardings
-from triax.serve_config import SERVE_STRATEGY
+from triax.choices import SERVE_STRATEGY
 
 CONFIG = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

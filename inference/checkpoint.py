@@ -21,7 +21,7 @@ from triax.checkpoint.layout import first_line, params_meta
 from triax.models import config as model_config
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params, param_shardings
-from triax.serve_config import SERVE_STRATEGY
+from triax.choices import SERVE_STRATEGY
 
 # The inference API's name for checkpoint errors (one class: triax.checkpoint's).
 CheckpointLoadError = CheckpointError

@@ -51,7 +51,7 @@ from triax.models.runtime import ExecConfig
 from triax.models import runtime
 from triax.sharding.partition import abstract_model, init_params, param_shardings
 from triax.sharding.rules import Strategy, get_strategy
-from triax.serve_config import SERVE_STRATEGY, SLOTS
+from triax.choices import SERVE_STRATEGY, SLOTS
 
 
 @dataclass(frozen=True)

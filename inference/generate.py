@@ -27,7 +27,8 @@ from triax.choices import KV_BLOCK_SIZE
 from triax.costs.fits import Replan, check_fits
 from triax.costs.workload import Workload
 from triax.models import config as model_config
-from triax.serve_config import SLOTS, ServeConfig, Source
+from triax.choices import SLOTS
+from triax.serve_config import ServeConfig, Source
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import get_strategy
 from triax.text.tokenizer import Tokenizer

@@ -48,7 +48,7 @@ from triax.inference.request import QueueFullError, Result, _Live
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
-from triax.serve_config import SERVE_STRATEGY
+from triax.choices import SERVE_STRATEGY
 
 
 class Server(Batching):

@@ -32,7 +32,7 @@ from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.context import check_scheme
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.units import human_bytes
-from triax.serve_config import SERVE_STRATEGY, SLOTS
+from triax.choices import SERVE_STRATEGY, SLOTS
 
 # The budget is what the allocator gives, so the planner's fixed runtime overhead is paid.
 NO_OVERHEAD = Assumptions(overhead_bytes=0)

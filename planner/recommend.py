@@ -32,6 +32,7 @@ from triax.costs.activations import logits_bytes, loss_tokens
 from triax.models.lora import param_count
 from triax.planner.lora_advice import lora_reasoning, lora_would_fit
 from triax.costs.memory import ADAM_MOMENTS, Assumptions, min_devices_for_weights
+from triax.pipeline.timeline import LABELS
 from triax.planner.op_costs import op_costs_for
 from triax.costs.pipeline_math import microbatch_constraint
 from triax.planner.context_reasoning import context_reasoning
@@ -222,11 +223,18 @@ def _op_costs(w: Workload, plans: list[PlanResult], why: list[str]) -> dict:
                    if w.train and p.layout.pipe > 1 and p.layout.schedule is not None})
     used = {f"{name} remat={remat}": op_costs_for(ScheduleKind(name), remat)
             for name, remat in keys}
-    by_costs: dict[str, list[str]] = {}   # one line per distinct set of costs, not schedule
+    if not used:
+        return used
+    # One line for them all: the figures per schedule set, their sources once each.
+    by_costs: dict[str, list[str]] = {}
     for key, c in used.items():
-        by_costs.setdefault(c.describe(), []).append(key)
-    for costs, keys in by_costs.items():
-        why.append(f"Pipeline bubbles ({', '.join(keys)}) weigh each op by its cost: {costs}.")
+        by_costs.setdefault(", ".join(f"{LABELS[k]}={v:.3g}" for k, v in c.costs), []).append(key)
+    unmeasured = sorted({c.source for c in used.values() if not c.measured})
+    source = "; ".join(unmeasured) or ("measured from the compiled executor: matmul FLOPs "
+                                       "per layer of each schedule's tick-switch branches")
+    why.append("Pipeline bubbles weigh each op by its cost: " + "; ".join(
+        f"{figures} ({', '.join(keys)})" for figures, keys in by_costs.items())
+        + f" ({source}).")
     return used
 
 

@@ -34,7 +34,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("checkpoints, Hugging Face, the analytic model",
      ("triax.checkpoint", "triax.hf", "triax.costs", "triax.inference",
       "triax.inference.kv_pool", "triax.inference.pool_settings", "triax.inference.errors")),
-    ("training and inference", ("triax.training", "triax.inference.*")),
+    # serve_config is serve's and generate's config (JAX-free, so the CLI parses with it),
+    # which inference.build_server takes and whose sampling defaults are inference's.
+    ("training and inference", ("triax.training", "triax.inference.*", "triax.serve_config")),
     ("the planner: search, --plan auto, verify, advice", ("triax.planner",)),
     ("serving", ("triax.serving",)),
     ("command line", ("triax.cli", "triax.__main__")),
