@@ -191,6 +191,7 @@ class ServeConfig:
         return configs.from_flat(cls, flat)
 
     def replace(self, **flat) -> "ServeConfig":
+        """A copy with flat fields changed, e.g. ``replace(slots=4)``; checked again."""
         return configs.replace_flat(self, **flat)
 
     def inert_flags(self, given) -> list[str]:
@@ -215,4 +216,5 @@ class ServeConfig:
                               seed=self.source.seed, stop_tokens=self.engine.stop_token)
 
     def to_json(self) -> dict:
+        """The config as nested plain values, section by section (JSON-ready)."""
         return dataclasses.asdict(self)

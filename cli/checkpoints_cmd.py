@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Optional
 
 from triax.cli.flags import add_json
 from triax.units import human_bytes
@@ -43,7 +44,8 @@ def list_checkpoints(directory: str, verify: bool = False) -> list[dict]:
                            model=meta.get("model", {}).get("name"),
                            num_layers=meta.get("model", {}).get("num_layers"),
                            data=run.get("data"), batch_size=run.get("batch_size"),
-                           seq_len=run.get("seq_len"), data_position=meta.get("data_position"))
+                           seq_len=run.get("seq_len"), data_position=meta.get("data_position"),
+                           lora=_lora(meta.get("model", {}).get("lora")))
             if verify:
                 problem = row.get("error") or ckpt.verify(step)
                 row["intact"] = problem is None
@@ -58,6 +60,14 @@ def list_checkpoints(directory: str, verify: bool = False) -> list[dict]:
     if aside:
         rows.append({"set_aside": sorted(aside)})
     return rows
+
+
+def _lora(saved: Optional[dict]) -> Optional[str]:
+    """The saved model's adapters in words (``LoraConfig.describe``), or None."""
+    if not saved:
+        return None
+    from triax.models.config import LoraConfig
+    return LoraConfig(**{**saved, "targets": tuple(saved["targets"])}).describe()
 
 
 def run(args) -> int:
@@ -80,6 +90,7 @@ def run(args) -> int:
         model = f"{r['model']}/L{r['num_layers']}"
         print(f"{r['step']:>7}  {size:>10}  {model:14} {r['mesh']:28} {r['strategy']:8} "
               f"{str(r['batch_size']) + '×' + str(r['seq_len']):10} {r['data']}"
+              + (f"  {r['lora']}" if r.get("lora") else "")
               + ("  intact" if r.get("intact") else ""))
     for r in rows:
         if "partial" in r:

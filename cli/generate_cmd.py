@@ -17,9 +17,9 @@ import argparse
 import json
 import sys
 
-from triax.cli.flags import add_json
 from triax.cli.common import start_devices
 from triax.cli.flags import add_json
+from triax.cli.progress import Progress
 from triax.cli.serving_flags import (add_model_flags, add_sampling_flags, choose_layout,
                                      load_tokenizer_for, serve_config)
 
@@ -61,8 +61,17 @@ def run(args) -> int:
             print(json.dumps(choice.to_json()) if args.json else choice.describe())
             return 0
         print(choice.describe(), file=sys.stderr)
-    server = build_server(config, longest, max_new)
-    out = generate(server, prompts, max_new, tokenizer)
+    say = Progress("generate")
+    src = config.source
+    with say(f"loading {src.model or src.model_dir or src.checkpoint} onto "
+             f"{config.layout.replicas or 1} replica(s)"):
+        server = build_server(config, longest, max_new)
+    lora = server.engines[0].cfg.lora
+    if lora is not None:
+        say.line(f"serving {lora.describe()}"
+                 + (f" from {src.adapter}" if src.adapter else "") + ", unmerged")
+    with say("compiling the prompt buckets and decode"):
+        out = generate(server, prompts, max_new, tokenizer, progress=say.line)
     if args.json:
         keep = ("prompt", "text", "tokens")
         print(json.dumps({"results": [{k: r[k] for k in keep} for r in out["results"]],

@@ -13,10 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
+import time
 
 from triax.cli.common import start_devices
 from triax.cli.flags import add_flags
+from triax.cli.progress import Progress
 from triax.cli.serving_flags import (add_model_flags, choose_layout, load_tokenizer_for,
                                      serve_config)
 from triax.serve_config import HTTP, ServeConfig
@@ -44,8 +47,31 @@ def _model_name(config: ServeConfig) -> str:
     return os.path.basename(os.path.normpath(src.model_dir or src.checkpoint))
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """``host:port`` bound and listening now, before any engine is built, so a busy port or
+    a bad address fails in a second with the flag named (``--port 0``: any free port)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--host {host!r}: not an address this machine can listen on ({e}); "
+                         f"e.g. --host 127.0.0.1 or --host 0.0.0.0") from None
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
+                         f"choose a free --port (0: any free port)") from None
+    return sock
+
+
 def run(args) -> int:
     config = serve_config(args, **DEFAULTS)
+    sock = listen_socket(config.http.host, config.http.port)
+    t0 = time.perf_counter()
+    say = Progress("serve")
     start_devices()
     import uvicorn  # after the device count is set: the app's modules start JAX
 
@@ -62,14 +88,21 @@ def run(args) -> int:
         print(choice.describe(), file=sys.stdout if dry else sys.stderr, flush=True)
         if dry:
             return 0
-    server = build_server(config, longest=longest, max_new_tokens=0)
-    server.warmup([1])  # the shortest prompt bucket and decode; longer buckets compile on use
+    with say(f"loading {_model_name(config)} onto {config.layout.replicas or 1} replica(s)"):
+        server = build_server(config, longest=longest, max_new_tokens=0)
+    # The shortest prompt bucket and decode; longer buckets compile on use.
+    with say("compiling the first prompt bucket and decode"):
+        server.warmup([1], say.line)
     e = server.engines[0].ecfg
     layout = (f"{len(server.engines)} replica(s): "
               + "; ".join(describe(eng.mesh) for eng in server.engines)
               + f"; {e.max_batch} slots each, sequences up to {e.max_len} positions; KV pool "
               + ", ".join(f"{eng.kv.total} blocks × {eng.kv.block_size}"
                           for eng in server.engines))
+    lora = server.engines[0].cfg.lora
+    if lora is not None:   # served unmerged: say which adapter answers
+        layout += f"; {lora.describe()}" + (f" from {config.source.adapter}"
+                                            if config.source.adapter else "")
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
                      layout)
@@ -79,12 +112,13 @@ def run(args) -> int:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"triax serve: ready at http://{host}:{port} ({_model_name(config)}; "
-                      f"{layout})", flush=True)
+                print(f"triax serve: ready at http://{host}:{port} in "
+                      f"{time.perf_counter() - t0:.1f} s ({_model_name(config)}; {layout})",
+                      flush=True)
 
     # uvicorn re-raises the signal it drained on; after a drained SIGTERM, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     Uvicorn(uvicorn.Config(app, host=config.http.host, port=config.http.port,
-                           log_level="warning", lifespan="on")).run()
+                           log_level="warning", lifespan="on")).run(sockets=[sock])
     sys.stdout.flush()
     return 0

@@ -79,7 +79,9 @@ class Workload:
     @classmethod
     def of_run(cls, run: "triax.training.config.RunConfig", cfg: Optional[ModelConfig] = None,
                *, train: bool = True, params: Optional[int] = None,
-               backend: str = "gpu", pool: Optional[PoolSettings] = None) -> "Workload":
+               backend: str = "gpu",
+               pool: Optional["triax.inference.pool_settings.PoolSettings"] = None
+               ) -> "Workload":
         """The one mapping from a run's settings (a ``training.config.RunConfig``) to what
         is planned: its model (``cfg``; default ``run.model_config()``, none when only
         ``params`` is given), precision, batch, sequence, remat, loss chunks, attention and

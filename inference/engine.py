@@ -28,8 +28,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -321,18 +322,28 @@ class Engine:
         self.lengths[list(slots)] = lens
         return out
 
-    def warmup(self, prompt_lengths: Sequence[int]) -> None:
+    def warmup(self, prompt_lengths: Sequence[int],
+               progress: Optional[Callable[[str], None]] = None) -> None:
         """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
         of serving, so served timings exclude compilation. Call it with no live slots (its
-        rows are all padding: nothing is written)."""
-        for T in sorted({self._bucket(n) for n in prompt_lengths}):
-            for b in self._prefill_batches():
-                self._run_prefill([], [], [], b, T)  # every row dropped: cache unchanged
+        rows are all padding: nothing is written). ``progress(line)`` hears each program
+        compiled: which bucket, k of n, and its seconds."""
         B = self.ecfg.max_batch
         zeros = np.zeros(B, np.int32)
-        for k in self._decode_buckets():   # every row padding: nothing written
-            jax.block_until_ready(self._run_decode(np.full(self.pool.groups * k, B), zeros,
-                                                   zeros, zeros, None))
+        runs = [(f"prefill {b} rows × {T} tokens",   # every row dropped: cache unchanged
+                 lambda b=b, T=T: self._run_prefill([], [], [], b, T))
+                for T in sorted({self._bucket(n) for n in prompt_lengths})
+                for b in self._prefill_batches()]
+        runs += [(f"decode {self.pool.groups * k} rows",   # every row padding: nothing written
+                  lambda k=k: self._run_decode(np.full(self.pool.groups * k, B), zeros, zeros,
+                                               zeros, None))
+                 for k in self._decode_buckets()]
+        for i, (what, run) in enumerate(runs, 1):
+            t0 = time.perf_counter()
+            jax.block_until_ready(run())
+            if progress is not None:
+                progress(f"compiled {what} ({i}/{len(runs)}) in "
+                         f"{time.perf_counter() - t0:.1f} s")
 
     def _decode_buckets(self) -> tuple[int, ...]:
         """Rows per row group a decode step may run: powers of two, capped at its slots."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from triax.hf.load import load as hf_load
 from triax.hf.load import read_model_config
@@ -112,9 +112,11 @@ def check_serving_memory(cfg, mesh, strategy, ecfg: EngineConfig, capacity=None)
 
 
 def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
-             tokenizer: Optional[Tokenizer] = None) -> dict:
+             tokenizer: Optional[Tokenizer] = None,
+             progress: Optional[Callable[[str], None]] = None) -> dict:
     """Generate for every prompt; the CLI's ``--json`` shape plus per-request stats.
-    ``tokenizer``: the byte tokenizer when None (``triax.text.get_tokenizer``)."""
+    ``tokenizer``: the byte tokenizer when None (``triax.text.get_tokenizer``);
+    ``progress(line)`` hears each program compiled by the warm-up (``Server.warmup``)."""
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
     tok = tokenizer or TOKENIZER
@@ -125,7 +127,8 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
     encoded = [tok.encode(p) for p in prompts]
     for e in encoded:  # reject bad requests before compiling anything
         server.engines[0].check_prompt(len(e), max_new_tokens)
-    server.warmup([len(e) for e in encoded])  # so the reported rates exclude compilation
+    # So the reported rates exclude compilation.
+    server.warmup([len(e) for e in encoded], progress)
     ids = [server.submit(e, max_new_tokens) for e in encoded]
     results = server.run()
     out = []

@@ -95,13 +95,17 @@ class Server(Batching):
         params = init_params(abstract_model(cfg), meshes[0], strategy, seed)
         return cls.from_params(cfg, params, meshes, strategy, **kw)
 
-    def warmup(self, prompt_lengths: Sequence[int]) -> None:
-        """Compile every replica's programs for these prompt lengths before serving."""
+    def warmup(self, prompt_lengths: Sequence[int],
+               progress: Optional[Callable[[str], None]] = None) -> None:
+        """Compile every replica's programs for these prompt lengths before serving;
+        ``progress(line)`` hears each one (``Engine.warmup``), named by its replica."""
         if self._loop.locked() or self.free_slots < self.total_slots:
             raise InferenceError("warmup() needs an idle server (no live requests, not "
                                  "serving in the background); call it before start()")
-        for eng in self.engines:
-            eng.warmup(prompt_lengths)
+        n = len(self.engines)
+        for i, eng in enumerate(self.engines, 1):
+            eng.warmup(prompt_lengths, progress and (
+                lambda line, i=i: progress(f"replica {i}/{n}: {line}")))
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,

@@ -84,6 +84,16 @@ class LoraConfig:
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    def describe(self) -> str:
+        """One phrase for start-up lines and listings, e.g. ``LoRA rank 8 (alpha 16) on
+        q_proj,v_proj, base float32``.
+
+        >>> LoraConfig(8, targets=("v_proj", "q_proj")).describe()
+        'LoRA rank 8 (alpha 16) on q_proj,v_proj, base float32'
+        """
+        return (f"LoRA rank {self.rank} (alpha {self.alpha:g}) on {','.join(self.targets)}, "
+                f"base {self.base_dtype}" + (f", dropout {self.dropout:g}" if self.dropout else ""))
+
 
 @dataclass(frozen=True)
 class RopeScaling:

@@ -58,6 +58,26 @@ def test_generate_from_checkpoint_stderr_holds_only_triax_lines(trained):
                   "--mesh", "data=2", cwd=cwd)
     assert "ab" in done.stdout
     assert not _foreign(done.stderr), done.stderr
+    # It says what it does as it goes: the load, then each program compiled, with times.
+    assert re.search(r"^triax generate: loading ck onto 1 replica\(s\): done in [\d.]+ s$",
+                     done.stderr, re.M), done.stderr
+    assert re.search(r"^triax generate: replica 1/1: compiled decode \d+ rows \((\d+)/\1\) "
+                     r"in [\d.]+ s$", done.stderr, re.M), done.stderr
+
+
+def test_serve_fails_fast_on_a_busy_port(tmp_path):
+    """The port is bound before anything is built: a busy one is refused at once, naming
+    it, with no weights loaded."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "triax", "serve", "--model", "tiny",
+                               "--port", str(port)], cwd=tmp_path, env=_env(2),
+                              capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"--port {port}: cannot listen there" in done.stderr
+    assert "loading" not in done.stderr, done.stderr
 
 
 WORKER = textwrap.dedent("""

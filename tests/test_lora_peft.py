@@ -3,6 +3,8 @@ BASE --lora-rank R`` then ``triax export`` writes the merged model (= base + B·
 PEFT's own ``[out, r] @ [r, in]`` convention) and ``--adapter-only`` the PEFT pair, which
 triax's import reads back to the same logits, and ``--adapter`` continues. Each bad adapter
 is refused naming the field or key."""
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -34,19 +36,31 @@ ROWS = [np.arange(1, 12, dtype=np.int32) % 300, np.arange(5, 14, dtype=np.int32)
 def exported(tmp_path_factory, devices):
     tmp = tmp_path_factory.mktemp("lora")
     ck, merged, adapter = tmp / "ck", tmp / "merged", tmp / "adapter"
-    assert main(["train", "--init-from", fixture("llama"), "--data", "markov", "--mesh",
-                 "data=4,tensor=2", "--strategy", "fsdp_tp", "--steps", "2", "--lr", "1e-2",
-                 "--batch-size", "8", "--seq-len", "16", "--eval-batches", "0",
-                 "--lora-rank", str(R), "--lora-alpha", str(ALPHA),
-                 "--checkpoint-dir", str(ck), "--no-progress"]) == 0
+    said, listed = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(said):
+        assert main(["train", "--init-from", fixture("llama"), "--data", "markov", "--mesh",
+                     "data=4,tensor=2", "--strategy", "fsdp_tp", "--steps", "2", "--lr",
+                     "1e-2", "--batch-size", "8", "--seq-len", "16", "--eval-batches", "0",
+                     "--lora-rank", str(R), "--lora-alpha", str(ALPHA),
+                     "--checkpoint-dir", str(ck), "--no-progress"]) == 0
+    with contextlib.redirect_stdout(listed):
+        assert main(["checkpoints", str(ck)]) == 0
     assert main(["export", "--checkpoint", str(ck), "--out", str(merged)]) == 0
     assert main(["export", "--checkpoint", str(ck), "--out", str(adapter),
                  "--adapter-only"]) == 0
-    return str(merged), str(adapter)
+    return str(merged), str(adapter), said.getvalue(), listed.getvalue()
+
+
+def test_lora_is_named_at_start_up_and_in_the_listing(exported):
+    """A LoRA run says so: the start-up line and ``triax checkpoints`` name rank and alpha."""
+    *_, said, listed = exported
+    want = f"LoRA rank {R} (alpha {ALPHA:g}) on "
+    assert any(line.startswith("triax train: ") and want in line for line in said.splitlines())
+    assert want in listed.splitlines()[-1]
 
 
 def test_adapter_only_is_peft_layout(exported):
-    _, adapter = exported
+    _, adapter, *_ = exported
     assert sorted(os.listdir(adapter)) == [CONFIG, WEIGHTS_FILE]
     with open(os.path.join(adapter, CONFIG)) as fh:
         c = json.load(fh)
@@ -66,7 +80,7 @@ def test_adapter_only_is_peft_layout(exported):
 
 
 def test_merged_export_is_base_plus_scaled_BA(exported):
-    merged, adapter = exported
+    merged, adapter, *_ = exported
     base, got = Checkpoint(fixture("llama")), Checkpoint(merged)
     ad = safetensors.numpy.load_file(os.path.join(adapter, WEIGHTS_FILE))
     assert set(got.headers) == set(base.headers)
@@ -82,7 +96,7 @@ def test_merged_export_is_base_plus_scaled_BA(exported):
 
 
 def test_adapter_read_back_gives_the_merged_logits(exported, devices):
-    merged, adapter = exported
+    merged, adapter, *_ = exported
     mesh = make_mesh(tensor=2, devices=devices[:2])
     cfg, params = load_adapted(fixture("llama"), adapter, mesh, "tp")
     assert cfg.lora == LoraConfig(rank=R, alpha=ALPHA)
@@ -101,7 +115,7 @@ def test_adapter_continues_training(exported, devices):
     """``--init-from BASE --adapter DIR``: step 0 holds DIR's adapters over BASE's weights."""
     from triax.training.init_from import lora_params
     from triax.training.setup import build_run
-    _, adapter = exported
+    _, adapter, *_ = exported
     run = RunConfig(init_from=fixture("llama"), lora_rank=R, lora_alpha=ALPHA, adapter=adapter,
                     mesh="data=4,tensor=2", strategy="fsdp_tp", batch_size=8, seq_len=16)
     built = build_run(run)

@@ -113,7 +113,7 @@ def test_cli_explicit_plan_reports_overflow(capsys):
 @pytest.mark.parametrize("args,msg", [
     (["--model", "llama3-8b", "--gpu", "h900"], "unknown GPU 'h900'"),
     (["--model", "llama9", "--gpu", "h100-80gb"], "unknown model 'llama9'"),
-    (["--model", "llama3-405b", "--gpu", "h100-80gb"], "at least 11 h100-80gb"),
+    (["--model", "llama3-405b", "--gpu", "h100-80gb", "--dtype", "bf16"], "at least 11 h100-80gb"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "6", "--mesh", "data=8",
       "--strategy", "dp"], "batch size 6 does not divide over data=8"),
     (["--model", "tiny", "--gpu", "h100-80gb", "--batch-size", "16", "--mesh", "data=2,pipe=4",

@@ -60,8 +60,9 @@ def test_planner_zb_h1_bubble_is_the_measured_one(devices):
     assert abs(want - idealised) > 0.01          # the check below can tell them apart
     rec = _plan_zb_h1()
     assert rec.plans[0].bubble == pytest.approx(want, abs=1e-9)
-    assert any(r.startswith("zb-h1 remat=none: the bubble weighs each op by its cost, F=1, ")
-               and "measured from the compiled executor" in r for r in rec.reasoning)
+    assert any(r.startswith("Pipeline bubbles weigh each op by its cost: F=1, ")
+               and "(zb-h1 remat=none)" in r and "measured from the compiled executor" in r
+               for r in rec.reasoning)
     out = rec.to_json()["op_costs"]["zb-h1 remat=none"]
     assert out["measured"] and out["W"] == pytest.approx(measured.as_dict()[W])
 
@@ -88,7 +89,8 @@ def test_without_two_cpu_devices_the_unit_costs_are_said():
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["bubble"] == pytest.approx(got["unit"], abs=1e-12)
-    said = [r for r in got["reasoning"] if r.startswith("zb-h1 remat=none: the bubble weighs")]
+    said = [r for r in got["reasoning"]
+            if r.startswith("Pipeline bubbles weigh each op by its cost") and "zb-h1" in r]
     assert said and "assumed unit costs, not measured" in said[0] \
         and "1 CPU device(s)" in said[0]
 

@@ -119,7 +119,9 @@ def train(run: RunConfig, note=print) -> TrainResult:
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)], strategy {trainer.strategy.name}, data "
-        f"{source.name} ({source.size})")
+        f"{source.name} ({source.size})"
+        + (f"; {cfg.lora.describe()}" if cfg.lora else "")
+        + (f", adapter from {run.adapter}" if run.adapter else ""))
     # The memory check's compile is the step's compile: reported as such, not as setup.
     compiled_here = not was_compiled and built.compiled.is_step_compiled
     loop = _Loop(built, source, resumed.ckpt, main, say,
