@@ -63,8 +63,9 @@ class Layout:
     """One replica's mesh (or one per replica), the replicas, and how they are chosen."""
 
     mesh: str = shared("mesh", "")
-    replicas: Optional[int] = spec(None, "split the devices into R replicas (default: 1, or "
-                                         "with --plan auto searched)")
+    replicas: Optional[int] = spec(None, "split the devices into R replicas (default: as many "
+                                         "as hold --mesh, 1 without it; with --plan auto "
+                                         "searched)")
     strategy: str = shared("strategy", SERVE_STRATEGY)
     # The prefill's attention across a context axis (docs/long_context.md).
     context_attention: str = shared("context_attention", "all-gather")

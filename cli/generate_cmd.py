@@ -63,8 +63,7 @@ def run(args) -> int:
         print(choice.describe(), file=sys.stderr)
     say = Progress("generate")
     src = config.source
-    with say(f"loading {src.model or src.model_dir or src.checkpoint} onto "
-             f"{config.layout.replicas or 1} replica(s)"):
+    with say(f"loading {src.model or src.model_dir or src.checkpoint}"):
         server = build_server(config, longest, max_new)
     lora = server.engines[0].cfg.lora
     if lora is not None:

@@ -88,7 +88,7 @@ def run(args) -> int:
         print(choice.describe(), file=sys.stdout if dry else sys.stderr, flush=True)
         if dry:
             return 0
-    with say(f"loading {_model_name(config)} onto {config.layout.replicas or 1} replica(s)"):
+    with say(f"loading {_model_name(config)}"):
         server = build_server(config, longest=longest, max_new_tokens=0)
     # The shortest prompt bucket and decode; longer buckets compile on use.
     with say("compiling the first prompt bucket and decode"):

@@ -66,7 +66,7 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     mesh_sizes = lay.mesh_sizes()
     strategy = dataclasses.replace(get_strategy(lay.strategy),
                                    context_attention=check_scheme(lay.context_attention))
-    meshes = replica_meshes(mesh_sizes, lay.replicas or 1, devices)
+    meshes = replica_meshes(mesh_sizes, lay.replicas, devices)
     pool = eng.pool.engine_kw()
     if not eng.skip_memory_check:
         cfg = source_config(src)

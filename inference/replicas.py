@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -25,12 +25,26 @@ def split_devices(devices: Sequence, replicas: int) -> list[list]:
     return [list(devices[i * k:(i + 1) * k]) for i in range(replicas)]
 
 
-def replica_meshes(mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]], replicas: int,
-                   devices=None) -> list:
+def default_replicas(mesh_sizes: Mapping[str, int], n_devices: int) -> int:
+    """``--replicas`` left out: as many replicas of ``--mesh`` as the devices hold (1 when the
+    mesh has a -1 axis or is not given, i.e. it fills the devices).
+
+    >>> default_replicas({"tensor": 2}, 8), default_replicas({}, 8)
+    (4, 1)
+    """
+    per = math.prod(mesh_sizes.values())
+    return n_devices // per if per > 0 and n_devices % per == 0 else 1
+
+
+def replica_meshes(mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
+                   replicas: Optional[int], devices=None) -> list:
     """One mesh per replica; ``mesh_sizes`` describes a single replica (missing axes are 1),
     or is a list with one layout per replica (e.g. ``[{"pipe": 2}, {"context": 2}]``), which
-    take consecutive devices."""
+    take consecutive devices. ``replicas`` None: ``default_replicas``."""
     devices = list(jax.devices() if devices is None else devices)
+    if replicas is None:
+        replicas = (1 if not isinstance(mesh_sizes, Mapping)
+                    else default_replicas(mesh_sizes, len(devices)))
     if not isinstance(mesh_sizes, Mapping):
         layouts = [dict(m) for m in mesh_sizes]
         if replicas not in (1, len(layouts)):
