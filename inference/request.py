@@ -16,6 +16,11 @@ class Result:
     request_id: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
+    # With ``SamplingConfig(logprobs=True)``: one ``{"logprob", "top"}`` per token
+    # (``inference.logprobs.row_entry``); with ``prompt_logprobs``: the prompt's, from its
+    # second token on.
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: Optional[list[dict]] = None
     finish_reason: str = ""                          # "stop", "length" or "cancelled"
     replica: int = -1
     slot: int = -1

@@ -114,7 +114,9 @@ class Server(Batching):
         ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
         not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
-        the serving thread with each generated token as it is sampled (streaming)."""
+        the serving thread with each generated token as it is sampled (streaming); with
+        ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
+        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``)."""
         prompt = self.engines[0].check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
