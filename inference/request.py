@@ -2,11 +2,20 @@
 loop's live state for it, and the error a full queue raises."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from triax.inference.engine import InferenceError
 from triax.inference.sampling import SamplingConfig
+
+
+def default_seed(prompt: Sequence[int]) -> int:
+    """A request's seed when it gives none: a hash of its prompt, so sampled text does not
+    depend on arrival order."""
+    return zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
 
 
 @dataclass

@@ -35,16 +35,14 @@ import collections
 import operator
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
-from triax.inference.request import QueueFullError, Result, _Live
+from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
@@ -125,7 +123,7 @@ class Server(Batching):
                                  f"{max_new_tokens!r}") from None
         self.engines[0].check_prompt(len(prompt), max_new_tokens)
         if seed is None:
-            seed = zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
+            seed = default_seed(prompt)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # a queued request is not cancellable
         with self._wake:
