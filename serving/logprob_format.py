@@ -1,6 +1,6 @@
 """Log-probabilities in OpenAI's two shapes: ``/v1/completions``' ``tokens``,
 ``token_logprobs``, ``top_logprobs`` (the top ``k`` and always the sampled token: up to
-``k + 1`` entries) and ``text_offset``; and ``/v1/chat/completions``' ``content`` list of
+``k + 1`` entries; of ids that decode to one text, the likeliest) and ``text_offset``; and ``/v1/chat/completions``' ``content`` list of
 ``{token, logprob, bytes, top_logprobs}``. A token's text is what it adds in context (the
 text of the few tokens before it and it, less theirs), so the pieces join into the text and
 ``text_offset`` indexes it (with ``echo``, the prompt's text first).
@@ -34,10 +34,15 @@ class LogprobWriter:
         return self._heads[key]
 
     def piece(self, i: int, token: Optional[int] = None) -> str:
-        """The text ``token`` (default: the token at ``i``) adds after the tokens before i."""
+        """The text ``token`` (default: the token at ``i``) adds after the tokens before i.
+        A character split over tokens counts for the token that completes it (the tokens
+        before it add ''), so the pieces of a sequence join into its text; an alternative
+        that would leave one incomplete reads U+FFFD."""
         before = self.ids[max(0, i - WINDOW):i]
-        token = self.ids[i] if token is None else token
-        return self.tokenizer.decode(before + [token])[len(self._decode(before)):]
+        full = self.tokenizer.decode(before + [self.ids[i] if token is None else token])
+        if token is None and i < len(self.ids) - 1:   # (the text may end incomplete)
+            full = full.rstrip("\ufffd")
+        return full[len(self._decode(before).rstrip("\ufffd")):]
 
     def _rows(self, start: int, entries: list) -> list[tuple[int, str, Optional[dict]]]:
         return [(i, self.piece(i), e) for i, e in enumerate(entries, start)]
@@ -67,7 +72,9 @@ class LogprobWriter:
                 out["top_logprobs"].append(None)
                 continue
             out["token_logprobs"].append(e["logprob"])
-            top = {self.piece(i, a): lp for a, lp in e["top"][:self.k]}
+            top: dict = {}
+            for a, lp in e["top"][:self.k]:   # two ids with one text: the likelier's
+                top.setdefault(self.piece(i, a), lp)
             top.setdefault(text, e["logprob"])   # the sampled token's, always
             out["top_logprobs"].append(top)
         return out
