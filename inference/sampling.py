@@ -172,6 +172,6 @@ def sample_step(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, ro
     that ask; ``seen = (history_BL, length_B, prompt_len_B)``, the tokens each row has
     seen), then ``sample``. Returns the tokens, or with ``rows["logprobs"]`` a dict of
     them and their log-probabilities under the model (``inference.logprobs``)."""
-    raw_BV = logits_BV.astype(jnp.float32)
-    tok_B = sample(adjust_logits(raw_BV, rows, seen), cfg, request_seeds_B, positions_B, rows)
-    return with_logprobs(raw_BV, tok_B, rows)
+    raw_BV, extra = logits_BV.astype(jnp.float32), rows or {}   # None: ``cfg`` for all
+    tok_B = sample(adjust_logits(raw_BV, extra, seen), cfg, request_seeds_B, positions_B, rows)
+    return with_logprobs(raw_BV, tok_B, extra)
