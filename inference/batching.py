@@ -138,6 +138,10 @@ class Batching:
         res = live.result
         sampling = live.sampling or self.engines[r].sampling
         stop = tok in sampling.stop_tokens
+        complete = False   # its grammar (structured output) took this token and ends
+        if not stop and sampling.constraint is not None:
+            sampling.constraint.advance(tok)
+            complete = sampling.constraint.finished
         if not stop:
             res.tokens.append(tok)
             if sampling.logprobs:
@@ -153,6 +157,6 @@ class Batching:
                         live.on_token(tok, now)
                 except Exception:  # a listener that fails (its client gone) ends its request
                     live.cancelled = True
-        if stop or len(res.tokens) >= live.max_new:
-            self._finish(live, "stop" if stop else "length", now)
+        if stop or complete or len(res.tokens) >= live.max_new:
+            self._finish(live, "stop" if stop or complete else "length", now)
 

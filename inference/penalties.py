@@ -1,6 +1,6 @@
 """Per-request logit controls, vLLM's semantics, applied on device inside the jitted step:
-``logit_bias`` (and ``min_tokens``, which bans a row's stop tokens until it has generated
-that many), then ``repetition_penalty`` on every token seen (prompt and output: a positive
+a grammar's allowed tokens (``TokenConstraint``: structured output), ``logit_bias`` (and
+``min_tokens``, which bans a row's stop tokens until it has generated that many), then ``repetition_penalty`` on every token seen (prompt and output: a positive
 logit divided by it, a negative one multiplied), ``frequency_penalty`` times each token's
 count in the output and ``presence_penalty`` once per token in the output, both subtracted.
 
@@ -18,12 +18,27 @@ padded to the engine's ``max_len``: one shape).
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax.numpy as jnp
 import numpy as np
 
 LOGIT_BIAS_MAX = 300      # OpenAI's limit on logit_bias entries
 BIAS_WIDTH = 320          # bias entries per row in a step: logit_bias plus min_tokens' bans
 PAD_ID = 2 ** 30          # an id beyond any vocabulary: its scatter is dropped
+
+
+class TokenConstraint(Protocol):
+    """A request's grammar state on the host: the tokens it allows next, as a bitmask of
+    ``⌈vocab / 32⌉`` int32 words (bit ``t % 32`` of word ``t // 32``: token t), advanced by
+    each accepted token; ``finished`` once it can take no more."""
+
+    def bitmask(self) -> np.ndarray: ...
+
+    def advance(self, token: int) -> None: ...
+
+    @property
+    def finished(self) -> bool: ...
 
 
 def _penalized(c) -> bool:
@@ -34,6 +49,11 @@ def penalty_rows(configs, generated) -> dict:
     """The per-row arrays of the controls any row of ``configs`` uses (none: ``{}``);
     ``generated[i]``: tokens row i generated so far (``min_tokens``)."""
     out = {}
+    masks = [c.constraint.bitmask() if c.constraint is not None else None for c in configs]
+    if any(m is not None for m in masks):   # unconstrained rows: every bit set
+        words = max(len(m) for m in masks if m is not None)
+        out["allowed"] = np.stack([np.full(words, -1, np.int32) if m is None else
+                                   np.asarray(m, np.int32) for m in masks])
     if any(_penalized(c) for c in configs):
         out["presence"] = np.array([c.presence_penalty for c in configs], np.float32)
         out["frequency"] = np.array([c.frequency_penalty for c in configs], np.float32)
@@ -57,6 +77,11 @@ def adjust_logits(logits_BV, rows: dict, seen=None):
     and ``prompt_len`` (decode steps)."""
     B, V = logits_BV.shape
     row_B1 = jnp.arange(B)[:, None]
+    if "allowed" in rows:   # the bitmask's bits, token by token (tokens past it: banned)
+        bits_BW32 = (rows["allowed"][:, :, None] >> jnp.arange(32, dtype=jnp.int32)[None, None]) & 1
+        allowed_BV = bits_BW32.reshape(B, -1)[:, :V] > 0
+        allowed_BV = jnp.pad(allowed_BV, ((0, 0), (0, V - allowed_BV.shape[1])))
+        logits_BV = jnp.where(allowed_BV, logits_BV, -jnp.inf)
     if "bias_ids" in rows:
         logits_BV = logits_BV.at[row_B1, rows["bias_ids"]].add(rows["bias"], mode="drop")
     if "presence" not in rows:

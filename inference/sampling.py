@@ -13,7 +13,8 @@ shares: results are independent of arrival order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +48,9 @@ class SamplingConfig:
     # ``TOP_LOGPROBS``), and of the prompt's own tokens (``echo``).
     logprobs: bool = False
     prompt_logprobs: bool = False
+    # A grammar this request's tokens must follow (``penalties.TokenConstraint``: one per
+    # request, advanced as its tokens are accepted); not part of the config's identity.
+    constraint: Optional[Any] = field(default=None, compare=False, hash=False)
 
     def __post_init__(self):
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b))

@@ -27,6 +27,7 @@ from triax.serving.metrics import Metrics
 from triax.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
 from triax.serving.runs import TIMEOUT_HEADER
+from triax.serving.structured import Grammars
 from triax.text.hf_tokenizer import HFTokenizer
 
 APIError = errors.APIError
@@ -47,6 +48,16 @@ class Serving:
 
     def __post_init__(self):
         self.metrics = Metrics(self.server)
+        self._grammars: Optional[Grammars] = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammars over this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            eng = self.server.engines[0]
+            self._grammars = Grammars(self.tokenizer, eng.cfg.vocab_size,
+                                      eng.sampling.stop_tokens)
+        return self._grammars
 
     @property
     def max_len(self) -> int:

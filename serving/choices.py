@@ -7,9 +7,10 @@ The request's controls become its ``SamplingConfig``: penalties, ``logit_bias``,
 own, its first token's null; ``max_tokens: 0`` scores the prompt and generates nothing)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -65,14 +66,17 @@ def sampling_for(st, req, logprobs: bool, prompt_logprobs: bool = False) -> Samp
 
 
 def start_runs(st, prompts: list[list[int]], count: int, n: int, sampling, max_new: int,
-               seed, stop, endpoint: str, timeout: float, keep: bool = True) -> list[Run]:
-    """``count`` runs per prompt (choice ``i·n + j``); all or none are submitted."""
+               seed, stop, endpoint: str, timeout: float, keep: bool = True,
+               per_run: Optional[Callable[[], SamplingConfig]] = None) -> list[Run]:
+    """``count`` runs per prompt (choice ``i·n + j``); all or none are submitted.
+    ``per_run``: each run's own sampling (a grammar's state is per choice)."""
     runs: list[Run] = []
     try:
         for i, p in enumerate(prompts):
             for j in range(count):
-                runs.append(Run(st, p, sampling, max_new, choice_seed(seed, p, j), stop,
-                                endpoint, timeout, index=i * n + j, keep=keep))
+                runs.append(Run(st, p, per_run() if per_run else sampling, max_new,
+                                choice_seed(seed, p, j), stop, endpoint, timeout,
+                                index=i * n + j, keep=keep))
     except BaseException:
         for r in runs:
             r.cancel()
@@ -187,8 +191,11 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
     sampling = sampling_for(st, req, logprobs=req.logprobs)
+    grammar = st.grammars.make(req.response_format) if req.response_format else None
+    per_run = grammar and (lambda: dataclasses.replace(sampling,
+                                                       constraint=st.grammars.state(grammar)))
     runs = start_runs(st, [prompt], req.n, req.n, sampling, max_tokens or DEFAULT_MAX_TOKENS,
-                      req.seed, req.stop_strings(), "chat", timeout)
+                      req.seed, req.stop_strings(), "chat", timeout, per_run=per_run)
     writer = {id(r): LogprobWriter(st.tokenizer, prompt, req.top_logprobs or 0) for r in runs}
     head = _head(st, chat=True)
 

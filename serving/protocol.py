@@ -12,7 +12,7 @@ server needs from them. OpenAI fields this server does not implement are refused
 """
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,7 +20,7 @@ from triax.inference.logprobs import TOP_LOGPROBS
 
 # OpenAI's fields that this server does not implement: a request naming one gets a 400
 # saying so (not "unknown field").
-UNSUPPORTED = ("suffix", "response_format", "tools", "tool_choice", "functions",
+UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions",
                "function_call", "audio", "modalities", "prediction", "web_search_options",
                "reasoning_effort", "service_tier", "store")
 MAX_N = 64   # choices one request may ask for (n, best_of)
@@ -97,6 +97,20 @@ class Message(_Strict):
             "".join(p.text for p in self.content)
 
 
+class JSONSchemaFormat(_Strict):
+    name: str = "response"
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Strict):
+    """``text``, ``json_object`` or ``json_schema`` (``serving.structured``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+
 class ChatRequest(_Sampled):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -104,6 +118,7 @@ class ChatRequest(_Sampled):
     top_logprobs: Optional[int] = Field(None, ge=0, le=TOP_LOGPROBS)
     parallel_tool_calls: Optional[bool] = None   # accepted: no tools here, nothing to call
     metadata: Optional[dict[str, str]] = None
+    response_format: Optional[ResponseFormat] = None
 
 
 class TokenizeRequest(_Strict):
