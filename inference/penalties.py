@@ -13,7 +13,7 @@ padded to the engine's ``max_len``: one shape).
     >>> from triax.inference.sampling import SamplingConfig
     >>> rows = penalty_rows([SamplingConfig(logit_bias=((3, 5.0),)), SamplingConfig()],
     ...                     np.zeros(2))
-    >>> rows["bias_ids"].shape, rows["bias_ids"][0, 0], float(rows["bias"][0, 0])
+    >>> rows["bias_ids"].shape, int(rows["bias_ids"][0, 0]), float(rows["bias"][0, 0])
     ((2, 320), 3, 5.0)
 """
 from __future__ import annotations
