@@ -194,6 +194,7 @@ class ServeConfig:
         return configs.from_flat(cls, flat)
 
     def replace(self, **flat) -> "ServeConfig":
+        """A copy with flat fields replaced, e.g. ``replace(slots=4)``."""
         return configs.replace_flat(self, **flat)
 
     def inert_flags(self, given) -> list[str]:
@@ -218,4 +219,5 @@ class ServeConfig:
                               seed=self.source.seed, stop_tokens=self.engine.stop_token)
 
     def to_json(self) -> dict:
+        """The config as nested plain dicts (its sections' fields)."""
         return dataclasses.asdict(self)

@@ -157,7 +157,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
         prompts, texts = _encode_prompts(st, req)
         return await choices.complete(st, req, prompts, texts, _timeout(st, request))
 
-    def _render(messages) -> str:
+    def _render(messages, tools=None) -> str:
         if st.chat is None:
             raise APIError(400, f"model {st.model_name!r} has no chat template (no "
                                 f"chat_template in its tokenizer_config.json); use "
@@ -165,13 +165,14 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
                                 f"tokenizer_config.json has one", param="messages",
                            code="no_chat_template")
         try:
-            return st.chat.render([{"role": m.role, "content": m.text()} for m in messages])
+            return st.chat.render([m.for_template() for m in messages], tools=tools)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="chat_template") from None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
-        text = _render(req.messages)
+        text = _render(req.messages, req.tools and [t.model_dump(exclude_none=True)
+                                                     for t in req.tools])
         _check(st, req)
         return await choices.chat(st, req, encode_rendered(st.tokenizer, text),
                                   _timeout(st, request))

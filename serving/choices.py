@@ -18,8 +18,10 @@ from triax.inference.request import default_seed
 from triax.inference.sampling import SamplingConfig, SamplingError
 from triax.serving.errors import APIError, sse
 from triax.serving.logprob_format import LogprobWriter
-from triax.serving.protocol import ChatRequest, CompletionRequest
+from triax.serving.protocol import ChatRequest, CompletionRequest, NamedToolChoice
 from triax.serving.runs import Run, merged
+from triax.serving.structured import schema_grammar
+from triax.serving.tool_calls import LLAMA_JSON, format_of, forced_schema, openai_calls, parse
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -182,6 +184,36 @@ async def complete(st, req: CompletionRequest, prompts: list[list[int]], texts: 
                              headers={"Cache-Control": "no-cache"})
 
 
+def _grammar_and_calls(st, req: ChatRequest) -> tuple[Optional[str], Optional[str]]:
+    """(the grammar decoding follows, the tool-call format answers are parsed in)."""
+    choice = req.tool_choice or ("auto" if req.tools else "none")
+    if choice != "none" and not req.tools:
+        raise APIError(400, "tool_choice needs tools", param="tool_choice", code="invalid_value")
+    named = isinstance(choice, NamedToolChoice)
+    if named and choice.function.name not in {t.function.name for t in req.tools}:
+        raise APIError(400, f"tool_choice names {choice.function.name!r}, which is not among "
+                            f"tools", param="tool_choice", code="invalid_value")
+    if not (named or choice == "required"):
+        grammar = st.grammars.make(req.response_format) if req.response_format else None
+        return grammar, format_of(st.chat.source) if choice == "auto" else None
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(400, "response_format and a forced tool_choice contradict; give one",
+                       param="response_format", code="invalid_value")
+    schema = forced_schema([t.model_dump(exclude_none=True) for t in req.tools],
+                           choice.model_dump() if named else choice)
+    return st.grammars.make(None, schema_grammar(schema)), LLAMA_JSON
+
+
+def _message(text: str, fmt: Optional[str]) -> tuple[dict, bool]:
+    """The assistant message for ``text`` (its tool calls parsed in ``fmt``); whether it
+    calls tools."""
+    content, calls = parse(text, fmt) if fmt else (text, [])
+    if not calls:
+        return {"role": "assistant", "content": text}, False
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": openai_calls(calls)}, True
+
+
 async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
     """``/v1/chat/completions``: the response (or its SSE stream) for the rendered prompt."""
     max_tokens = req.max_completion_tokens or req.max_tokens
@@ -191,7 +223,7 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs",
                        code="invalid_value")
     sampling = sampling_for(st, req, logprobs=req.logprobs)
-    grammar = st.grammars.make(req.response_format) if req.response_format else None
+    grammar, calls = _grammar_and_calls(st, req)
     per_run = grammar and (lambda: dataclasses.replace(sampling,
                                                        constraint=st.grammars.state(grammar)))
     runs = start_runs(st, [prompt], req.n, req.n, sampling, max_tokens or DEFAULT_MAX_TOKENS,
@@ -203,11 +235,12 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
         return {"content": writer[id(run)].chat(toks)} if req.logprobs else None
 
     if not req.stream:
-        texts = await _collect(runs)
-        return JSONResponse({**head, "choices": [
-            {"index": r.index, "message": {"role": "assistant", "content": t},
-             "logprobs": logprobs(r, r.entries), "finish_reason": r.finish}
-            for r, t in zip(runs, texts)], "usage": _usage([prompt], runs)})
+        out = []
+        for r, t in zip(runs, await _collect(runs)):
+            msg, called = _message(t, calls)
+            out.append({"index": r.index, "message": msg, "logprobs": logprobs(r, r.entries),
+                        "finish_reason": "tool_calls" if called else r.finish})
+        return JSONResponse({**head, "choices": out, "usage": _usage([prompt], runs)})
     head["object"] = "chat.completion.chunk"
 
     def chunk(run, delta: dict, finish=None, lp=None):
@@ -218,9 +251,23 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
         try:
             for r in runs:
                 yield chunk(r, {"role": "assistant", "content": ""})
+            held = {id(r): "" for r in runs}   # with tools: the answer is parsed at its end
             async for run, d, toks in merged(runs):
-                yield (chunk(run, {}, run.finish) if d is None else
-                       chunk(run, {"content": d}, None, logprobs(run, toks)))
+                if d is not None and calls is None:
+                    yield chunk(run, {"content": d}, None, logprobs(run, toks))
+                elif d is not None:
+                    held[id(run)] += d
+                elif calls is None:
+                    yield chunk(run, {}, run.finish)
+                else:
+                    msg, called = _message(held[id(run)], calls)
+                    if msg["content"]:
+                        yield chunk(run, {"content": msg["content"]}, None,
+                                    logprobs(run, run.entries))
+                    if called:
+                        yield chunk(run, {"tool_calls": [{"index": k, **c} for k, c in
+                                                         enumerate(msg["tool_calls"])]})
+                    yield chunk(run, {}, "tool_calls" if called else run.finish)
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage([prompt], runs)})
         except APIError as e:

@@ -20,7 +20,7 @@ from triax.inference.logprobs import TOP_LOGPROBS
 
 # OpenAI's fields that this server does not implement: a request naming one gets a 400
 # saying so (not "unknown field").
-UNSUPPORTED = ("suffix", "tools", "tool_choice", "functions",
+UNSUPPORTED = ("suffix", "functions",
                "function_call", "audio", "modalities", "prediction", "web_search_options",
                "reasoning_effort", "service_tier", "store")
 MAX_N = 64   # choices one request may ask for (n, best_of)
@@ -89,12 +89,42 @@ class TextPart(_Strict):
 
 class Message(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[TextPart]]
+    content: Optional[Union[str, list[TextPart]]] = None   # None: an assistant's tool calls
     name: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None      # an assistant's earlier calls
+    tool_call_id: Optional[str] = None                     # a tool's answer to one
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else \
-            "".join(p.text for p in self.content)
+            "".join(p.text for p in self.content or [])
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (Hugging Face's shape)."""
+        out = {"role": self.role, "content": self.text()}
+        out.update({k: v for k, v in (("name", self.name), ("tool_calls", self.tool_calls),
+                                       ("tool_call_id", self.tool_call_id)) if v is not None})
+        return out
+
+
+class Function(_Strict):
+    name: str
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: Function
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JSONSchemaFormat(_Strict):
@@ -119,6 +149,8 @@ class ChatRequest(_Sampled):
     parallel_tool_calls: Optional[bool] = None   # accepted: no tools here, nothing to call
     metadata: Optional[dict[str, str]] = None
     response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[Tool]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
 
 
 class TokenizeRequest(_Strict):

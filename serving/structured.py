@@ -25,9 +25,15 @@ from triax.serving.errors import APIError
 from triax.serving.protocol import ResponseFormat
 
 
+def schema_grammar(schema: dict) -> str:
+    """llguidance's grammar for JSON following ``schema`` (no optional whitespace)."""
+    import llguidance
+    return llguidance.LLMatcher.grammar_from_json_schema(
+        schema, defaults={"whitespace_flexible": False})
+
+
 def grammar_for(fmt: ResponseFormat) -> Optional[str]:
     """llguidance's grammar for a ``response_format`` (None: plain text)."""
-    import llguidance
     if fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -37,8 +43,7 @@ def grammar_for(fmt: ResponseFormat) -> Optional[str]:
                        param="response_format.json_schema", code="invalid_value")
     else:
         schema = fmt.json_schema.schema_
-    return llguidance.LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_flexible": False})
+    return schema_grammar(schema)
 
 
 class Grammar:
@@ -87,9 +92,10 @@ class Grammars:
                                                eos_token=list(self.eos) or None)
         return self._tok
 
-    def make(self, fmt: ResponseFormat) -> Optional[str]:
-        """The grammar text for ``fmt`` (checked now: a bad schema is a 400 before any run)."""
-        text = grammar_for(fmt)
+    def make(self, fmt: ResponseFormat, text: Optional[str] = None) -> Optional[str]:
+        """The grammar text for ``fmt`` (or the given ``text``), checked now: a bad schema is
+        a 400 before any run."""
+        text = grammar_for(fmt) if text is None else text
         if text is not None:
             Grammar(self._tokenizer(), text)
         return text

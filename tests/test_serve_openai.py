@@ -6,7 +6,8 @@ in-process forward pass (a single device, the full sequence, no cache) to 1e-5: 
 (``echo``), the generated tokens', the top alternatives; a harness-style multiple-choice
 scoring equals the model's log-likelihoods; penalties and logit_bias reproduce a numpy
 reference decode; n, best_of, seeds, min_tokens, ignore_eos; chat logprobs; structured
-output (every sample valid against its JSON schema); the utilities and the error shapes."""
+output (every sample valid against its JSON schema); tool calls forced by ``tool_choice``
+and parsed into ``tool_calls``; the utilities and the error shapes."""
 import asyncio
 import json
 import threading
@@ -32,6 +33,7 @@ from triax.mesh import make_mesh
 from triax.sharding.partition import abstract_model
 from triax.serving.app import create_app
 from triax.serving.chat_template import ChatTemplate
+from triax.serving.tool_calls import HERMES, LLAMA_JSON, parse
 
 MODEL = "llama-openai"
 TEMPLATE = ("{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}\n{% endfor %}"
@@ -326,6 +328,66 @@ def test_response_format_json_schema_holds_on_many_seeds(served):
     assert e.value.body["param"] == "response_format"
 
 
+def _tool(name, arg, values):
+    return {"type": "function", "function": {"name": name, "parameters": {
+        "type": "object", "additionalProperties": False, "required": [arg],
+        "properties": {arg: {"enum": values}}}}}
+
+
+TOOLS = [_tool("weather", "city", ["Rome", "Oslo"]), _tool("time", "zone", ["UTC"])]
+
+
+def test_tool_choice_forces_calls_parsed_into_tool_calls(served):
+    """A named function and ``required``: every sample is a call of an offered tool whose
+    arguments follow its schema (``finish_reason: tool_calls``), streamed as a tool-call
+    delta too; ``none`` calls nothing; a conversation with earlier calls renders."""
+    c = _client(served)
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "JSON"}], max_tokens=50,
+              temperature=1.0, tools=TOOLS)
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    named = c.chat.completions.create(n=4, seed=1, **kw, tool_choice={
+        "type": "function", "function": {"name": "weather"}})
+    required = c.chat.completions.create(n=8, seed=2, tool_choice="required", **kw)
+    for ch in named.choices + required.choices:
+        assert ch.finish_reason == "tool_calls" and ch.message.content is None
+        (call,) = ch.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), params[call.function.name])
+    assert {ch.message.tool_calls[0].function.name for ch in named.choices} == {"weather"}
+    assert {ch.message.tool_calls[0].function.name for ch in required.choices} <= set(params)
+    chunks = list(c.chat.completions.create(seed=3, tool_choice="required", stream=True, **kw))
+    (delta,) = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    jsonschema.validate(json.loads(delta.function.arguments), params[delta.function.name])
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    none = c.chat.completions.create(seed=1, tool_choice="none", **{**kw, "max_tokens": 4})
+    assert none.choices[0].message.tool_calls is None
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert c.chat.completions.create(model=MODEL, messages=history, max_tokens=2,
+                                     tools=TOOLS).choices[0].message.content is not None
+    with pytest.raises(openai.BadRequestError, match="not among tools"):
+        c.chat.completions.create(**kw, tool_choice={"type": "function",
+                                                     "function": {"name": "nope"}})
+
+
+def test_tool_call_formats_parse_and_templates_see_the_tools():
+    assert parse('<tool_call>\n{"name": "a", "arguments": {"x": [1]}}\n</tool_call>'
+                 '<tool_call>{"name": "b", "arguments": {}}</tool_call>', HERMES) == \
+        ("", [{"name": "a", "arguments": '{"x": [1]}'}, {"name": "b", "arguments": "{}"}])
+    assert parse("no call here", HERMES) == ("no call here", [])
+    assert parse('<tool_call>{"oops"</tool_call>', HERMES) == ('<tool_call>{"oops"</tool_call>',
+                                                              [])
+    assert parse('{"name": "f", "arguments": "{}"}', LLAMA_JSON) == \
+        ("", [{"name": "f", "arguments": "{}"}])
+    assert parse('{"not": "a call"}', LLAMA_JSON) == ('{"not": "a call"}', [])
+    t = ChatTemplate("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                     "{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert t.render([{"role": "user", "content": "hi"}], tools=TOOLS) == \
+        "[weather][time]hi"
+
+
 def test_tokenize_detokenize_and_models(served):
     url = served["url"]
     r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
@@ -350,9 +412,12 @@ def test_tokenize_detokenize_and_models(served):
      "invalid_value"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "suffix": "!"}, 400,
      "unsupported_field"),
-    ("POST", "/v1/chat/completions", {"model": MODEL, "tools": [{"type": "function"}],
+    ("POST", "/v1/chat/completions", {"model": MODEL, "functions": [],
                                       "messages": [{"role": "user", "content": "x"}]}, 400,
      "unsupported_field"),
+    ("POST", "/v1/chat/completions", {"model": MODEL, "tool_choice": "required",
+                                      "messages": [{"role": "user", "content": "x"}]}, 400,
+     "invalid_value"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "best_of": 3,
                                  "stream": True}, 400, "invalid_value"),
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"9999": 1}},
