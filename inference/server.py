@@ -38,7 +38,6 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
-
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
