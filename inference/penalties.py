@@ -118,10 +118,10 @@ class TokenHistory:
 
     def feed(self, slots, tokens) -> None:
         """Each slot in ``slots`` was fed ``tokens[slot]`` (a generated token)."""
-        for s in slots:
-            if self.length[s] < self.tokens.shape[1]:
-                self.tokens[s, self.length[s]] = tokens[s]
-            self.length[s] += 1
+        slots = np.asarray(slots, np.int64)
+        fits = slots[self.length[slots] < self.tokens.shape[1]]
+        self.tokens[fits, self.length[fits]] = np.asarray(tokens)[fits]
+        self.length[slots] += 1
 
     def generated(self, slots, real) -> np.ndarray:
         """Tokens each of a decode step's rows has generated (``real``: not padding)."""
