@@ -43,8 +43,10 @@ class Run:
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
-        except ContextLengthError as e:   # the one context check: the engine's
-            raise APIError(400, str(e), param="max_tokens" if e.fits else "prompt",
+        except ContextLengthError as e:   # the engine's one context check, in the
+            # HTTP field's name
+            raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"),
+                           param="max_tokens" if e.fits else "prompt",
                            code="context_length_exceeded") from None
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
