@@ -168,12 +168,15 @@ class HTTP:
     served_model_name: Optional[str] = spec(None, "the model name requests give",
                                             default_help="--model's preset, or --model-dir's "
                                                          "folder name")
+    max_request_bytes: int = spec(16 * 2 ** 20, "a request body's bytes at most; a larger "
+                                                 "one gets 413")
 
     def __post_init__(self):
         check_fields(self, {
             "port": ("in 0..65535", lambda v: 0 <= v <= 65535, "give a free port, e.g. --port "
                                                                "8000 (0: any)"),
-            "request_timeout": (*GT0, "give seconds, e.g. --request-timeout 600")})
+            "request_timeout": (*GT0, "give seconds, e.g. --request-timeout 600"),
+            "max_request_bytes": (*GE1, "give bytes, e.g. --max-request-bytes 16777216")})
 
 
 @dataclass(frozen=True)

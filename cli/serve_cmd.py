@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_flags(p, HTTP, ["host", "port"])
     add_flags(p, ServeConfig, ["max_len", "max_queue"], DEFAULTS)
-    add_flags(p, HTTP, ["request_timeout", "served_model_name"])
+    add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes"])
     p.set_defaults(func=run)
 
 
@@ -105,7 +105,7 @@ def run(args) -> int:
                                             if config.source.adapter else "")
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
-                     layout)
+                     layout, config.http.max_request_bytes)
 
     class Uvicorn(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -16,6 +16,7 @@ import numpy as np
 
 from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine, InferenceError
+from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
 from triax.inference.request import _Live
 
 
@@ -87,16 +88,18 @@ class Batching:
             launched.append((r, slots, batch, toks))
         for r, slots, batch, toks in launched:
             try:
-                toks = np.asarray(toks)
+                toks, extra = split_tokens(toks)
             except Exception as e:  # an asynchronous device error surfaces here
                 self._engine_failed(r, batch, e)
                 continue
             now = time.perf_counter()
-            for slot, live, tok in zip(slots, batch, toks):
+            for i, (slot, live, tok) in enumerate(zip(slots, batch, toks)):
                 live.result.replica, live.result.slot, live.result.first_token = r, slot, now
                 self.slot_uses[r][slot] += 1
                 self.stats["prefill_tokens"] += len(live.result.prompt)
-                self._accept(r, slot, int(tok), now)
+                if live.sampling is not None and live.sampling.prompt_logprobs:
+                    live.result.prompt_logprobs = prompt_entry(extra, i, len(live.result.prompt))
+                self._accept(r, slot, int(tok), now, row_entry(extra, i))
         return len(launched)
 
     def _decode_all(self) -> int:
@@ -115,32 +118,45 @@ class Batching:
                 self._engine_failed(r, [s for s in live if s is not None], e)
         for r, active, live, toks in launched:
             try:
-                toks = np.asarray(toks)
+                toks, extra = split_tokens(toks)
             except Exception as e:
                 self._engine_failed(r, [s for s in live if s is not None], e)
                 continue
             now = time.perf_counter()
             for slot in np.flatnonzero(active):
                 self.stats["decode_tokens"] += 1
-                self._accept(r, int(slot), int(toks[slot]), now)
+                self._accept(r, int(slot), int(toks[slot]), now, row_entry(extra, int(slot)))
         return len(launched)
 
-    def _accept(self, r: int, slot: int, tok: int, now: float) -> None:
-        """Record a sampled token; finish the request (freeing its slot) on stop or length."""
+    def _accept(self, r: int, slot: int, tok: int, now: float, logprob=None) -> None:
+        """Record a sampled token (and its ``logprob`` entry, for requests that ask); finish
+        the request (freeing its slot) on stop or length."""
         live = self.slots[r][slot]
         if live.cancelled:
             self._finish(live, "cancelled", now)
             return
         res = live.result
-        stop = tok in (live.sampling or self.engines[r].sampling).stop_tokens
+        sampling = live.sampling or self.engines[r].sampling
+        stop = tok in sampling.stop_tokens
+        complete = False   # its grammar (structured output) took this token and ends
+        if not stop and sampling.constraint is not None:
+            sampling.constraint.advance(tok)
+            complete = sampling.constraint.finished
         if not stop:
             res.tokens.append(tok)
+            if sampling.logprobs:
+                res.logprobs.append(logprob)
             self.stats["generated_tokens"] += 1
             if live.on_token is not None:
                 try:
-                    live.on_token(tok, now)
+                    if sampling.logprobs:   # (the prompt's come with the first token)
+                        first = len(res.tokens) == 1 and res.prompt_logprobs is not None
+                        live.on_token(tok, now, {**logprob, "prompt": res.prompt_logprobs}
+                                      if first else logprob)
+                    else:
+                        live.on_token(tok, now)
                 except Exception:  # a listener that fails (its client gone) ends its request
                     live.cancelled = True
-        if stop or len(res.tokens) >= live.max_new:
-            self._finish(live, "stop" if stop else "length", now)
+        if stop or complete or len(res.tokens) >= live.max_new:
+            self._finish(live, "stop" if stop or complete else "length", now)
 

@@ -44,7 +44,9 @@ from triax.inference.forward import check_pipeline, pipelined_forward, plain_for
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.kv_pool import (CACHE_DTYPE, decode_microbatches, kv_pool, scratch_layout,
                                      split_context)
-from triax.inference.sampling import SamplingConfig, row_settings, sample
+from triax.inference.logprobs import prompt_logprobs, scatter_rows
+from triax.inference.penalties import TokenHistory
+from triax.inference.sampling import SamplingConfig, row_settings, sample_step
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import write_scratch
@@ -129,6 +131,7 @@ class Engine:
                            self.pool.max_blocks)
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
+        self.history = TokenHistory(B, ecfg.max_len)   # what each slot saw (penalties)
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7, 9))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
@@ -191,7 +194,11 @@ class Engine:
         logits_bTV, tmp = self._fwd(params, jnp.take(tokens_bT, order, axis=1), positions, tmp)
         last_b = index[lengths_b - 1]
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
-        tok = sample(last_bV, rule, seeds_b, lengths_b, rows)
+        tok = sample_step(last_bV, rule, seeds_b, lengths_b, rows,
+                          seen=(tokens_bT, lengths_b, lengths_b))
+        if rows is not None and "prompt_logprobs" in rows:   # echo: in token order
+            lp = prompt_logprobs(jnp.take(logits_bTV, index, axis=1), tokens_bT)
+            tok = {**(tok if isinstance(tok, dict) else {"token": tok}), **lp}
         group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         # striped over context where the pool is (no communication: models.decode)
         cache = write_scratch(cache, tmp, table_bM, group_b,
@@ -213,11 +220,11 @@ class Engine:
                                           paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},
                                                  self.cache_sharding)
-        tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
+        tok = sample_step(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         if slots_B is None:
             return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)
         n = self.ecfg.max_batch
-        tok_n = jnp.zeros(n, tok.dtype).at[slots_B].set(tok, mode="drop")
+        tok_n = scatter_rows(tok, slots_B, n)
         if not with_logits:
             return cache, tok_n
         logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
@@ -231,7 +238,7 @@ class Engine:
         """Per-row sampling arrays for ``n`` rows: each request's own settings, the engine's
         default for the rest (padding rows and callers that give none)."""
         given = list(settings or ())
-        return row_settings(given + [self.sampling] * (n - len(given)))
+        return row_settings(given + [self.sampling] * (n - len(given)), prefill=True)
 
     # ---- host API ------------------------------------------------------------------------------
     def check_prompt(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -298,7 +305,8 @@ class Engine:
         self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
             self._rows(b, settings), with_logits)
-        return tuple(x[:n] for x in out) if with_logits else out[0][:n]
+        return tuple(jax.tree.map(lambda x: x[:n], x) for x in out) if with_logits else \
+            jax.tree.map(lambda x: x[:n], out[0])
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
@@ -316,6 +324,8 @@ class Engine:
             if self.kv.held[s]:
                 self.release(s)
             self.kv.grow(s, n)
+        for s, p in zip(slots, prompts):
+            self.history.start(s, p)
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
         out = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings,
                                 with_logits)
@@ -368,12 +378,13 @@ class Engine:
         pick = lambda a: np.where(real, np.asarray(a)[s], 0).astype(np.int32)  # noqa: E731
         table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
         given = list(settings) if settings else [self.sampling] * B
+        configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
         self.compiles["decode"].add(rows.shape)
         self.cache, *out = self._decode_jit(
             self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-            self._rule(), row_settings([given[i] if r else self.sampling
-                                        for i, r in zip(s, real)]), rows.astype(np.int32),
-            with_logits)
+            self._rule(), self.history.seen_rows(
+                row_settings(configs, self.history.generated(s, real)), s, real),
+            rows.astype(np.int32), with_logits)
         return tuple(out) if with_logits else out[0]
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
@@ -391,6 +402,7 @@ class Engine:
         for s in np.flatnonzero(active):   # the new token's position needs its block
             self.kv.grow(int(s), int(self.lengths[s]) + 1)
         positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
+        self.history.feed(np.flatnonzero(active), tokens)
         out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
                                seeds, settings, with_logits)
         self.lengths[active] += 1

@@ -2,11 +2,20 @@
 loop's live state for it, and the error a full queue raises."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from triax.inference.engine import InferenceError
 from triax.inference.sampling import SamplingConfig
+
+
+def default_seed(prompt: Sequence[int]) -> int:
+    """A request's seed when it gives none: a hash of its prompt, so sampled text does not
+    depend on arrival order."""
+    return zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
 
 
 @dataclass
@@ -16,6 +25,11 @@ class Result:
     request_id: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
+    # With ``SamplingConfig(logprobs=True)``: one ``{"logprob", "top"}`` per token
+    # (``inference.logprobs.row_entry``); with ``prompt_logprobs``: the prompt's, from its
+    # second token on.
+    logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: Optional[list[dict]] = None
     finish_reason: str = ""                          # "stop", "length" or "cancelled"
     replica: int = -1
     slot: int = -1

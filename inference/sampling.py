@@ -1,4 +1,7 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p, seeded per request.
+"""Next-token sampling: greedy, temperature, top-k, top-p, seeded per request; each
+request's penalties and logit bias (``inference.penalties``) and log-probabilities
+(``inference.logprobs``) ride in the same per-row arrays, so none of them recompiles per
+request.
 
 Each row draws with its own key, ``fold_in(fold_in(PRNGKey(seed), request_seed), position)``,
 so a request's tokens depend only on the request, never on which slot, replica or batch it
@@ -10,11 +13,15 @@ shares: results are independent of arrival order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from triax.inference.logprobs import logprob_rows, with_logprobs
+from triax.inference.penalties import BIAS_WIDTH, LOGIT_BIAS_MAX, adjust_logits, penalty_rows
 
 
 class SamplingError(ValueError):
@@ -30,8 +37,44 @@ class SamplingConfig:
     top_p: float = 1.0      # 1.0: no nucleus filter
     seed: int = 0
     stop_tokens: tuple[int, ...] = ()
+    # Per-request controls (vLLM's semantics; ``inference.penalties``): penalties on the
+    # tokens seen so far, a bias per token id, and the tokens before a stop token may end it.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # Log-probabilities (``inference.logprobs``): of each sampled token (and the top
+    # ``TOP_LOGPROBS``), and of the prompt's own tokens (``echo``).
+    logprobs: bool = False
+    prompt_logprobs: bool = False
+    # A grammar this request's tokens must follow (``penalties.TokenConstraint``: one per
+    # request, advanced as its tokens are accepted); not part of the config's identity.
+    constraint: Optional[Any] = field(default=None, compare=False, hash=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b))
+                                                     for t, b in self.logit_bias))
+        object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            if not lo <= getattr(self, name) <= hi:
+                raise SamplingError(f"{name} must be in [{lo:g}, {hi:g}] (0 disables it), got "
+                                    f"{getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise SamplingError(f"repetition_penalty must be > 0 (1 disables it), got "
+                                f"{self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise SamplingError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        bad = [(t, b) for t, b in self.logit_bias if not -100 <= b <= 100]
+        if bad:
+            raise SamplingError(f"logit_bias values must be in [-100, 100], got {bad[0][1]} "
+                                f"for token {bad[0][0]}")
+        need = len(self.logit_bias) + (len(self.stop_tokens) if self.min_tokens else 0)
+        if len(self.logit_bias) > LOGIT_BIAS_MAX or need > BIAS_WIDTH:
+            raise SamplingError(f"logit_bias has {len(self.logit_bias)} entries (with "
+                                f"min_tokens, plus {len(self.stop_tokens)} stop tokens): at "
+                                f"most {LOGIT_BIAS_MAX} (and {BIAS_WIDTH} with the stop "
+                                f"tokens); bias fewer tokens")
         if self.temperature < 0:
             raise SamplingError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if self.top_k < 0:
@@ -114,8 +157,25 @@ def sample(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows=No
     return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
 
 
-def row_settings(configs) -> dict:
-    """Per-row sampling arrays for ``sample(rows=...)`` from one ``SamplingConfig`` per row."""
-    return {"temperature": np.array([c.temperature for c in configs], np.float32),
+def row_settings(configs, generated=None, prefill: bool = False) -> dict:
+    """Per-row sampling arrays for ``sample(rows=...)`` from one ``SamplingConfig`` per row;
+    with penalties, bias or logprobs in any row, their arrays too (``generated``: each row's
+    tokens generated so far, for ``min_tokens``; default none; ``prefill``: the prompt's
+    log-probabilities too, for rows that ask)."""
+    configs = list(configs)
+    rows = {"temperature": np.array([c.temperature for c in configs], np.float32),
             "top_k": np.array([c.top_k for c in configs], np.int32),
             "top_p": np.array([c.top_p for c in configs], np.float32)}
+    gen = np.zeros(len(configs), np.int64) if generated is None else np.asarray(generated)
+    return {**rows, **penalty_rows(configs, gen), **logprob_rows(configs, prefill)}
+
+
+def sample_step(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows,
+                seen=None):
+    """The engine's sampling inside a jitted step: penalties and bias on the logits (rows
+    that ask; ``seen = (history_BL, length_B, prompt_len_B)``, the tokens each row has
+    seen), then ``sample``. Returns the tokens, or with ``rows["logprobs"]`` a dict of
+    them and their log-probabilities under the model (``inference.logprobs``)."""
+    raw_BV, extra = logits_BV.astype(jnp.float32), rows or {}   # None: ``cfg`` for all
+    tok_B = sample(adjust_logits(raw_BV, extra, seen), cfg, request_seeds_B, positions_B, rows)
+    return with_logprobs(raw_BV, tok_B, extra)

@@ -35,16 +35,13 @@ import collections
 import operator
 import threading
 import time
-import zlib
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
-
-import numpy as np
 
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
-from triax.inference.request import QueueFullError, Result, _Live
+from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
@@ -118,7 +115,9 @@ class Server(Batching):
         ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
         not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
-        the serving thread with each generated token as it is sampled (streaming)."""
+        the serving thread with each generated token as it is sampled (streaming); with
+        ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
+        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``)."""
         prompt = self.engines[0].check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
@@ -127,7 +126,7 @@ class Server(Batching):
                                  f"{max_new_tokens!r}") from None
         self.engines[0].check_prompt(len(prompt), max_new_tokens)
         if seed is None:
-            seed = zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
+            seed = default_seed(prompt)
         fut: Future = Future()
         fut.set_running_or_notify_cancel()  # a queued request is not cancellable
         with self._wake:

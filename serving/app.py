@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP layer (FastAPI) over one ``inference.Server``.
 
-The ``Server`` stays the one serving core: each request is ``submit``-ted with its own
-sampling and an ``on_token`` callback that feeds an asyncio queue, so streamed and
-non-streamed answers come from the same tokens. Stop strings, timeouts and client
-disconnects end a request through ``Server.cancel``, which frees its slot.
+The ``Server`` stays the one serving core: each choice of a request is ``submit``-ted with
+its own sampling and an ``on_token`` callback that feeds an asyncio queue
+(``serving.runs``), so streamed and non-streamed answers come from the same tokens; the
+completions and chat endpoints are ``serving.choices``. Besides them: ``/v1/models``,
+``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/health`` and ``/metrics``.
 ``create_app(server, tokenizer, "tiny")`` gives the ASGI app; ``triax serve`` runs it on
 uvicorn (tests/test_serve_core.py drives it with FastAPI's ``TestClient``).
 """
@@ -11,29 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import time
-import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from triax.inference.errors import ContextLengthError, InferenceError
-from triax.inference.sampling import SamplingConfig, SamplingError
-from triax.inference.request import QueueFullError
+from triax.inference.errors import InferenceError
 from triax.inference.server import Server
-from triax.serving import errors
+from triax.serving import choices, errors
 from triax.serving.chat_template import ChatTemplate, ChatTemplateError
-from triax.serving.detokenize import Detokenizer
 from triax.serving.metrics import Metrics
-from triax.serving.protocol import ChatRequest, CompletionRequest
+from triax.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest)
+from triax.serving.runs import TIMEOUT_HEADER
+from triax.serving.structured import Grammars
 from triax.text.hf_tokenizer import HFTokenizer
 
 APIError = errors.APIError
-TIMEOUT_HEADER = "x-request-timeout"  # seconds; may only lower the server's --request-timeout
 
 
 @dataclass
@@ -51,6 +48,16 @@ class Serving:
 
     def __post_init__(self):
         self.metrics = Metrics(self.server)
+        self._grammars: Optional[Grammars] = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammars over this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            eng = self.server.engines[0]
+            self._grammars = Grammars(self.tokenizer, eng.cfg.vocab_size,
+                                      eng.sampling.stop_tokens)
+        return self._grammars
 
     @property
     def max_len(self) -> int:
@@ -65,95 +72,11 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     return [int(t) for t in tokenizer.encode(text)]
 
 
-class _Run:
-    """One submitted request: its queue of tokens and its detokenizer."""
-
-    def __init__(self, st: Serving, prompt: list[int], req, endpoint: str, timeout: float):
-        self.st, self.prompt, self.req, self.endpoint = st, prompt, req, endpoint
-        self.detok = Detokenizer(st.tokenizer, req.stop_strings())
-        self.queue: asyncio.Queue = asyncio.Queue()
-        self.deadline = time.monotonic() + timeout
-        self.timeout, self.done, self.finish = timeout, False, ""
-        self.submitted = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
-        eng = st.server.engines[0]
-        try:
-            sampling = SamplingConfig(temperature=req.temperature, top_k=req.top_k,
-                                      top_p=req.top_p, seed=eng.sampling.seed,
-                                      stop_tokens=eng.sampling.stop_tokens + req.stop_ids())
-            self.rid = st.server.submit(prompt, req.max_tokens, seed=req.seed,
-                                        sampling=sampling, on_token=lambda t, s: put((t, s)))
-        except QueueFullError as e:
-            st.metrics.rejected.labels("429").inc()
-            raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
-        except ContextLengthError as e:   # the one context check: the engine's
-            raise APIError(400, str(e), param="max_tokens" if e.fits else "prompt",
-                           code="context_length_exceeded") from None
-        except (InferenceError, SamplingError) as e:
-            raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
-        st.server.future(self.rid).add_done_callback(lambda f: put(None))
-
-    async def deltas(self) -> AsyncIterator[str]:
-        """Text as it becomes final; sets ``finish``. Raises ``APIError`` on a timeout or an
-        engine failure; cancels the request if the caller stops listening."""
-        m, last = self.st.metrics, None
-        try:
-            while True:
-                left = self.deadline - time.monotonic()
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), max(left, 0.0))
-                except TimeoutError:
-                    raise APIError(408, f"the request ran past its timeout of "
-                                        f"{self.timeout:g} s; raise it with the "
-                                        f"{TIMEOUT_HEADER} header or the server's "
-                                        f"--request-timeout, or lower max_tokens",
-                                   code="timeout") from None
-                if item is None:
-                    break
-                tok, t = item
-                (m.ttft.observe(t - self.submitted) if last is None else m.itl.observe(t - last))
-                last = t
-                delta = self.detok.push(tok)
-                if delta:
-                    yield delta
-                if self.detok.stopped:
-                    self.st.server.cancel(self.rid)
-                    self.finish = "stop"
-                    break
-            if not self.finish:
-                try:
-                    res = self.st.server.future(self.rid).result(0)
-                except Exception as e:  # the engine failed on this request
-                    raise APIError(500, f"generation failed: {e}", code="engine_error") \
-                        from None
-                self.finish = "stop" if res.finish_reason == "stop" else "length"
-                m.requests.labels(self.endpoint, self.finish, str(res.replica)).inc()
-                tail = self.detok.flush()
-                if tail:
-                    yield tail
-            else:
-                m.requests.labels(self.endpoint, self.finish, "").inc()
-            m.latency.observe(time.perf_counter() - self.submitted)
-            self.done = True
-        finally:
-            if not self.done:  # timeout, failure or a client that left
-                self.st.server.cancel(self.rid)
-
-    def usage(self) -> dict:
-        n = len(self.detok.tokens)
-        return {"prompt_tokens": len(self.prompt), "completion_tokens": n,
-                "total_tokens": len(self.prompt) + n}
-
-
 def _check(st: Serving, req) -> None:
-    if req.model != st.model_name:
+    if req.model is not None and req.model != st.model_name:
         raise APIError(404, f"model {req.model!r} is not served here; this server serves "
                             f"{st.model_name!r} (GET /v1/models)", param="model",
                        code="model_not_found")
-    if req.n != 1:
-        raise APIError(400, f"n={req.n}: this server returns one choice per request; send "
-                            f"n=1 (or several requests)", param="n", code="unsupported")
 
 
 def _timeout(st: Serving, request: Request) -> float:
@@ -171,53 +94,28 @@ def _timeout(st: Serving, request: Request) -> float:
     return min(value, st.request_timeout)
 
 
-def _sse(obj) -> str:
-    return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _respond(st: Serving, run: _Run, chat: bool):
-    """The non-streamed answer, or the SSE stream of OpenAI chunks ending ``[DONE]``."""
-    head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": st.model_name}
-    if not run.req.stream:
-        text = "".join([d async for d in run.deltas()])
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text},
-                   "logprobs": None, "finish_reason": run.finish} if chat else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": run.finish})
-        return JSONResponse({**head, "choices": [choice], "usage": run.usage()})
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
-
-    def chunk(delta: Optional[str], finish=None, first=False) -> dict:
-        if chat:
-            d = ({"role": "assistant", "content": ""} if first else
-                 {} if delta is None else {"content": delta})
-            c = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+def _encode_prompts(st: Serving, req: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+    """Each prompt's token ids and its text (``echo`` returns it)."""
+    ids, texts = [], []
+    for p in req.prompts():
+        if isinstance(p, str):
+            ids.append([int(t) for t in st.tokenizer.encode(p)])
+            texts.append(p)
         else:
-            c = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
-        return {**head, "choices": [c]}
-
-    async def events():
-        try:
-            if chat:
-                yield _sse(chunk(None, first=True))
-            async for d in run.deltas():
-                yield _sse(chunk(d))
-            yield _sse(chunk(None, run.finish))
-            if run.req.include_usage:
-                yield _sse({**head, "choices": [], "usage": run.usage()})
-        except APIError as e:  # the status line is sent: the error goes in the stream
-            yield _sse(e.body())
-        yield "data: [DONE]\n\n"
-
-    return StreamingResponse(events(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+            try:
+                ids.append(st.server.engines[0].check_token_ids(p))
+            except InferenceError as e:
+                raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
+            texts.append(st.tokenizer.decode(list(p)) if req.echo else "")
+    return ids, texts
 
 
 def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTemplate] = None,
-               request_timeout: float = 600.0, layout: str = ""):
+               request_timeout: float = 600.0, layout: str = "",
+               max_request_bytes: int = errors.MAX_BODY_BYTES):
     """The FastAPI app; its lifespan starts ``server`` serving and, at shutdown (SIGTERM), stops
-    admitting and finishes what is in flight before returning."""
+    admitting and finishes what is in flight before returning. A request body over
+    ``max_request_bytes`` is answered 413."""
     st = Serving(server, tokenizer, model_name, chat, request_timeout, layout)
 
     @contextlib.asynccontextmanager
@@ -234,6 +132,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
     app = FastAPI(title="triax", lifespan=lifespan)
     app.state.serving = st
     errors.install(app)
+    app.add_middleware(errors.BodyLimit, limit=max_request_bytes)
 
     @app.get("/health")
     async def health():
@@ -254,14 +153,11 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        prompt = (list(req.prompt) if isinstance(req.prompt, list) else
-                  [int(t) for t in st.tokenizer.encode(req.prompt)])
         _check(st, req)
-        return await _respond(st, _Run(st, prompt, req, "completions", _timeout(st, request)),
-                              chat=False)
+        prompts, texts = _encode_prompts(st, req)
+        return await choices.complete(st, req, prompts, texts, _timeout(st, request))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest, request: Request):
+    def _render(messages, tools=None) -> str:
         if st.chat is None:
             raise APIError(400, f"model {st.model_name!r} has no chat template (no "
                                 f"chat_template in its tokenizer_config.json); use "
@@ -269,13 +165,35 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
                                 f"tokenizer_config.json has one", param="messages",
                            code="no_chat_template")
         try:
-            text = st.chat.render([{"role": m.role, "content": m.text()}
-                                   for m in req.messages])
+            return st.chat.render([m.for_template() for m in messages], tools=tools)
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages", code="chat_template") from None
-        prompt = encode_rendered(st.tokenizer, text)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        text = _render(req.messages, req.tools and [t.model_dump(exclude_none=True)
+                                                     for t in req.tools])
         _check(st, req)
-        return await _respond(st, _Run(st, prompt, req, "chat", _timeout(st, request)),
-                              chat=True)
+        return await choices.chat(st, req, encode_rendered(st.tokenizer, text),
+                                  _timeout(st, request))
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        _check(st, req)
+        if req.prompt is not None:
+            ids = ([int(t) for t in st.tokenizer.encode(req.prompt)]
+                   if req.add_special_tokens else encode_rendered(st.tokenizer, req.prompt))
+        else:
+            ids = encode_rendered(st.tokenizer, _render(req.messages))
+        return {"count": len(ids), "max_model_len": st.max_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        _check(st, req)
+        try:
+            ids = st.server.engines[0].check_token_ids(req.tokens)
+        except InferenceError as e:
+            raise APIError(400, str(e), param="tokens", code="invalid_value") from None
+        return {"prompt": st.tokenizer.decode(ids)}
 
     return app

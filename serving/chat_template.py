@@ -43,13 +43,16 @@ class ChatTemplate:
             self.template = env.from_string(source)
         except jinja2.TemplateSyntaxError as e:
             raise ChatTemplateError(f"the chat template does not parse: {e}") from None
-        self.special_tokens = special_tokens
+        self.special_tokens, self.source = special_tokens, source
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               tools: Optional[list[dict]] = None) -> str:
+        """The prompt text; ``tools`` (OpenAI's tool dicts) as the template's ``tools``."""
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self.template.render(messages=messages,
                                         add_generation_prompt=add_generation_prompt,
-                                        **self.special_tokens)
+                                        **extra, **self.special_tokens)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:

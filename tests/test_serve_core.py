@@ -100,6 +100,7 @@ def test_a_request_beyond_the_context_gets_a_400_naming_what_fits():
             return err
         err = error([1, 2, 3], 70)           # 3 + 70 - 1 = 72 positions of 64
         assert err["param"] == "max_tokens" and "at most 62" in err["message"], err
+        assert "lower max_tokens" in err["message"], err     # the HTTP field's name
         err = error(list(range(1, 71)), 1)   # the prompt alone: no max_tokens fits
         assert err["param"] == "prompt", err
         assert "longer than the context of 64 cached positions" in err["message"], err

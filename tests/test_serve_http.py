@@ -202,7 +202,7 @@ def test_stop_strings_and_stop_token_ids(served):
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "llama-chat"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_LEN + 8}, 400, "max_tokens",
      f"context of {MAX_LEN}"),
-    ({"model": MODEL, "prompt": "hi", "n": 2}, 400, "n", "n=1"),
+    ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
     ({"model": MODEL, "prompt": [5, 999]}, 400, "prompt", "vocabulary"),
     ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature", "0"),
 ])
