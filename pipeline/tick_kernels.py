@@ -172,19 +172,27 @@ def backward_input(t: Tick, c: Carry, w: Carry) -> Carry:
     cut for W over the residuals only it reads."""
     s, row = t.step, t.row
 
-    def run(stash):
+    def run(ops):
+        stash, acc = ops
         stored = s.layout.read(stash, row.stash_r, row.head_r)
-        return s.sb.backward_input(stored, t.chunk(), s.pieces, t.extras(), t.dy(c), t.dloss)
+        d_pieces, dx, cut = s.sb.backward_input(stored, t.chunk(), s.pieces, t.extras(),
+                                                t.dy(c), t.dloss)
+        return _add_pieces(acc, d_pieces), dx, cut
+
+    def skip(ops):
+        _, dx, cut = jax.tree.map(jnp.zeros_like, jax.eval_shape(run, ops))
+        return ops[1], dx, cut
     # The cut overwrites cells B_in reads, so every read must come first: B_in runs as one
     # conditional (on a flag true here) whose outputs are written after it. A barrier does
     # not hold on XLA:CPU: fusion moves a read past the write, and XLA then copies the whole
-    # cell buffer each tick to keep the read valid.
+    # cell buffer each tick to keep the read valid. The pre/post-stack's gradients are summed
+    # inside it, into the accumulator it carries: returned fresh, the head's (embedding and
+    # unembedding, vocab-sized) would each hold a buffer of their own across the tick.
     with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as B_in's own
-        d_pieces, dx, cut = jax.lax.cond(
-            t.on[OpKind.B_IN] > 0, run,
-            lambda _: jax.tree.map(jnp.zeros_like, jax.eval_shape(run, w.stash)), w.stash)
+        acc_pieces, dx, cut = jax.lax.cond(t.on[OpKind.B_IN] > 0, run, skip,
+                                           (w.stash, w.acc_pieces))
     return replace(w, stash=s.layout.write_cut(w.stash, cut, row.stash_r, row.head_r, t.last),
-                   acc_pieces=_add_pieces(w.acc_pieces, d_pieces), send_b=dx.astype(s.dtype))
+                   acc_pieces=acc_pieces, send_b=dx.astype(s.dtype))
 
 
 def backward_weight(t: Tick, c: Carry, w: Carry) -> Carry:

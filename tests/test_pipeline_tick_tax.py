@@ -58,7 +58,10 @@ def test_zb_h1_holds_1f1b_memory(steps):
     no cut buffer of its own (with one, 1.11x). What it holds beyond 1F1B: the cut's pieces
     that find no free cell (the grouped-query K/V cotangents, the norm scales' gradients),
     and the head's residuals on every slot, since its last stage keeps S micro-batches of
-    the last chunk until their W, where 1F1B keeps one."""
+    the last chunk until their W, where 1F1B keeps one. B_in sums the pre/post-stack's
+    gradients into their accumulator inside its ordering conditional: returned fresh from
+    it, the head's vocabulary-sized gradient held a buffer of its own through B_in (on
+    JAX 0.12, 1.0525x at width 128)."""
     for w in WIDTHS:
         zb, ob = steps[("zb-h1", w)], steps[("1f1b", w)]
         assert zb["buffers"]["inbox"] == ob["buffers"]["inbox"]

@@ -5,7 +5,10 @@ A loop carries its state in place; XLA inserts a ``copy`` where it cannot (a buf
 one conditional and written in place by another, say). A conditional's branch returns each
 result element either in place — passed through from the branch's operand, or an update of
 it (a dynamic-update-slice, an elementwise op over a same-shaped operand element) — or as a
-fresh buffer (zeros, a new value), which is what the tick pays for. For the pipeline's tick
+fresh buffer (zeros, a new value), which is what the tick pays for. An element a nested
+conditional returns is in place where each of its branches returns it in place over an
+element of the outer branch's parameter (an accumulator carried through B_in's ordering
+conditional). For the pipeline's tick
 loop both should scale with what an op produces (activations), never with the stage's
 parameters.
 
@@ -31,6 +34,7 @@ parameters.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from triax.sharding.introspect.hlo_text import Module, compiled_text, parse_module
@@ -86,10 +90,58 @@ def _fresh_bytes(m: Module, branch: str) -> int:
     total = 0
     for name in elements:
         ins = m.instr(branch, name)
-        if ins is None or name in gte or name in params or _updates_operand(m, branch, ins, gte):
+        if ins is None or name in gte or name in params or _updates_operand(m, branch, ins, gte) \
+                or _through_conditional(m, branch, ins, gte):
             continue
         total += ins.bytes
     return total
+
+
+def _index(ins) -> int:
+    return int(re.search(r"\bindex=(\d+)", ins.rest).group(1))
+
+
+def _source(m: Module, branch: str, k: int) -> int | None:
+    """The element of ``branch``'s (tuple) parameter that its result element ``k`` is in
+    place over: passed through or updated (None: fresh, or the parameter is no tuple)."""
+    root = m.root(branch)
+    if root is None:
+        return None
+    if root.op == "parameter":
+        return k
+    if root.op != "tuple":
+        return None
+    params = {i.name for i in m.comps[branch] if i.op == "parameter"}
+    gte = {i.name: i for i in m.comps[branch] if i.op == "get-tuple-element"
+           and i.operands and i.operands[0] in params}
+    ins = m.instr(branch, root.operands[k])
+    if ins is None:
+        return None
+    if ins.name in gte:
+        return _index(ins)
+    if _updates_operand(m, branch, ins, gte):
+        return next(_index(gte[o]) for o in ins.operands
+                    if o in gte and gte[o].shapes == ins.shapes)
+    return None
+
+
+def _through_conditional(m: Module, comp: str, ins, gte: dict) -> bool:
+    """``ins`` is an element of a conditional in ``comp`` that every branch returns in
+    place over the operand element that is, in ``comp``, an element of its parameter."""
+    cond = m.instr(comp, ins.operands[0]) if ins.op == "get-tuple-element" else None
+    if cond is None or not cond.branches:
+        return False
+    k, args = _index(ins), cond.operands[1:]
+    if "true_computation" in cond.rest:    # operands (pred, true, false); branches false, true
+        args = args[::-1]
+    for branch, name in zip(cond.branches, args):
+        j, arg = _source(m, branch, k), m.instr(comp, name)
+        if j is None or arg is None or arg.op != "tuple" or j >= len(arg.operands):
+            return False
+        src = gte.get(arg.operands[j])
+        if src is None or src.shapes != ins.shapes:
+            return False
+    return True
 
 
 def _updates_operand(m: Module, comp: str, ins, gte: dict) -> bool:
