@@ -78,6 +78,10 @@ class RunConfig:
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
                                 "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
     remat: str = _f("none", "activation checkpointing policy", choices=choices.REMAT_POLICIES)
+    offload: str = _f("", "state kept in the host's pinned memory between steps: optimizer, "
+                          "params or optimizer,params (the optimizer update streamed to the "
+                          "device or run on the host, whichever costs.offload prices lower)",
+                      default_help="none")
     attention: str = _f("auto", "attention implementation (auto: the fastest for the "
                                 "backend)", choices=choices.ATTENTION_CHOICES)
     loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
@@ -141,6 +145,7 @@ class RunConfig:
         # --config files alike fail before anything is built, naming the flag and the fix
         # (``--lr -1`` would otherwise ascend the gradient).
         check_fields(self, _BOUNDS)
+        choices.parse_offload(self.offload)   # a part that is not state fails here
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
@@ -192,6 +197,10 @@ class RunConfig:
                                 ScheduleKind.parse(self.schedule).split_backward)
         except ValueError as e:
             raise ValueError(f"--stage-layers: {e}") from None
+
+    def offload_targets(self) -> tuple[str, ...]:
+        """``--offload`` as the state parts it names (() for none)."""
+        return choices.parse_offload(self.offload)
 
     def device_memory_bytes(self) -> Optional[int]:
         """``--device-memory`` in bytes (None: not given)."""

@@ -258,11 +258,14 @@ class Trainer:
         context hook told the layout :meth:`balanced` put the tokens in."""
         return activation_sharding(self.mesh, self.strategy, self.context_layout)
 
+    def device_params(self, params: PyTree) -> PyTree:
+        """``params`` as the state holds them, on the device (traced: offloaded parameters
+        are copied from the host, ``training.offload``; others are returned as they are)."""
+        return moved(params, self.param_shardings, DEVICE) if self.offload.params else params
+
     def _step_fn(self, state, batch):
         off = self.offload
-        # Offloaded parameters: copied to the device for this step (``training.offload``).
-        params = moved(state["params"], self.param_shardings, DEVICE) if off.params \
-            else state["params"]
+        params = self.device_params(state["params"])
         # LoRA dropout: per-token seeds of this step, added before any reordering of tokens.
         batch = self.balanced(lora.with_dropout_seeds(batch, self.lora_cfg, state["step"]))
         with self.sharding_context():
