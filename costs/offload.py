@@ -45,7 +45,7 @@ from triax.units import GB
 HOST_MEMORY_BANDWIDTH = 100 * GB
 HOST_LINK = "pcie5"        # the host link of the catalogue's H100/H200 (``Device.pcie``)
 ADAM_TOUCHES = 7           # fp32 arrays an AdamW update reads (p, g, m, v) and writes (p, m, v)
-COUNTERS = 16              # AdamW's step counters (bytes)
+COUNTERS = 8               # AdamW's two int32 step counts (its moments' and its schedule's)
 
 
 @dataclass(frozen=True)
