@@ -41,9 +41,12 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KERNELS)
 CONTEXT_SCHEMES = ("all-gather", "ring")
 
 # Precision names -> compute dtype (parameters stay fp32: bf16/fp16 are mixed precision),
-# and the bytes of one element of each.
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# and the bytes of one element of each. ``fp8`` computes in bf16 around the block's
+# projections, which run in float8 (``models.fp8``: e4m3 forward, e5m2 gradients), so its
+# activations are bf16's bytes.
+FP8 = "fp8"
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", FP8: "bfloat16"}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, FP8: 2}
 
 # Host offload (``training.offload``): the train state's parts that may live in the host's
 # pinned memory between steps, and where the optimizer update then runs (``stream``: the

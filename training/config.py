@@ -8,10 +8,10 @@ explicit flags override it.
     >>> run = RunConfig(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
     >>> run.replace(steps=100).steps
     100
-    >>> RunConfig(precision="fp8")
+    >>> RunConfig(precision="fp4")
     Traceback (most recent call last):
     ...
-    ValueError: --precision 'fp8': choose one of fp32, bf16, fp16
+    ValueError: --precision 'fp4': choose one of fp32, bf16, fp16, fp8
     >>> RunConfig(lr=-1)
     Traceback (most recent call last):
     ...
@@ -76,7 +76,9 @@ class RunConfig:
     weight_decay: float = _f(0.1, "AdamW weight decay")
     clip_norm: float = _f(1.0, "gradient clipping (global norm)")
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
-                                "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
+                                "(fp16 without loss scaling); fp8: bf16 with the block's "
+                                "matmuls in float8 (e4m3 forward, e5m2 gradients, per-tensor "
+                                "current scales)", choices=tuple(PRECISIONS))
     remat: str = _f("none", "activation checkpointing policy", choices=choices.REMAT_POLICIES)
     offload: str = _f("", "state kept in the host's pinned memory between steps: optimizer, "
                           "params or optimizer,params (the optimizer update streamed to the "
@@ -249,7 +251,8 @@ class RunConfig:
         from triax.models.loss import check_loss_chunks
         check_loss_chunks(self.loss_chunks, self.seq_len)
         return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
-                          attention=self.attention, loss_chunks=self.loss_chunks)
+                          attention=self.attention, loss_chunks=self.loss_chunks,
+                          fp8=self.precision == choices.FP8)
 
     # The checks that need what the fields alone do not say (the model, the mesh): called by
     # ``training.setup.build_run`` before anything compiles, beside ``__post_init__``'s.
