@@ -22,7 +22,7 @@ and optimizer state stay fp32 (the step's). No mesh is named here.
 
     >>> import jax.numpy as jnp
     >>> x = jnp.array([[1.0, -2.0], [0.5, 4.0]]); w = jnp.eye(2)
-    >>> einsum("BD,DF->BF", x, w, jnp.float32).tolist()
+    >>> einsum("BD,DF->BF", x, w, jnp.bfloat16).tolist()   # e4m3 holds these exactly
     [[1.0, -2.0], [0.5, 4.0]]
 """
 from __future__ import annotations
