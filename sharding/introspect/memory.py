@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import asdict, dataclass
 
+import jax
+
 from triax.sharding.introspect.hlo_text import DTYPE_BYTES
 
 HOST_MEMORY_SPACE = "S(5)"   # XLA's memory space of host (pinned) buffers
@@ -54,6 +56,16 @@ def host_argument_bytes(hlo_text: str, outputs: bool = False) -> int:
                if HOST_MEMORY_SPACE in layout)
 
 
+def _has_host_buffers(compiled) -> bool:
+    """Whether any argument or result of ``compiled`` is laid out in a host memory kind
+    (only then is its HLO text read: printing a large program is not free)."""
+    try:
+        shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
+    except (AttributeError, NotImplementedError):   # not a jax.stages.Compiled: read it
+        return True
+    return any(getattr(s, "memory_kind", None) not in (None, "device") for s in shardings)
+
+
 def memory_from_compiled(compiled) -> MemoryReport:
     """Per-device memory of a ``jax.stages.Compiled`` (an SPMD program is per device)."""
     m = compiled.memory_analysis()
@@ -62,7 +74,8 @@ def memory_from_compiled(compiled) -> MemoryReport:
     host = int(getattr(m, "host_argument_size_in_bytes", 0))
     args, out, alias = (int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
                         int(m.alias_size_in_bytes))
-    if host == 0 and int(getattr(m, "host_output_size_in_bytes", 0)) == 0:
+    if host == 0 and int(getattr(m, "host_output_size_in_bytes", 0)) == 0 \
+            and _has_host_buffers(compiled):
         # The backend counts host buffers with the device's (CPU): split them off. The host
         # results are the donated state written back, aliased onto its host arguments.
         text = compiled.as_text()
