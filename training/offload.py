@@ -52,10 +52,12 @@ class Offload:
 
     @property
     def params(self) -> bool:
+        """The parameters live on the host between steps."""
         return "params" in self.targets
 
     @property
     def optimizer(self) -> bool:
+        """The optimizer state lives on the host between steps."""
         return "optimizer" in self.targets
 
     @property
