@@ -41,9 +41,30 @@ ATTENTION_CHOICES = ("auto", *ATTENTION_KERNELS)
 CONTEXT_SCHEMES = ("all-gather", "ring")
 
 # Precision names -> compute dtype (parameters stay fp32: bf16/fp16 are mixed precision),
-# and the bytes of one element of each.
-PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# and the bytes of one element of each. ``fp8`` computes in bf16 around the block's
+# projections, which run in float8 (``models.fp8``: e4m3 forward, e5m2 gradients), so its
+# activations are bf16's bytes.
+FP8 = "fp8"
+PRECISIONS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", FP8: "bfloat16"}
+PRECISION_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, FP8: 2}
+
+# Host offload (``training.offload``): the train state's parts that may live in the host's
+# pinned memory between steps, and where the optimizer update then runs (``stream``: the
+# state is copied to the device and back each step; ``host``: the update runs on the host
+# with ``compute_on``, only gradients and new parameters cross the link).
+OFFLOAD_TARGETS = ("optimizer", "params")
+OFFLOAD_UPDATES = ("stream", "host")
+
+
+def parse_offload(text: str) -> tuple[str, ...]:
+    """``--offload`` as the state parts it names, in ``OFFLOAD_TARGETS`` order ("" -> ())."""
+    parts = {p.strip() for p in (text or "").split(",") if p.strip()}
+    bad = sorted(parts - set(OFFLOAD_TARGETS))
+    if bad:
+        raise ValueError(f"--offload {text!r}: {bad[0]!r} is not a state part; give a comma-"
+                         f"separated subset of {', '.join(OFFLOAD_TARGETS)}, e.g. --offload "
+                         f"optimizer")
+    return tuple(t for t in OFFLOAD_TARGETS if t in parts)
 
 # How a run's layout is chosen: as the flags say, or searched, compiled and checked against
 # the devices' memory (``triax.planner.auto``); and what the search ranks by.

@@ -49,7 +49,9 @@ def _flat_index(shape: tuple) -> jax.Array:
 
 
 def _sums(x: jax.Array) -> jax.Array:
-    u = _bits_u32(x)
+    # Host-offloaded state (``training.offload``) is summed on the device: XLA computes
+    # there, the copy is one leaf's.
+    u = _bits_u32(jax.device_put(x, jax.memory.Space.Device))
     weight = _flat_index(u.shape) * jnp.uint32(2) + jnp.uint32(1)   # odd: no bit is lost
     return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weight, dtype=jnp.uint32)])
 

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from triax.choices import QUANTIZED_BASE
+from triax.models import fp8, runtime
 
 SUFFIX = "_scale"
 
@@ -50,6 +51,16 @@ def quantize_weights(module: nnx.Module, lora, **n_in: int) -> None:
         p.set_value(q)
         axes = (None,) * k + tuple(p.out_sharding)[k:]
         setattr(module, name + SUFFIX, nnx.Param(s, out_sharding=axes, eager_sharding=False))
+
+
+def project(spec: str, x, module: nnx.Module, name: str, dtype):
+    """``einsum(spec, x, W)`` for the weight ``name`` of ``module`` in ``dtype``: in float8
+    when the runtime's ``ExecConfig.fp8`` says so (``models.fp8``; the fp32 weight is cast
+    where it is stored), else with :func:`kernel`'s weight (dequantized if int8)."""
+    if runtime.current().exe.fp8 and not hasattr(module, name + SUFFIX):
+        p = getattr(module, name)
+        return fp8.einsum(spec, x, p[...], dtype, tuple(getattr(p, "out_sharding", ()) or ()))
+    return jnp.einsum(spec, x, kernel(module, name, dtype))
 
 
 def kernel(module: nnx.Module, name: str, dtype):

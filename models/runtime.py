@@ -46,6 +46,7 @@ class ExecConfig:
     remat: str = "none"             # see triax.models.transformer.REMAT_POLICIES
     attention: str = "auto"         # see triax.models.attention.resolve
     loss_chunks: int = 1            # the loss over this many slices of the sequence (models.loss)
+    fp8: bool = False               # the block's projections in float8 (models.fp8)
 
     @property
     def dtype(self):

@@ -8,10 +8,10 @@ explicit flags override it.
     >>> run = RunConfig(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
     >>> run.replace(steps=100).steps
     100
-    >>> RunConfig(precision="fp8")
+    >>> RunConfig(precision="fp4")
     Traceback (most recent call last):
     ...
-    ValueError: --precision 'fp8': choose one of fp32, bf16, fp16
+    ValueError: --precision 'fp4': choose one of fp32, bf16, fp16, fp8
     >>> RunConfig(lr=-1)
     Traceback (most recent call last):
     ...
@@ -76,8 +76,14 @@ class RunConfig:
     weight_decay: float = _f(0.1, "AdamW weight decay")
     clip_norm: float = _f(1.0, "gradient clipping (global norm)")
     precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
-                                "(fp16 without loss scaling)", choices=tuple(PRECISIONS))
+                                "(fp16 without loss scaling); fp8: bf16 with the block's "
+                                "matmuls in float8 (e4m3 forward, e5m2 gradients, per-tensor "
+                                "current scales)", choices=tuple(PRECISIONS))
     remat: str = _f("none", "activation checkpointing policy", choices=choices.REMAT_POLICIES)
+    offload: str = _f("", "state kept in the host's pinned memory between steps: optimizer, "
+                          "params or optimizer,params (the optimizer update streamed to the "
+                          "device or run on the host, whichever costs.offload prices lower)",
+                      default_help="none")
     attention: str = _f("auto", "attention implementation (auto: the fastest for the "
                                 "backend)", choices=choices.ATTENTION_CHOICES)
     loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
@@ -141,6 +147,7 @@ class RunConfig:
         # --config files alike fail before anything is built, naming the flag and the fix
         # (``--lr -1`` would otherwise ascend the gradient).
         check_fields(self, _BOUNDS)
+        choices.parse_offload(self.offload)   # a part that is not state fails here
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
@@ -193,6 +200,10 @@ class RunConfig:
         except ValueError as e:
             raise ValueError(f"--stage-layers: {e}") from None
 
+    def offload_targets(self) -> tuple[str, ...]:
+        """``--offload`` as the state parts it names (() for none)."""
+        return choices.parse_offload(self.offload)
+
     def device_memory_bytes(self) -> Optional[int]:
         """``--device-memory`` in bytes (None: not given)."""
         if self.device_memory is None:
@@ -240,7 +251,8 @@ class RunConfig:
         from triax.models.loss import check_loss_chunks
         check_loss_chunks(self.loss_chunks, self.seq_len)
         return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
-                          attention=self.attention, loss_chunks=self.loss_chunks)
+                          attention=self.attention, loss_chunks=self.loss_chunks,
+                          fp8=self.precision == choices.FP8)
 
     # The checks that need what the fields alone do not say (the model, the mesh): called by
     # ``training.setup.build_run`` before anything compiles, beside ``__post_init__``'s.

@@ -363,6 +363,9 @@ class _Loop:
 
 
 @jax.jit
+@jax.jit
 def _all_finite(tree):
-    return jax.numpy.all(jax.numpy.stack([jax.numpy.isfinite(x).all()
-                                          for x in jax.tree.leaves(tree)]))
+    # on the device: host-offloaded parameters (training.offload) are copied a leaf at a time
+    return jax.numpy.all(jax.numpy.stack([
+        jax.numpy.isfinite(jax.device_put(x, jax.memory.Space.Device)).all()
+        for x in jax.tree.leaves(tree)]))

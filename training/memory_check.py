@@ -17,6 +17,7 @@ from triax.costs.workload import Workload
 from triax.mesh import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.sharding.introspect import MemoryReport, memory_from_compiled
+from triax.training.offload import HOST
 
 
 def train_terms(built, mem: MemoryReport) -> dict[str, int]:
@@ -31,8 +32,9 @@ def train_terms(built, mem: MemoryReport) -> dict[str, int]:
 
 
 def _per_device(tree) -> int:
+    """Per-device bytes of ``tree``'s leaves on the device (host-offloaded ones are not)."""
     return sum(math.prod(s.sharding.shard_shape(s.shape)) * s.dtype.itemsize
-               for s in jax.tree.leaves(tree))
+               for s in jax.tree.leaves(tree) if s.sharding.memory_kind != HOST)
 
 
 def check_train_memory(built, capacity=None) -> MemoryReport:

@@ -47,12 +47,17 @@ def lr_schedule(oc: OptimConfig) -> optax.Schedule:
         end_value=oc.lr * oc.min_lr_ratio)
 
 
+def optimizer_parts(oc: OptimConfig) -> tuple[optax.GradientTransformation, ...]:
+    """The optimizer's links: clipping (a global norm: runs where the gradients are) and
+    AdamW (elementwise: may run on the host, ``training.offload``); the chained state is the
+    tuple of theirs, in this order."""
+    return (optax.clip_by_global_norm(oc.clip_norm),
+            optax.adamw(lr_schedule(oc), b1=oc.b1, b2=oc.b2, eps=oc.eps,
+                        weight_decay=oc.weight_decay, mask=_decay_mask))
+
+
 def make_optimizer(oc: OptimConfig) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(oc.clip_norm),
-        optax.adamw(lr_schedule(oc), b1=oc.b1, b2=oc.b2, eps=oc.eps,
-                    weight_decay=oc.weight_decay, mask=_decay_mask),
-    )
+    return optax.chain(*optimizer_parts(oc))
 
 
 def _decay_mask(params):

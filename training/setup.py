@@ -29,6 +29,7 @@ from jax.sharding import Mesh
 
 from triax.costs.fits import device_capacity
 from triax.costs.memory import estimate
+from triax.costs.offload import cheaper_update
 from triax.costs.workload import Layout, Workload
 from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
 from triax.models.config import ModelConfig
@@ -38,6 +39,7 @@ from triax.sharding.context import check_scheme
 from triax.sharding.rules import Strategy, get_strategy
 from triax.training.config import RunConfig
 from triax.training.data_source import batch_keys
+from triax.training.offload import Offload
 from triax.training.step import Trainer
 from triax.training.step_cache import Compiled, compiled_for
 
@@ -71,7 +73,8 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run_strategy(run), pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
                                  accum_steps=run.grad_accum,
-                                 skip_nonfinite=run.on_nonfinite == "skip"),
+                                 skip_nonfinite=run.on_nonfinite == "skip",
+                                 offload=offload_for(run, cfg, mesh)),
                             run.batch_size, run.seq_len, batch_keys(run.data))
     return Run(run, cfg, mesh, pipeline, compiled)
 
@@ -133,6 +136,18 @@ def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
     w = Workload.of_run(run, cfg)
     fits = capacity is None or estimate(w, lay).modelled <= capacity[0]
     return "stage" if fits else "layer"
+
+
+def offload_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Offload:
+    """``--offload``'s parts, with the optimizer update that ``costs.offload`` prices lower
+    on this layout (a user's model: streamed, the planner cannot count its parameters)."""
+    targets = run.offload_targets()
+    if not targets or not isinstance(cfg, ModelConfig):
+        return Offload(targets)
+    sizes = mesh_sizes(mesh)
+    lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
+                 strategy=run.strategy)
+    return Offload(targets, cheaper_update(Workload.of_run(run, cfg), lay, targets))
 
 
 def check_batch(run: RunConfig, mesh: Mesh, pipeline: Optional[PipelineConfig] = None) -> None:

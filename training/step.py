@@ -37,7 +37,9 @@ from triax.sharding.partition import (abstract_model, activation_sharding,
                                       batch_sharding, init_fn, param_shardings)
 from triax.sharding.introspect.placement import placement_table
 from triax.sharding.rules import Strategy, get_strategy
-from triax.training.optim import OptimConfig, lr_schedule, make_optimizer
+from triax.training.offload import (DEVICE, HOST, Offload, device_update, host_update,
+                                    in_memory, moved)
+from triax.training.optim import OptimConfig, lr_schedule, make_optimizer, optimizer_parts
 from triax.training.user_model import UserModel, user_loss
 
 PyTree = Any
@@ -66,7 +68,8 @@ class Trainer:
                  pipeline: Optional[PipelineConfig] = None,
                  optim: OptimConfig = OptimConfig(), exe: ExecConfig = ExecConfig(),
                  total_steps: int = 100, accum_steps: int = 1,
-                 loss_and_grad: Optional[Callable] = None, skip_nonfinite: bool = False):
+                 loss_and_grad: Optional[Callable] = None, skip_nonfinite: bool = False,
+                 offload: Offload = Offload()):
         if pipeline is not None and loss_and_grad is not None:
             raise ValueError("Trainer: give pipeline= or loss_and_grad=, not both (the "
                              "pipeline computes loss and gradients itself)")
@@ -85,6 +88,7 @@ class Trainer:
         # A NaN/inf loss or gradient keeps the old parameters and optimizer state (the step
         # counter still advances with the data), decided on device: no host round trip.
         self.skip_nonfinite = bool(skip_nonfinite)
+        self.offload = offload   # state kept in the host's memory between steps
         self.pipeline = None if pipeline is None else Pipeline(
             self.cfg if self.user_model is None else self.abstract, mesh, self.strategy,
             pipeline, exe)
@@ -146,7 +150,11 @@ class Trainer:
     @cached_property
     def state_shardings(self) -> PyTree:
         """Shardings of the train state ``{"params", "opt_state", "step"}``, as ``init`` has it."""
-        return {"params": self.param_shardings, "opt_state": self.opt_shardings,
+        off = self.offload
+        return {"params": in_memory(self.param_shardings, HOST) if off.params
+                else self.param_shardings,
+                "opt_state": in_memory(self.opt_shardings, HOST) if off.optimizer
+                else self.opt_shardings,
                 "step": NamedSharding(self.mesh, P())}
 
     def abstract_state(self) -> PyTree:
@@ -250,25 +258,42 @@ class Trainer:
         context hook told the layout :meth:`balanced` put the tokens in."""
         return activation_sharding(self.mesh, self.strategy, self.context_layout)
 
+    def device_params(self, params: PyTree) -> PyTree:
+        """``params`` as the state holds them, on the device (traced: offloaded parameters
+        are copied from the host, ``training.offload``; others are returned as they are)."""
+        return moved(params, self.param_shardings, DEVICE) if self.offload.params else params
+
     def _step_fn(self, state, batch):
+        off = self.offload
+        params = self.device_params(state["params"])
         # LoRA dropout: per-token seeds of this step, added before any reordering of tokens.
         batch = self.balanced(lora.with_dropout_seeds(batch, self.lora_cfg, state["step"]))
         with self.sharding_context():
-            (loss, aux), grads = self.accumulated_loss_and_grad(state["params"], batch)
+            (loss, aux), grads = self.accumulated_loss_and_grad(params, batch)
         # FSDP: this constraint turns the gradient all-reduce into a reduce-scatter.
         # ZeRO-1: gradients follow the (sharded) optimizer state.
         grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
-        trained = self.trainable(state["params"])
-        updates, opt_state = self.tx.update(grads, state["opt_state"], trained)
-        params = self.with_trainable(state["params"], optax.apply_updates(trained, updates))
-        params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                    "lr": self.schedule(state["step"]), **aux}
-        if self.skip_nonfinite:
-            ok = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
-            params, opt_state = jax.tree.map(lambda new, old: jnp.where(ok, new, old),
-                                             (params, opt_state),
-                                             (state["params"], state["opt_state"]))
+        # A NaN/inf loss or gradient keeps the old parameters and optimizer state.
+        ok = (jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+              if self.skip_nonfinite else None)
+        trained = self.trainable(params)
+        if off.host_update:
+            trained, opt_state = host_update(optimizer_parts(self.optim), grads, state["opt_state"], trained, ok,
+                                             (self.grad_shardings,
+                                              self.trainable(self.param_shardings)))
+            trained = moved(trained, self.trainable(self.param_shardings), DEVICE)
+        else:
+            opt_state = moved(state["opt_state"], self.opt_shardings, DEVICE) \
+                if off.optimizer else state["opt_state"]
+            trained, opt_state = device_update(self.tx, grads, opt_state, trained, ok)
+            if off.optimizer:
+                opt_state = moved(opt_state, self.opt_shardings, HOST)
+        params = self.with_trainable(params, trained)
+        params = jax.lax.with_sharding_constraint(params, self.param_shardings)
+        if off.params:
+            params = moved(params, self.param_shardings, HOST)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
     @cached_property

@@ -55,9 +55,11 @@ class Compiled:
             tr, loss = self.trainer, self.trainer.loss_fn()
 
             def f(params, batch):
+                params = tr.device_params(params)
                 with activation_sharding(tr.mesh, tr.strategy):
                     return loss(params, batch)[0]
-            self._eval = jax.jit(f, in_shardings=(tr.param_shardings, tr.batch_sharding()))
+            self._eval = jax.jit(f, in_shardings=(tr.state_shardings["params"],
+                                                  tr.batch_sharding()))
         return self._eval
 
     def init(self, seed: int):
