@@ -152,13 +152,14 @@ class Layout:
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
     pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
     stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
+    replica: int = 1    # HSDP: replica groups, each holding one FSDP-sharded copy
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", get_strategy(self.strategy))
 
     @property
     def devices(self) -> int:
-        return self.data * self.tensor * self.pipe * self.expert * self.context
+        return self.replica * self.data * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def sizes(self) -> dict[str, int]:

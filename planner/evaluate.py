@@ -126,8 +126,8 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
     seconds = comm.comm_seconds(traffic, comm.axis_links(lay, cluster), assume.comm_efficiency)
     compute, bubble, busy = _busy_seconds(w, lay, mem, cluster, assume)
     # TP/PP/EP collectives sit on the critical path; DP/FSDP traffic overlaps part of the
-    # compute (bucketed gradient reduction, prefetched gathers), and so does the gradient
-    # all-reduce over `context`. The ring's K/V permutes overlap the attention they feed
+    # compute (bucketed gradient reduction, prefetched gathers), and so do the gradient
+    # all-reduces over `replica` (HSDP) and `context`. The ring's K/V permutes overlap the attention they feed
     # (each hop's block is computed while the next arrives); the all-gather scheme's
     # gathers and reduce-scatters are exposed.
     links = comm.axis_links(lay, cluster)
@@ -138,8 +138,9 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
                                       ("all-reduce",))
         ctx_ring = comm.kind_seconds(ctx, links["context"], assume.comm_efficiency,
                                      ("collective-permute",))
-    overlapped = seconds.get("data", 0.0) + ctx_grads
-    exposed = sum(t for a, t in seconds.items() if a != "data") - ctx_grads - ctx_ring \
+    overlapped = seconds.get("data", 0.0) + seconds.get("replica", 0.0) + ctx_grads
+    exposed = sum(t for a, t in seconds.items() if a not in ("data", "replica")) \
+        - ctx_grads - ctx_ring \
         + max(0.0, overlapped - assume.data_overlap * compute) \
         + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume))
     step = busy + exposed

@@ -150,8 +150,23 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
                                     refused.append((lay, why))
                             else:
                                 for scheme in schemes if c > 1 else ("all-gather",):
-                                    yield dataclasses.replace(lay, context=c,
-                                                              context_attention=scheme)
+                                    for hs in hsdp_variants(lay, cluster):
+                                        yield dataclasses.replace(hs, context=c,
+                                                                  context_attention=scheme)
+
+
+def hsdp_variants(lay: Layout, cluster: Cluster) -> Iterator[Layout]:
+    """``lay``, and for a strategy that shards the parameters over ``data`` on several nodes
+    its HSDP forms: ``replica`` = r groups (r dividing the node count), ``data`` = d/r
+    within each. ``replica`` is the mesh's outermost axis, so ``comm.axis_links`` puts it on
+    the inter-node links and a group of ``gpus_per_node`` devices or fewer keeps its
+    gathers and reduce-scatters inside a node; only the shard's one all-reduce crosses."""
+    yield lay
+    if not lay.strategy.fsdp or lay.replica > 1:
+        return
+    for r in divisors(cluster.nodes):
+        if r > 1 and lay.data % r == 0 and lay.data // r > 1:
+            yield dataclasses.replace(lay, data=lay.data // r, replica=r)
 
 
 # The longest slice of a sequence whose loss is computed at once, when the search tries a

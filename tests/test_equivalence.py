@@ -46,6 +46,23 @@ def test_strategy_matches_single_device(reference, strategy, data, tensor):
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="params after 3 steps")
 
 
+@pytest.mark.parametrize("strategy,sizes", [
+    ("fsdp", dict(replica=2, data=4)),
+    ("fsdp_tp", dict(replica=2, data=2, tensor=2)),
+])
+def test_hsdp_matches_single_device(reference, strategy, sizes):
+    """HSDP: FSDP within each replica group of the batch, replicated across groups."""
+    ref_loss, ref_grads, ref_losses, ref_params = reference
+    trainer = Trainer(CFG, make_mesh(**sizes), strategy)
+    assert "replica" in str(trainer.batch_sharding().spec)     # the batch split over groups
+    loss, grads, losses, params = run(trainer)
+    what = f"HSDP {strategy} on {sizes}"
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what=f"{what} gradients")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=what)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what=f"{what} params")
+
+
 def test_remat_matches_plain(reference, devices):
     ref_loss, ref_grads, *_ = reference
     trainer = Trainer(CFG, make_mesh(data=2, tensor=4), "fsdp_tp", exe=ExecConfig(remat="full"))
