@@ -262,6 +262,7 @@ class Strategy:
     optimizer_rules: Rules
     fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
     context_attention: str = "all-gather"   # attention across `context`: all-gather | ring
+    tp_overlap: bool = False   # SP's projections as collective matmuls (sharding.collective_matmul)
 
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
         """This strategy with ``logical name=mesh axes`` rules added (parameters and optimizer)."""

@@ -66,6 +66,10 @@ class RunConfig:
     mesh: str = shared("mesh", "")
     strategy: str = shared("strategy", "fsdp_tp")
     context_attention: str = shared("context_attention", "all-gather")
+    tp_overlap: bool = _f(False, "collective matmul under sequence parallelism (tp_sp, "
+                                 "fsdp_tp_sp): each all-gather → matmul and matmul → "
+                                 "reduce-scatter over tensor becomes a ring of permutes "
+                                 "overlapped with partial matmuls")
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = shared("seed", 0)
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")

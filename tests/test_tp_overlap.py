@@ -1,0 +1,68 @@
+"""``--tp-overlap``: sequence parallelism's all-gather → matmul and matmul → reduce-scatter
+as collective matmuls (``sharding.collective_matmul``), read from the compiled HLO.
+
+Per transformer block (the step of 2 layers less the step of 1): no all-gather over
+``tensor`` and no reduction of the residual stream over it, but ``n - 1`` permutes of one
+sequence chunk per ring, 8 rings (forward: q/k/v in, attention out, MLP in, MLP out;
+backward: their transposes), the bytes a ring all-gather or reduce-scatter sends.
+(Equality with one device: tests/test_equivalence.py.)
+"""
+import dataclasses
+
+import pytest
+
+from triax.mesh import make_mesh
+from triax.models import config
+from triax.sharding.collective_matmul import overlap_reason
+from triax.sharding.introspect import collectives_from_compiled, summarize
+from triax.sharding.rules import get_strategy
+from triax.training.config import RunConfig
+from triax.training.setup import build_run
+from triax.training.step import Trainer
+
+B, T, DATA, TENSOR = 8, 16, 2, 4
+# KV heads that tensor divides: no replicated K/V projections (their own all-reduces).
+CFG = config.TINY.replace(num_kv_heads=4)
+
+
+def step(layers: int, overlap: bool) -> dict:
+    mesh = make_mesh(data=DATA, tensor=TENSOR)
+    st = dataclasses.replace(get_strategy("tp_sp"), tp_overlap=overlap)
+    return summarize(collectives_from_compiled(
+        Trainer(CFG.replace(num_layers=layers), mesh, st).lower(B, T).compile(), mesh))
+
+
+@pytest.fixture(scope="module")
+def blocks(devices):
+    """The overlapped step's collectives per block, and the plain SP step of 2 blocks."""
+    one, two = step(1, True), step(2, True)
+    zero = {"count": 0, "bytes": 0}
+    per_block = {k: {f: two.get(k, zero)[f] - one.get(k, zero)[f] for f in ("count", "bytes")}
+                 for k in set(one) | set(two)}
+    return {True: per_block, False: step(2, False)}
+
+
+def test_no_all_gather_on_the_path_and_the_same_bytes_as_permutes(blocks):
+    zero = {"count": 0, "bytes": 0}
+    on, off = blocks[True], blocks[False]
+    residual = B // DATA * T * CFG.embed_dim * 4        # one device's whole B·T·D, fp32
+    ring = (TENSOR - 1) * residual // TENSOR             # what one ring all-gather sends
+    # Without the overlap XLA gathers the residual stream before each column-parallel
+    # projection and the output gradient in the backward: 4 per block at least, 2 blocks.
+    assert off[("all-gather", ("tensor",))]["bytes"] >= 2 * 4 * residual
+    assert on.get(("all-gather", ("tensor",)), zero) == zero
+    assert on.get(("reduce-scatter", ("tensor",)), zero) == zero
+    # Left on `tensor`: the two norm scales' gradients (partial over the sequence chunks).
+    assert on[("all-reduce", ("tensor",))] == {"count": 1, "bytes": 2 * CFG.embed_dim * 4}
+    assert on[("collective-permute", ("tensor",))] == {"count": 8 * (TENSOR - 1),
+                                                      "bytes": 8 * ring}
+
+
+def test_overlap_refuses_what_it_cannot_run(devices):
+    sizes = {"data": 2, "tensor": 4}
+    assert overlap_reason(sizes, get_strategy("tp_sp").rules) is None
+    assert "sequence-parallel strategy" in overlap_reason(sizes, get_strategy("tp").rules)
+    assert "tensor > 1" in overlap_reason({"data": 8}, get_strategy("tp_sp").rules)
+    with pytest.raises(ValueError, match="pipeline stages"):
+        build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,pipe=2,tensor=2",
+                            strategy="tp_sp", tp_overlap=True, batch_size=8, seq_len=16))
