@@ -117,6 +117,17 @@ def attention_seconds(w: Workload, lay: Layout, cluster: Cluster,
             / (cluster.device.peak_flops(w.dtype) * assume.compute_efficiency))
 
 
+def tp_ring_seconds(traffic: dict, links: dict, lay: Layout, assume: Assumptions) -> float:
+    """Seconds of ``--tp-overlap``'s permute rings on ``tensor``: each permute runs beside
+    a partial matmul of the chunk at hand, so they hide under the step's matmuls (its
+    compute less attention) and only what exceeds them is exposed."""
+    t = traffic.get("tensor")
+    if not lay.tp_overlap or t is None:
+        return 0.0
+    return comm.kind_seconds(t, links["tensor"], assume.comm_efficiency,
+                             ("collective-permute",))
+
+
 def evaluate(w: Workload, lay: Layout, cluster: Cluster,
              assume: Optional[Assumptions] = None) -> PlanResult:
     """Evaluate ``lay`` for ``w`` on ``cluster`` (raises ShardingError if it cannot split)."""
@@ -139,10 +150,12 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
         ctx_ring = comm.kind_seconds(ctx, links["context"], assume.comm_efficiency,
                                      ("collective-permute",))
     overlapped = seconds.get("data", 0.0) + seconds.get("replica", 0.0) + ctx_grads
+    tp_ring = tp_ring_seconds(traffic, links, lay, assume)
     exposed = sum(t for a, t in seconds.items() if a not in ("data", "replica")) \
-        - ctx_grads - ctx_ring \
+        - ctx_grads - ctx_ring - tp_ring \
         + max(0.0, overlapped - assume.data_overlap * compute) \
-        + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume))
+        + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume)) \
+        + max(0.0, tp_ring - (compute - attention_seconds(w, lay, cluster, assume)))
     step = busy + exposed
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)
