@@ -23,6 +23,7 @@ from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions
 from triax.costs.pipeline_math import microbatch_constraint
 from triax.costs.workload import Layout, Workload, divisors
+from triax.sharding.collective_matmul import overlap_reason
 from triax.sharding.context import SCHEMES, zigzag_order
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
@@ -151,8 +152,16 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
                             else:
                                 for scheme in schemes if c > 1 else ("all-gather",):
                                     for hs in hsdp_variants(lay, cluster):
-                                        yield dataclasses.replace(hs, context=c,
-                                                                  context_attention=scheme)
+                                        yield from overlap_variants(dataclasses.replace(
+                                            hs, context=c, context_attention=scheme))
+
+
+def overlap_variants(lay: Layout) -> Iterator[Layout]:
+    """``lay``, and with ``--tp-overlap`` where the collective matmul runs
+    (``sharding.collective_matmul.overlap_reason``: SP over tensor, no context or pipe)."""
+    yield lay
+    if overlap_reason(lay.sizes, lay.strategy.rules) is None:
+        yield dataclasses.replace(lay, tp_overlap=True)
 
 
 def hsdp_variants(lay: Layout, cluster: Cluster) -> Iterator[Layout]:
