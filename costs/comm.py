@@ -371,11 +371,19 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict[str, Link]:
     return links
 
 
+def _hops(t: AxisTraffic, kinds) -> int:
+    """Latencies paid by ``t``'s messages of ``kinds``: a ring collective's n−1 hops each,
+    a permute's one (it goes to one neighbour)."""
+    return sum(c * (1 if k == "collective-permute" else t.size - 1)
+               for k, c in t.messages_by_kind.items() if k in kinds)
+
+
 def comm_seconds(traffic_by_axis: dict[str, AxisTraffic], links: dict[str, Link],
                  efficiency: float) -> dict[str, float]:
-    """Wire bytes over achieved bandwidth, plus a latency per message (ring: n−1 hops)."""
+    """Wire bytes over achieved bandwidth, plus a latency per hop (ring: n−1 per message,
+    a permute one)."""
     return {a: t.wire / (links[a].bandwidth * efficiency)
-            + t.messages * (t.size - 1) * links[a].latency
+            + _hops(t, KINDS) * links[a].latency
             for a, t in traffic_by_axis.items()}
 
 
@@ -383,8 +391,7 @@ def kind_seconds(t: AxisTraffic, link: Link, efficiency: float, kinds) -> float:
     """The part of ``comm_seconds`` for one axis that collectives of ``kinds`` take (their
     wire bytes and messages)."""
     wire = sum(_WIRE[k](t.size) * b for k, b in t.payload_by_kind.items() if k in kinds)
-    messages = sum(t.messages_by_kind.get(k, 0) for k in kinds)
-    return wire / (link.bandwidth * efficiency) + messages * (t.size - 1) * link.latency
+    return wire / (link.bandwidth * efficiency) + _hops(t, kinds) * link.latency
 
 
 def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:
