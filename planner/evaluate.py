@@ -117,10 +117,16 @@ def attention_seconds(w: Workload, lay: Layout, cluster: Cluster,
             / (cluster.device.peak_flops(w.dtype) * assume.compute_efficiency))
 
 
+# The share of a training step's matmuls that ``--tp-overlap``'s rings run beside: the
+# forward's and the input gradients' (each ring step's partial matmul), not the weight
+# gradients' third, which ``sharding.collective_matmul`` computes after its ring.
+RING_HIDES = 2 / 3
+
+
 def tp_ring_seconds(traffic: dict, links: dict, lay: Layout, assume: Assumptions) -> float:
     """Seconds of ``--tp-overlap``'s permute rings on ``tensor``: each permute runs beside
-    a partial matmul of the chunk at hand, so they hide under the step's matmuls (its
-    compute less attention) and only what exceeds them is exposed."""
+    a partial matmul of the chunk at hand, so they hide under ``RING_HIDES`` of the step's
+    matmuls (its compute less attention) and only what exceeds that is exposed."""
     t = traffic.get("tensor")
     if not lay.tp_overlap or t is None:
         return 0.0
@@ -155,7 +161,7 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
         - ctx_grads - ctx_ring - tp_ring \
         + max(0.0, overlapped - assume.data_overlap * compute) \
         + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume)) \
-        + max(0.0, tp_ring - (compute - attention_seconds(w, lay, cluster, assume)))
+        + max(0.0, tp_ring - RING_HIDES * (compute - attention_seconds(w, lay, cluster, assume)))
     step = busy + exposed
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)
