@@ -174,6 +174,9 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
     expert FFN does the same on its capacity buffers (gate and up separate: two backward).
     Plus the vocab-parallel embedding (forward) and the head's input gradient (backward)."""
     train = 1 if w.train else 0
+    if lay.tp_overlap:
+        _overlapped_tensor(w, lay, t, act, layers, passes)
+        return
     # KV heads that tensor does not divide are replicated: each rank's k and v gradients are
     # partial sums over its own query heads, all-reduced at their own width (tokens·K·H)
     # before the replicated projections' backward, not at the residual's (tokens·D).
@@ -188,6 +191,28 @@ def _tensor_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
         return
     t.add("all-reduce", act, (1 + train) * layers + passes)
     t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
+
+
+def _overlapped_tensor(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: int,
+                       passes: int) -> None:
+    """``--tp-overlap`` (``sharding.collective_matmul``): each of a block's projections into
+    and out of the residual stream is a ring of ``n − 1`` permutes of one sequence chunk
+    (``act / n``), in the forward and again (transposed) in the backward: four rings per
+    pass for a dense block, two for an MoE block's attention (its expert FFN reduces as
+    without). q, k and v share one ring each way, so the k/v input gradients need no
+    all-reduce of their own, unless ``tensor`` does not divide the KV heads (replicated
+    K/V: their gradients are still summed at their own width). The vocab-parallel
+    embedding and the head's input gradient still all-reduce."""
+    n = lay.tensor
+    train = 1 if w.train else 0
+    rings = 2 if w.cfg.moe is not None else 4
+    t.add("collective-permute", act / n, (n - 1) * rings * passes * layers)
+    K, H = w.cfg.num_kv_heads, w.cfg.head_dim
+    if tensor_local("act_kv_heads", K, n, lay.strategy.rules) == K:
+        t.add("all-reduce", act * K * H / w.cfg.embed_dim, 2 * train * layers)
+    if w.cfg.moe is not None:
+        t.add("all-reduce", _moe_buffer(w, lay), (1 + 2 * train) * layers)
+    t.add("all-reduce", act, passes)
 
 
 def _lora_tensor(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: int) -> None:
@@ -346,11 +371,19 @@ def axis_links(lay: Layout, cluster: Cluster) -> dict[str, Link]:
     return links
 
 
+def _hops(t: AxisTraffic, kinds) -> int:
+    """Latencies paid by ``t``'s messages of ``kinds``: a ring collective's n−1 hops each,
+    a permute's one (it goes to one neighbour)."""
+    return sum(c * (1 if k == "collective-permute" else t.size - 1)
+               for k, c in t.messages_by_kind.items() if k in kinds)
+
+
 def comm_seconds(traffic_by_axis: dict[str, AxisTraffic], links: dict[str, Link],
                  efficiency: float) -> dict[str, float]:
-    """Wire bytes over achieved bandwidth, plus a latency per message (ring: n−1 hops)."""
+    """Wire bytes over achieved bandwidth, plus a latency per hop (ring: n−1 per message,
+    a permute one)."""
     return {a: t.wire / (links[a].bandwidth * efficiency)
-            + t.messages * (t.size - 1) * links[a].latency
+            + _hops(t, KINDS) * links[a].latency
             for a, t in traffic_by_axis.items()}
 
 
@@ -358,8 +391,7 @@ def kind_seconds(t: AxisTraffic, link: Link, efficiency: float, kinds) -> float:
     """The part of ``comm_seconds`` for one axis that collectives of ``kinds`` take (their
     wire bytes and messages)."""
     wire = sum(_WIRE[k](t.size) * b for k, b in t.payload_by_kind.items() if k in kinds)
-    messages = sum(t.messages_by_kind.get(k, 0) for k in kinds)
-    return wire / (link.bandwidth * efficiency) + messages * (t.size - 1) * link.latency
+    return wire / (link.bandwidth * efficiency) + _hops(t, kinds) * link.latency
 
 
 def crossing_axes(lay: Layout, cluster: Cluster) -> list[str]:

@@ -154,13 +154,15 @@ class Layout:
     context_attention: str = "all-gather"   # the scheme over `context` (sharding.context)
     pipeline_fsdp: str = "stage"   # FSDP in pipeline stages (choices.PIPELINE_FSDP_MODES)
     stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
+    replica: int = 1    # HSDP: replica groups, each holding one FSDP-sharded copy
+    tp_overlap: bool = False   # SP's gathers/scatters as collective matmuls (permute rings)
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", get_strategy(self.strategy))
 
     @property
     def devices(self) -> int:
-        return self.data * self.tensor * self.pipe * self.expert * self.context
+        return self.replica * self.data * self.tensor * self.pipe * self.expert * self.context
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -193,7 +195,8 @@ class Layout:
         by_layer = ", FSDP by layer" if self.pipe > 1 and self.pipeline_fsdp == "layer" else ""
         uneven = "" if self.stage_layers is None else \
             f", stage layers {','.join(map(str, self.stage_layers))}"
-        return f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}"
+        overlap = ", tp-overlap" if self.tp_overlap else ""
+        return f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}{overlap}"
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -1,8 +1,9 @@
 """Mesh construction: named axes, topology-aware device order, hybrid (node-aware) meshes.
 
-Axis order is fixed: ``data`` outermost (slowest links), then ``pipe``, ``expert``,
-``context`` and ``tensor`` innermost, so tensor-parallel collectives stay on the fastest
-links and context groups (a ring of K/V passes every layer) sit right beside them.
+Axis order is fixed: ``replica`` outermost (slowest links: HSDP's replica groups, which
+exchange one all-reduce of the sharded gradients per step), then ``data``, ``pipe``,
+``expert``, ``context`` and ``tensor`` innermost, so tensor-parallel collectives stay on the
+fastest links and context groups (a ring of K/V passes every layer) sit right beside them.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-AXES: tuple[str, ...] = ("data", "pipe", "expert", "context", "tensor")
+AXES: tuple[str, ...] = ("replica", "data", "pipe", "expert", "context", "tensor")
 
 
 def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
@@ -46,18 +47,22 @@ def resolve_sizes(sizes: Mapping[str, int], num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
-              devices: Sequence[jax.Device] | None = None, context: int = 1) -> Mesh:
-    """Build a ``Mesh`` over ``(data, pipe, expert, context, tensor)`` with Auto axis types.
+              devices: Sequence[jax.Device] | None = None, context: int = 1,
+              replica: int = 1) -> Mesh:
+    """Build a ``Mesh`` over ``(replica, data, pipe, expert, context, tensor)`` with Auto
+    axis types.
 
     Auto axes let XLA's SPMD partitioner insert the collectives. One size may be -1.
+    ``replica`` is a batch axis that no parameter rule names: under FSDP it makes HSDP
+    (parameters sharded over ``data`` within a group, replicated across groups).
 
     >>> mesh = make_mesh(data=-1)          # all devices on `data`
     >>> mesh.axis_names
-    ('data', 'pipe', 'expert', 'context', 'tensor')
+    ('replica', 'data', 'pipe', 'expert', 'context', 'tensor')
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert,
-                               context=context), len(devices))
+                               context=context, replica=replica), len(devices))
     shape = tuple(sizes[a] for a in AXES)
     try:
         arr = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
@@ -68,15 +73,22 @@ def make_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
 
 def make_hybrid_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int = 1,
                      devices: Sequence[jax.Device] | None = None,
-                     num_nodes: int | None = None, context: int = 1) -> Mesh:
+                     num_nodes: int | None = None, context: int = 1,
+                     replica: int = 1) -> Mesh:
     """A (within node) × (across nodes) mesh: ``tensor`` never crosses a node boundary.
 
     Nodes are ``process_index`` groups (or ``slice_index`` on TPU). ``tensor`` must divide
-    the per-node device count; ``data`` then ``pipe`` absorb the across-node factor.
+    the per-node device count; ``replica``, then ``data``, then ``pipe`` absorb the
+    across-node factor (HSDP's replica groups span nodes, its shard groups stay inside).
+
+    >>> import jax
+    >>> m = make_hybrid_mesh(replica=2, data=4, devices=jax.devices()[:8], num_nodes=2)
+    >>> [sorted({d.id // 4 for d in m.devices[r].flat}) for r in range(2)]   # node per replica
+    [[0], [1]]
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = resolve_sizes(dict(data=data, tensor=tensor, pipe=pipe, expert=expert,
-                               context=context), len(devices))
+                               context=context, replica=replica), len(devices))
     groups = _node_groups(devices, num_nodes)
     per_node = len(groups[0])
     nodes = len(groups)
@@ -86,13 +98,13 @@ def make_hybrid_mesh(data: int = 1, tensor: int = 1, pipe: int = 1, expert: int 
             f"tensor parallelism must stay within a node (choose tensor dividing {per_node})")
     # Split the across-node factor off the outer axes, outermost first.
     across, remaining = {}, nodes
-    for a in ("data", "pipe", "expert"):
+    for a in ("replica", "data", "pipe", "expert"):
         g = math.gcd(sizes[a], remaining)
         across[a], remaining = g, remaining // g
     if remaining != 1:
         raise ValueError(
             f"cannot lay mesh {sizes} over {nodes} nodes of {per_node} devices without "
-            f"tensor crossing nodes; make data*pipe*expert a multiple of {nodes}")
+            f"tensor crossing nodes; make replica*data*pipe*expert a multiple of {nodes}")
     within = {a: sizes[a] // across.get(a, 1) for a in AXES}
     node_arr = np.asarray([np.asarray(g, dtype=object).reshape([within[a] for a in AXES])
                            for g in groups], dtype=object)

@@ -19,7 +19,8 @@ from triax.models.axes import constrain
 from triax.models.config import ModelConfig, RopeScaling
 from triax.models.decode import Cache, cached_attention
 from triax.models.lora import maybe_pair
-from triax.models.quantize import project, quantize_weights
+from triax.models.projection import RESIDUAL, project_in, project_out
+from triax.models.quantize import quantize_weights
 from triax.models.runtime import ExecConfig
 
 
@@ -92,9 +93,13 @@ class Attention(nnx.Module):
         quantize_weights(self, cfg.lora, wq_DNH=1, wk_DKH=1, wv_DKH=1, wo_NHD=2)  # int8 base only
 
     def project_qkv(self, x_BTD, positions_BT, dtype):
-        q = project("BTD,DNH->BTNH", x_BTD, self, "wq_DNH", dtype)
-        k = project("BTD,DKH->BTKH", x_BTD, self, "wk_DKH", dtype)
-        v = project("BTD,DKH->BTKH", x_BTD, self, "wv_DKH", dtype)
+        kv_out = ("batch", "seq", "act_kv_heads", "act_head_dim")
+        q, k, v = project_in(x_BTD, [
+            ("BTD,DNH->BTNH", self, "wq_DNH", ("embed", "heads", "head_dim"),
+             ("batch", "seq", "act_heads", "act_head_dim")),
+            ("BTD,DKH->BTKH", self, "wk_DKH", ("embed", "kv_heads", "head_dim"), kv_out),
+            ("BTD,DKH->BTKH", self, "wv_DKH", ("embed", "kv_heads", "head_dim"), kv_out)],
+            dtype)
         q, k, v = (y if ad is None else y + ad(x_BTD, dtype) for y, ad in
                    ((q, self.lora_q_proj), (k, self.lora_k_proj), (v, self.lora_v_proj)))
         q = rope(q, positions_BT, self.theta, self.rope_scaling)
@@ -105,7 +110,9 @@ class Attention(nnx.Module):
         return q, k, v
 
     def output(self, o_BTNH, dtype):
-        out = project("BTNH,NHD->BTD", o_BTNH, self, "wo_NHD", dtype)
+        out = project_out(o_BTNH, ("batch", "seq", "act_heads", "act_head_dim"),
+                          ("BTNH,NHD->BTD", self, "wo_NHD", ("heads", "head_dim", "embed"),
+                           RESIDUAL), dtype)
         if self.lora_o_proj is not None:
             out = out + self.lora_o_proj(o_BTNH, dtype)
         # Back on the residual stream (``res_seq``: split over the sequence under SP).
@@ -141,12 +148,14 @@ class MLP(nnx.Module):
         quantize_weights(self, cfg.lora, w_in_D2F=1, w_down_FD=1)
 
     def __call__(self, x_BTD, dtype):
-        gu = project("BTD,DUF->BTUF", x_BTD, self, "w_in_D2F", dtype)
+        gu, = project_in(x_BTD, [("BTD,DUF->BTUF", self, "w_in_D2F", ("embed", None, "mlp"),
+                                  ("batch", "seq", None, "act_mlp"))], dtype)
         g, u = gu[:, :, 0], gu[:, :, 1]
         g = g if self.lora_gate_proj is None else g + self.lora_gate_proj(x_BTD, dtype)
         u = u if self.lora_up_proj is None else u + self.lora_up_proj(x_BTD, dtype)
         h = constrain(jax.nn.silu(g) * u, ("batch", "seq", "act_mlp"))
-        out = project("BTF,FD->BTD", h, self, "w_down_FD", dtype)
+        out = project_out(h, ("batch", "seq", "act_mlp"),
+                          ("BTF,FD->BTD", self, "w_down_FD", ("mlp", "embed"), RESIDUAL), dtype)
         if self.lora_down_proj is not None:
             out = out + self.lora_down_proj(h, dtype)
         return constrain(out, ("batch", "res_seq", "act_embed")), {}

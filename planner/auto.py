@@ -151,6 +151,7 @@ class AutoChoice:
                 "virtual": r.virtual if _pipe(r) > 1 else None,
                 "remat": r.remat, "loss_chunks": r.loss_chunks,
                 "context_attention": r.context_attention if _axis(r, "context") > 1 else None,
+                "tp_overlap": r.tp_overlap,
                 "predicted_peak_bytes": int(p.memory.total) if p else None,
                 "predicted_step_s": p.step_time_s if p else None,
                 "compiled_peak_bytes": self.compiled.peak_bytes if self.compiled else None,
@@ -203,7 +204,8 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
               "microbatches": not piped or run.microbatches in (0, lay.microbatches),
               "virtual": not piped or lay.virtual == run.virtual,
               "context_attention": lay.context == 1
-              or lay.context_attention == run.context_attention}
+              or lay.context_attention == run.context_attention,
+              "tp_overlap": lay.tp_overlap == run.tp_overlap}
     return all(ok for name, ok in checks.items() if name in given)
 
 

@@ -117,6 +117,23 @@ def attention_seconds(w: Workload, lay: Layout, cluster: Cluster,
             / (cluster.device.peak_flops(w.dtype) * assume.compute_efficiency))
 
 
+# The share of a training step's matmuls that ``--tp-overlap``'s rings run beside: the
+# forward's and the input gradients' (each ring step's partial matmul), not the weight
+# gradients' third, which ``sharding.collective_matmul`` computes after its ring.
+RING_HIDES = 2 / 3
+
+
+def tp_ring_seconds(traffic: dict, links: dict, lay: Layout, assume: Assumptions) -> float:
+    """Seconds of ``--tp-overlap``'s permute rings on ``tensor``: each permute runs beside
+    a partial matmul of the chunk at hand, so they hide under ``RING_HIDES`` of the step's
+    matmuls (its compute less attention) and only what exceeds that is exposed."""
+    t = traffic.get("tensor")
+    if not lay.tp_overlap or t is None:
+        return 0.0
+    return comm.kind_seconds(t, links["tensor"], assume.comm_efficiency,
+                             ("collective-permute",))
+
+
 def evaluate(w: Workload, lay: Layout, cluster: Cluster,
              assume: Optional[Assumptions] = None) -> PlanResult:
     """Evaluate ``lay`` for ``w`` on ``cluster`` (raises ShardingError if it cannot split)."""
@@ -126,8 +143,8 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
     seconds = comm.comm_seconds(traffic, comm.axis_links(lay, cluster), assume.comm_efficiency)
     compute, bubble, busy = _busy_seconds(w, lay, mem, cluster, assume)
     # TP/PP/EP collectives sit on the critical path; DP/FSDP traffic overlaps part of the
-    # compute (bucketed gradient reduction, prefetched gathers), and so does the gradient
-    # all-reduce over `context`. The ring's K/V permutes overlap the attention they feed
+    # compute (bucketed gradient reduction, prefetched gathers), and so do the gradient
+    # all-reduces over `replica` (HSDP) and `context`. The ring's K/V permutes overlap the attention they feed
     # (each hop's block is computed while the next arrives); the all-gather scheme's
     # gathers and reduce-scatters are exposed.
     links = comm.axis_links(lay, cluster)
@@ -138,10 +155,13 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
                                       ("all-reduce",))
         ctx_ring = comm.kind_seconds(ctx, links["context"], assume.comm_efficiency,
                                      ("collective-permute",))
-    overlapped = seconds.get("data", 0.0) + ctx_grads
-    exposed = sum(t for a, t in seconds.items() if a != "data") - ctx_grads - ctx_ring \
+    overlapped = seconds.get("data", 0.0) + seconds.get("replica", 0.0) + ctx_grads
+    tp_ring = tp_ring_seconds(traffic, links, lay, assume)
+    exposed = sum(t for a, t in seconds.items() if a not in ("data", "replica")) \
+        - ctx_grads - ctx_ring - tp_ring \
         + max(0.0, overlapped - assume.data_overlap * compute) \
-        + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume))
+        + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume)) \
+        + max(0.0, tp_ring - RING_HIDES * (compute - attention_seconds(w, lay, cluster, assume)))
     step = busy + exposed
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)

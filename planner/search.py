@@ -23,6 +23,7 @@ from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions
 from triax.costs.pipeline_math import microbatch_constraint
 from triax.costs.workload import Layout, Workload, divisors
+from triax.sharding.collective_matmul import overlap_reason
 from triax.sharding.context import SCHEMES, zigzag_order
 from triax.sharding.rules import ShardingError, get_strategy
 from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
@@ -150,8 +151,31 @@ def layouts(w: Workload, cluster: Cluster, refused: Optional[list] = None,
                                     refused.append((lay, why))
                             else:
                                 for scheme in schemes if c > 1 else ("all-gather",):
-                                    yield dataclasses.replace(lay, context=c,
-                                                              context_attention=scheme)
+                                    for hs in hsdp_variants(lay, cluster):
+                                        yield from overlap_variants(dataclasses.replace(
+                                            hs, context=c, context_attention=scheme))
+
+
+def overlap_variants(lay: Layout) -> Iterator[Layout]:
+    """``lay``, and with ``--tp-overlap`` where the collective matmul runs
+    (``sharding.collective_matmul.overlap_reason``: SP over tensor, no context or pipe)."""
+    yield lay
+    if overlap_reason(lay.sizes, lay.strategy.rules) is None:
+        yield dataclasses.replace(lay, tp_overlap=True)
+
+
+def hsdp_variants(lay: Layout, cluster: Cluster) -> Iterator[Layout]:
+    """``lay``, and for a strategy that shards the parameters over ``data`` on several nodes
+    its HSDP forms: ``replica`` = r groups (r dividing the node count), ``data`` = d/r
+    within each. ``replica`` is the mesh's outermost axis, so ``comm.axis_links`` puts it on
+    the inter-node links and a group of ``gpus_per_node`` devices or fewer keeps its
+    gathers and reduce-scatters inside a node; only the shard's one all-reduce crosses."""
+    yield lay
+    if not lay.strategy.fsdp or lay.replica > 1:
+        return
+    for r in divisors(cluster.nodes):
+        if r > 1 and lay.data % r == 0 and lay.data // r > 1:
+            yield dataclasses.replace(lay, data=lay.data // r, replica=r)
 
 
 # The longest slice of a sequence whose loss is computed at once, when the search tries a

@@ -43,7 +43,7 @@ def layout_fields(w: Workload, lay: Layout) -> dict:
     auto`` fills in and ``run_config`` builds with."""
     return dict(mesh=lay.mesh_str,
                 strategy=lay.strategy.name, remat=w.remat, loss_chunks=w.loss_chunks,
-                context_attention=lay.context_attention,
+                context_attention=lay.context_attention, tp_overlap=lay.tp_overlap,
                 schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
                 microbatches=lay.microbatches, virtual=lay.virtual)
 
@@ -99,6 +99,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "loss_chunks": w.loss_chunks,
                       "sizes": lay.sizes, "strategy": lay.strategy.name,
+                      "tp_overlap": lay.tp_overlap,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
                       "context_attention": lay.context_attention,
@@ -183,6 +184,7 @@ def _main(arg: str) -> None:
                     attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"],
+                 tp_overlap=a["tp_overlap"],
                  context_attention=a["context_attention"], pipeline_fsdp=a["pipeline_fsdp"])
     print(json.dumps(compile_figures(w, lay)))
 

@@ -24,6 +24,7 @@ from triax.models import runtime
 from triax.models.config import ModelConfig
 from triax.models.lora import is_adapter_path
 from triax.models.transformer import Transformer
+from triax.sharding.collective_matmul import collective_matmuls
 from triax.sharding.context import context_attention
 from triax.sharding.experts import check_expert_mesh, expert_runner
 from triax.sharding.rules import Rules, ShardingError, Strategy, get_strategy
@@ -224,10 +225,12 @@ def activation_sharding(mesh: Mesh, strategy: str | Strategy,
     (``sharding.context.context_attention``; None: any order)."""
     strategy = get_strategy(strategy)
     rules = strategy.rules
+    gather, scatter = collective_matmuls(mesh, rules) if strategy.tp_overlap else (None, None)
     with runtime.using(constraint=activation_constraint(mesh, rules),
                        moe_runner=expert_runner(mesh, rules),
                        attention=context_attention(mesh, rules, strategy.context_attention,
-                                                   context_layout)):
+                                                   context_layout),
+                       gather_matmul=gather, matmul_scatter=scatter):
         yield
 
 

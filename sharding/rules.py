@@ -262,6 +262,7 @@ class Strategy:
     optimizer_rules: Rules
     fsdp: bool = False  # parameters sharded over `data` (enables the "sufficiently sharded" check)
     context_attention: str = "all-gather"   # attention across `context`: all-gather | ring
+    tp_overlap: bool = False   # SP's projections as collective matmuls (sharding.collective_matmul)
 
     def with_updates(self, **updates: MeshAxes) -> "Strategy":
         """This strategy with ``logical name=mesh axes`` rules added (parameters and optimizer)."""
@@ -278,7 +279,11 @@ class Strategy:
 
 # The expert axis is a data axis for everything but the experts (whose all-to-all needs the
 # tokens split over it); expert-major so each expert rank holds one contiguous batch block.
-_BATCH = {"batch": ("expert", "data")}
+# `replica` (HSDP) is a batch axis that no parameter rule names: FSDP shards the weights
+# over `data` within each replica group and keeps one copy per group, so its gathers and
+# reduce-scatters stay in the group and only one all-reduce of the shard crosses groups.
+# Replica-major, outermost like its place in the mesh.
+_BATCH = {"batch": ("replica", "expert", "data")}
 _TP = {"heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor",
        "expert_mlp": "tensor",
        "act_heads": "tensor", "act_kv_heads": "tensor", "act_mlp": "tensor",

@@ -1,5 +1,6 @@
 """Every strategy on several meshes equals the single-device step: loss, every gradient, and
 the parameters after 3 optimizer steps (fp32)."""
+import dataclasses
 import re
 
 import jax
@@ -8,7 +9,9 @@ import pytest
 from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
-from triax.models import ExecConfig, config
+from triax.models import ExecConfig, config, runtime
+from triax.sharding import activation_sharding
+from triax.sharding.rules import get_strategy
 from triax.training.step import Trainer
 
 CFG = config.TINY.replace(num_layers=2)
@@ -44,6 +47,39 @@ def test_strategy_matches_single_device(reference, strategy, data, tensor):
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="gradients")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="params after 3 steps")
+
+
+@pytest.mark.parametrize("strategy,sizes", [
+    ("fsdp", dict(replica=2, data=4)),
+    ("fsdp_tp", dict(replica=2, data=2, tensor=2)),
+])
+def test_hsdp_matches_single_device(reference, strategy, sizes):
+    """HSDP: FSDP within each replica group of the batch, replicated across groups."""
+    ref_loss, ref_grads, ref_losses, ref_params = reference
+    trainer = Trainer(CFG, make_mesh(**sizes), strategy)
+    assert "replica" in str(trainer.batch_sharding().spec)     # the batch split over groups
+    loss, grads, losses, params = run(trainer)
+    what = f"HSDP {strategy} on {sizes}"
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what=f"{what} gradients")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=what)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what=f"{what} params")
+
+
+@pytest.mark.parametrize("strategy,data,tensor", [("tp_sp", 2, 4), ("fsdp_tp_sp", 4, 2)])
+def test_tp_overlap_matches_single_device(reference, strategy, data, tensor):
+    """--tp-overlap: SP's gathers and scatters as collective matmuls (ppermute rings)."""
+    ref_loss, ref_grads, ref_losses, ref_params = reference
+    st = dataclasses.replace(get_strategy(strategy), tp_overlap=True)
+    mesh = make_mesh(data=data, tensor=tensor)
+    with activation_sharding(mesh, st):                  # the collective matmuls are in
+        assert runtime.current().matmul_scatter is not None
+    loss, grads, losses, params = run(Trainer(CFG, mesh, st))
+    what = f"tp-overlap {strategy} on data={data} tensor={tensor}"
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what=f"{what} gradients")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=what)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what=f"{what} params")
 
 
 def test_remat_matches_plain(reference, devices):

@@ -272,14 +272,16 @@ def test_long_sequence_plans_context_parallelism_and_says_why():
 def test_131072_tokens_plan_context_parallelism_with_a_chunked_loss():
     """The issue's example (8 × 131,072 tokens, llama3-8b, 32 H100s): the whole sequence's
     fp32 logits keep every context plan over 80 GB (the smallest needed 87 GB), so the
-    answer was TP × SP; computed over 16 slices they fit, and context wins on time."""
+    answer was TP × SP; computed over 16 slices they fit, and context wins on time over
+    plain TP × SP. With collective matmul (issue 39) TP × SP's rings hide under its
+    matmuls and its vocab-split logits need no chunked loss: it ranks first by < 1 %."""
     rec = plan(_w("llama3-8b", True, batch=8, seq=131072), hardware.cluster("h100-80gb", 8, 4))
-    best = rec.plans[0]
+    first = rec.plans[0]
+    assert first.layout.tp_overlap and first.layout.tensor > 1 and first.fits
+    best = next(p for p in rec.plans if not p.layout.tp_overlap)
     assert best.layout.context > 1 and best.workload.loss_chunks == 16 and best.fits
+    assert best.step_time_s < 1.01 * first.step_time_s
     why = " ".join(rec.reasoning)
-    assert "Context parallelism: each 131,072-token sequence is split over context=" in why
-    assert "Loss in 16 chunks: the fp32 logits" in why
-    assert "without it this plan needs" in why         # the same plan, whole-sequence loss
     assert "131,072 tokens is longer than llama3-8b's context (max_seq_len 8,192)" in why
 
 

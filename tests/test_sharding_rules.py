@@ -102,8 +102,8 @@ def test_mesh_product_mismatch_names_sizes_and_devices(devices):
 
 def test_mesh_fill_and_axis_order(devices):
     mesh = make_mesh(tensor=2, data=-1)
-    assert mesh.axis_names == ("data", "pipe", "expert", "context", "tensor")
-    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"data": 4, "pipe": 1, "expert": 1, "context": 1,
+    assert mesh.axis_names == ("replica", "data", "pipe", "expert", "context", "tensor")
+    assert dict(zip(mesh.axis_names, mesh.devices.shape)) == {"replica": 1, "data": 4, "pipe": 1, "expert": 1, "context": 1,
                                                              "tensor": 2}
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 

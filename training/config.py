@@ -66,6 +66,10 @@ class RunConfig:
     mesh: str = shared("mesh", "")
     strategy: str = shared("strategy", "fsdp_tp")
     context_attention: str = shared("context_attention", "all-gather")
+    tp_overlap: bool = _f(False, "collective matmul under sequence parallelism (tp_sp, "
+                                 "fsdp_tp_sp): each all-gather → matmul and matmul → "
+                                 "reduce-scatter over tensor becomes a ring of permutes "
+                                 "overlapped with partial matmuls")
     steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
     seed: int = shared("seed", 0)
     batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
@@ -150,6 +154,9 @@ class RunConfig:
         choices.parse_offload(self.offload)   # a part that is not state fails here
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
+        if self.tp_overlap and self.precision == "fp8":   # the rings carry bf16/fp32 weights
+            raise ValueError("--tp-overlap runs its collective matmuls in the compute dtype, "
+                             "not float8: drop --tp-overlap or use --precision bf16")
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
             counts = self.stage_counts()    # by check_pipeline, the model's layers there too
             try:

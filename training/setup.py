@@ -31,7 +31,8 @@ from triax.costs.fits import device_capacity
 from triax.costs.memory import estimate
 from triax.costs.offload import cheaper_update
 from triax.costs.workload import Layout, Workload
-from triax.mesh import make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
+from triax.mesh import describe, make_hybrid_mesh, make_mesh, mesh_sizes, parse_mesh
+from triax.sharding.collective_matmul import overlap_reason
 from triax.models.config import ModelConfig
 from triax.pipeline.pipelined import PipelineConfig, default_microbatches
 from triax.pipeline.schedules import ScheduleKind
@@ -70,6 +71,9 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
+    why = overlap_reason(mesh_sizes(mesh), run_strategy(run).rules) if run.tp_overlap else None
+    if why:
+        raise ValueError(f"{why} (mesh {describe(mesh)}, strategy {run.strategy})")
     compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run_strategy(run), pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
                                  accum_steps=run.grad_accum,
@@ -80,9 +84,11 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
 
 
 def run_strategy(run: RunConfig) -> Strategy:
-    """``--strategy`` with ``--context-attention`` (the scheme the context axis runs)."""
+    """``--strategy`` with ``--context-attention`` (the scheme the context axis runs) and
+    ``--tp-overlap`` (collective matmuls for sequence parallelism)."""
     return dataclasses.replace(get_strategy(run.strategy),
-                               context_attention=check_scheme(run.context_attention))
+                               context_attention=check_scheme(run.context_attention),
+                               tp_overlap=run.tp_overlap)
 
 
 def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:

@@ -13,8 +13,8 @@ Two tables and a plot, each from one run of this script, into docs/benchmarks.md
   data (``--data pydoc``) in bf16 and fp8 from the same seed, the loss curves plotted to
   docs/fp8_loss.png and the mean loss of the last 20 steps compared.
 
-    python bench/levers.py                 # both tables and the plot
-    python bench/levers.py --steps 20      # a quick look (the plot from 20 steps)
+    python bench/memory_levers.py                 # both tables and the plot
+    python bench/memory_levers.py --steps 20      # a quick look (the plot from 20 steps)
 """
 from __future__ import annotations
 
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     cfg = config.get(args.model, args.num_layers)
     shape = (args.batch_size, args.seq_len, args.reps)
-    cmd = ("python bench/levers.py " + " ".join(argv if argv is not None
+    cmd = ("python bench/memory_levers.py " + " ".join(argv if argv is not None
                                                 else sys.argv[1:])).strip()
     off = offload_rows(cfg, *shape)
     table = render_offload(off, args.model, args.num_layers, *shape, cmd)
