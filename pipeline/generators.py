@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from triax.pipeline.dualpipe_v import dualpipe_v_orders
 from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place,
                                       prerequisites)
 from triax.pipeline.validate import validate
@@ -162,6 +163,7 @@ GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Orders]] = {
     ScheduleKind.INTERLEAVED: interleaved_orders,
     ScheduleKind.ZB_H1: zb_h1_orders,
     ScheduleKind.ZB_V: zb_v_orders,
+    ScheduleKind.DUALPIPE_V: dualpipe_v_orders,
     ScheduleKind.FORWARD_ONLY: forward_only_orders,
 }
 
