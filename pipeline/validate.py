@@ -40,7 +40,7 @@ def _check_op(t: int, s: int, cell: Op, op: Op, sched: Schedule) -> None:
     if not sched.has_backward and op.kind is not OpKind.F:
         raise ScheduleError(f"{where}: a forward-only schedule has no backward ops")
     if op.kind is not OpKind.F and op.kind not in allowed and cell.kind not in allowed:
-        names = " / ".join(sorted(k.name for k in allowed))
+        names = " + ".join(k.name for k in sorted(allowed))
         raise ScheduleError(f"{where}: {sched.kind.value} uses {names} for backwards, "
                             f"not {op.kind.name}")
 
