@@ -141,6 +141,12 @@ class Schedule:
     def has_backward(self) -> bool:
         return self.kind is not ScheduleKind.FORWARD_ONLY
 
+    @cached_property
+    def sends_two(self) -> bool:
+        """A stage sends an activation and a gradient in one tick (an F&B cell), so the
+        executor sends each buffer both ways every tick (twice the permutes)."""
+        return any(op is not None and op.kind is OpKind.FB for row in self.table for op in row)
+
     def stage_of(self, chunk: int) -> int:
         """The stage global ``chunk`` runs on (``chunk_stage``)."""
         return chunk_stage(chunk, self.stages, self.kind.v_shape)

@@ -106,12 +106,7 @@ class TickProgram:
     @property
     def both_ways(self) -> bool:
         """Some tick sends two messages (F&B): every buffer goes up and down each tick."""
-        return sends_two(self.schedule)
-
-
-def sends_two(s: Schedule) -> bool:
-    """A stage sends an activation and a gradient in one tick (an F&B cell)."""
-    return any(op is not None and op.kind is OpKind.FB for row in s.table for op in row)
+        return self.schedule.sends_two
 
 
 class _Slots:
@@ -142,7 +137,7 @@ def compile_program(s: Schedule) -> TickProgram:
     stash, fin, bin_, head = ([_Slots() for _ in range(S)] for _ in range(4))
     # The op that frees a forward's stash: B, or (ZB-H1, ZB-V) W, which reads it with the cut.
     keeps = s.has_backward
-    two = sends_two(s)
+    two = s.sends_two
     for t, row in enumerate(s.table):
         # Messages sent in tick t-1 arrive at the start of tick t.
         for st, op in ((st, p) for st, c in enumerate(s.table[t - 1] if t else ())
