@@ -12,6 +12,7 @@ import json
 
 from triax.cli.flags import add_json
 from triax.pipeline import build
+from triax.pipeline.bounds import bubble_lower_bound
 from triax.pipeline.schedules import ScheduleKind
 
 
@@ -37,6 +38,7 @@ def run(args) -> int:
                          f"two schedules; give one")
     sched = build(args.schedule or args.kind, args.stages, args.microbatches, args.virtual)
     facts = sched.summary()
+    facts["bubble_lower_bound"] = bubble_lower_bound(sched)
     if args.png:
         from triax.pipeline.timeline import save
         facts["png"] = str(save(sched, args.png))
@@ -49,6 +51,8 @@ def run(args) -> int:
               f"  bubble fraction  {facts['bubble_fraction']:.4f} "
               f"(costs F=1, B_in=1, W=1, B=2, F&B=3)"
               + ("" if closed is None else f"; closed form {closed:.4f}") + "\n"
+              f"  least bubble     {facts['bubble_lower_bound']:.4f} (any placement of these "
+              f"ops, pipeline.bounds)\n"
               f"  peak in flight   {sched.peak_in_flight} micro-batch chunk(s) per stage")
         if args.png:
             print(f"  timeline         {facts['png']}")
