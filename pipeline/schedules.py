@@ -49,8 +49,8 @@ class Op:
     F&B (``OpKind.FB``) is two ops in one cell: F of (``mb``, ``chunk``) and B of
     (``b_mb``, ``b_chunk``).
 
-        >>> Op(OpKind.FB, 3, 0, b_mb=1, b_chunk=7).parts()
-        (Op(kind=<OpKind.F: 1>, mb=3, chunk=0, b_mb=-1, b_chunk=-1), Op(kind=<OpKind.B: 2>, mb=1, chunk=7, b_mb=-1, b_chunk=-1))
+        >>> [str(op) for op in Op(OpKind.FB, 3, 0, b_mb=1, b_chunk=7).parts()]
+        ['F(mb=3, chunk=0)', 'B(mb=1, chunk=7)']
     """
 
     kind: OpKind
