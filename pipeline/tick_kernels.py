@@ -151,9 +151,10 @@ def _add_pieces(acc, d_pieces):
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
 
 
-def forward(t: Tick, c: Carry, w: Carry) -> Carry:
+def forward(t: Tick, c: Carry, w: Carry, after=None) -> Carry:
     """F: the chunk on the filed activation; with a backward it stashes its residuals, else
-    it reads and writes the state's (chunk, micro-batch) slice and files the outputs."""
+    it reads and writes the state's (chunk, micro-batch) slice and files the outputs.
+    ``after``: values the stash write must wait for (F&B: its B's read of the stash)."""
     s, row = t.step, t.row
     x_in = take(c.fwd_inbox, row.fwd_in_r)
     if not s.backward:
@@ -164,6 +165,8 @@ def forward(t: Tick, c: Carry, w: Carry) -> Carry:
                     out=jax.tree.map(lambda b, x: put(b, x, row.out_w), w.out, out))
     else:
         (y, loss), res = s.sb.forward(s.loss_apply, t.chunk(), s.pieces, x_in, t.extras())
+        if after is not None:   # the write depends on the read: XLA orders them, no copy
+            res, _ = jax.lax.optimization_barrier((res, after))
         w = replace(w, stash=s.layout.write(w.stash, res, row.stash_w, row.head_w, t.last))
     return replace(w, send_f=y.astype(s.dtype), loss=jax.tree.map(jnp.add, w.loss, loss))
 
@@ -171,8 +174,12 @@ def forward(t: Tick, c: Carry, w: Carry) -> Carry:
 def backward(t: Tick, c: Carry, w: Carry) -> Carry:
     """B (1F1B, interleaved, DualPipeV): the whole backward from the stash; frees the slot."""
     t = t.backward_view()
-    s, row = t.step, t.row
-    stored = s.layout.read(c.stash, row.stash_r, row.head_r)
+    return _backward_from(t, c, w, t.step.layout.read(c.stash, t.row.stash_r, t.row.head_r))
+
+
+def _backward_from(t: Tick, c: Carry, w: Carry, stored) -> Carry:
+    """B on the slot's ``stored`` residuals (``t``: the backward's view of the tick)."""
+    s = t.step
     d_chunk, d_pieces, dx = s.sb.backward(stored, t.chunk(), s.pieces, t.extras(), t.dy(c),
                                           t.dloss)
     return replace(w, acc_blocks=t.add_blocks(w.acc_blocks, d_chunk),
@@ -215,10 +222,18 @@ def backward_weight(t: Tick, c: Carry, w: Carry) -> Carry:
 def forward_backward(t: Tick, c: Carry, w: Carry) -> Carry:
     """F&B (DualPipeV): one micro-batch's B and another's F in one conditional branch, with
     no data between them, so the compiler may run one's communication (an MoE all-to-all)
-    beside the other's compute. B reads its stash slot from the branch's own operand before
-    F writes another slot of it."""
-    w = backward(t, replace(c, stash=w.stash), w)
-    return forward(t, c, w)
+    beside the other's compute. B's slot is read out of the stash by a conditional of its
+    own (on a flag true here), and F's write waits for that read (an optimization barrier
+    on F's residuals and the read slot): without the order XLA copied the whole stash every
+    tick to keep the read valid (``tests/test_pipeline_tick_tax.py``). Only the read and
+    the write are ordered; B computes on the read slot, free to interleave with F."""
+    tb = t.backward_view()
+    read = lambda stash: tb.step.layout.read(stash, tb.row.stash_r, tb.row.head_r)  # noqa: E731
+    with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as F&B's own
+        stored = jax.lax.cond(
+            t.on[OpKind.FB] > 0, read,
+            lambda st: jax.tree.map(jnp.zeros_like, jax.eval_shape(read, st)), w.stash)
+    return forward(t, c, _backward_from(tb, c, w, stored), after=stored)
 
 
 @dataclass(frozen=True)
