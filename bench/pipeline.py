@@ -6,7 +6,7 @@ the table's bubble fraction and peak in flight, step time relative to the unpipe
 (data=8 with gradient accumulation over M / 4), the matmul FLOPs per micro-batch measured on the compiled step
 relative to 1F1B's (each op's conditional branch, from ``sharding.introspect``, times the
 cells of the table that run it), peak per-device memory and temporaries from the compiled
-step, and compile time. The baseline runs the same stages as GPipe the way MaxText/praxis
+step, the parameter bytes a device holds, and compile time. The baseline runs the same stages as GPipe the way MaxText/praxis
 do: ``vmap`` over stages, every stage computing in every tick (bubble included),
 differentiated by autodiff through the loop.
 
@@ -33,6 +33,7 @@ from triax.models import config  # noqa: E402
 from triax.models import runtime  # noqa: E402
 from triax.models.loss import cross_entropy  # noqa: E402
 from triax.models.protocol import run_stack  # noqa: E402
+from triax.costs.pipeline_math import microbatch_constraint  # noqa: E402
 from triax.pipeline import ScheduleKind, build, chunks_per_stage  # noqa: E402
 from triax.pipeline.stage_layers import StageLayers  # noqa: E402
 from triax.pipeline.timeline import LABELS  # noqa: E402
@@ -102,10 +103,11 @@ def step_flops(compiled, stages: int, schedule=None) -> int:
     ops = op_branch_costs(text)
     last = schedule.num_chunks - 1
     for row in schedule.table:
-        for op in row:
-            if op is not None:
-                c = ops[LABELS[op.kind]]
-                total += (c.costliest() if op.chunk == last else c.cheapest()).flops
+        # F&B's branch runs exactly its F's and B's matmuls (tests/test_dualpipe_v.py):
+        # each part is priced by its own branch, its head counted where its chunk is last.
+        for op in (part for cell in row if cell is not None for part in cell.parts()):
+            c = ops[LABELS[op.kind]]
+            total += (c.costliest() if op.chunk == last else c.cheapest()).flops
     return total
 
 
@@ -128,7 +130,17 @@ def measure(trainer: Trainer, batch, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak = mem.argument_bytes + mem.output_bytes + mem.temp_bytes - mem.alias_bytes
     return {"step_s": float(np.min(times)), "compile_s": compile_s, "peak_mb": mib(peak),
-            "temp_mb": mib(mem.temp_bytes), "loss": float(m["loss"]), "compiled": compiled}
+            "temp_mb": mib(mem.temp_bytes), "param_mb": mib(param_bytes(state["params"])),
+            "loss": float(m["loss"]), "compiled": compiled}
+
+
+def param_bytes(params) -> int:
+    """The parameter bytes the fullest device holds (its shards of every parameter)."""
+    per_device: dict = {}
+    for leaf in jax.tree.leaves(params):
+        for shard in leaf.addressable_shards:
+            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+    return max(per_device.values())
 
 
 def run(args) -> list[dict]:
@@ -158,6 +170,10 @@ def run(args) -> list[dict]:
     for M in args.ms:
         for kind in args.schedules:
             v = 2 if kind == "interleaved" else chunks_per_stage(kind) if kind in KINDS else 1
+            if kind in KINDS and microbatch_constraint(ScheduleKind(kind), STAGES, M, v):
+                print(f"{kind} M={M}: {microbatch_constraint(ScheduleKind(kind), STAGES, M, v)}",
+                      file=sys.stderr)     # DualPipeV needs M >= 2S
+                continue
             if kind == "maxtext-vmap":   # the baseline brings its own loss_and_grad
                 # The same run (optimizer and its schedule included) with GPipe's stages.
                 tr = trainer(f"data={8 // STAGES},pipe={STAGES}", schedule="gpipe",
@@ -209,8 +225,9 @@ def table(rows, args) -> str:
             "the pipeline costs beyond the matmuls' granularity.", "",
             "| schedule | M | tokens per micro-batch and data rank | bubble | peak in flight "
             "(stages) | step s | step time / unpipelined | step time / same-size unpipelined "
-            "| FLOPs per micro-batch / 1F1B | peak MB/device | temp MB | compile s |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| FLOPs per micro-batch / 1F1B | peak MB/device | temp MB | param MB/device "
+            "| compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     # What one op's matmuls see: where it is a few rows, dispatch dominates the matmul.
     tokens = lambda r: (args.batch // 8 // r["accum"] if r["M"] == 1  # noqa: E731
                         else args.batch // (8 // STAGES) // r["M"]) * args.seq
@@ -219,7 +236,7 @@ def table(rows, args) -> str:
             f"{dash(r['in_flight'], 'g')} | {r['step_s']:.1f} | {r['ratio']:.2f} | "
             f"{dash(r['same_ratio'], '.2f')} | "
             f"{dash(r['flops_ratio'], '.3f')} | {r['peak_mb']:.1f} | {r['temp_mb']:.1f} | "
-            f"{r['compile_s']:.1f} |" for r in rows]
+            f"{r['param_mb']:.1f} | {r['compile_s']:.1f} |" for r in rows]
     return "\n".join(head + body) + "\n"
 
 
@@ -252,7 +269,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--ms", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32])
     p.add_argument("--schedules", type=lambda s: s.split(","),
-                   default=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "maxtext-vmap"])
+                   default=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",
+                            "maxtext-vmap"])
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
     rows = run(args)

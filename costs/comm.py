@@ -237,12 +237,14 @@ def _lora_tensor(w: Workload, lay: Layout, t: AxisTraffic, act: float, layers: i
 def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int) -> None:
     """Stage-to-stage permutes of one micro-batch's activations (forward) and their
     gradients (backward). triax.pipeline's executor permutes every tick of its table, idle
-    or not; without the table, each micro-batch crosses each boundary once per pass
+    or not (DualPipeV, whose F&B sends two messages, each buffer both ways); without the table, each micro-batch crosses each boundary once per pass
     (v times when interleaved). Training also all-reduces the gradients of parameters
     that every stage holds (embedding, head, final norm) over ``pipe``."""
     M = max(lay.microbatches, 1)
     table = schedule_table(lay.schedule, lay.pipe, M, lay.virtual)
     sends = table.ticks if table is not None else M * lay.virtual
+    if table is not None and table.sends_two:   # F&B: each buffer goes both ways per tick
+        sends *= 2
     t.add("collective-permute", act / M, sends * passes)
     rules = lay.strategy.rules
     if routed(w.cfg.num_layers, lay.pipe, lay.virtual):

@@ -195,6 +195,8 @@ def _initial_carry(step: Step, prog: TickProgram, x0, out_sd, state) -> Carry:
                   state=state, out=jax.tree.map(lambda s: slots(prog.out_slots, s), out_sd))
     if not step.backward:
         return carry
+    if prog.both_ways:
+        carry = replace(carry, recv_f_down=x0, recv_b_up=x0)
     return replace(carry, bwd_inbox=slots(prog.bwd_slots, x0), recv_b=x0, send_b=x0,
                    stash=step.layout.buffers(prog.stash_slots, prog.head_slots),
                    acc_blocks=jax.tree.map(jnp.zeros_like, step.blocks),

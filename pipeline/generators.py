@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
+from triax.pipeline.dualpipe_v import dualpipe_v_orders
+from triax.pipeline.bounds import UNIT_COSTS, makespan_lower_bound
 from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, ScheduleKind, place,
                                       prerequisites)
 from triax.pipeline.validate import validate
@@ -116,19 +118,40 @@ def zb_v_orders(S: int, M: int, v: int) -> Orders:
 
     Greedy list scheduling with unit op times, each stage taking, of the ops whose inputs
     arrived, a B_in first (the oldest micro-batch's, then the deeper chunk's: it unblocks
-    the neighbour or the stage's own other chunk), else an F (the deeper chunk first) while fewer than
-    2S chunks await their W, else the oldest W. 2S chunks of half a stage each are 1F1B's S
-    micro-batches of a whole stage. For S <= 4 and M >= S the table takes 6M+S-1 ticks, the
-    fewest possible: the only idle ticks are the S-1 the first forward needs to reach the
-    last stage. Larger S lose a few ticks at some M (S = 5, 6, 8: at most 4).
+    the neighbour or the stage's own other chunk), else an F (the deeper chunk first) while
+    fewer than 2S chunks await their W, else the oldest W. 2S chunks of half a stage each
+    are 1F1B's S micro-batches of a whole stage. Where that order idles, the generator
+    tries the other tie-breaks (``ZBV_PRIORITIES``: F before B_in, older micro-batch before
+    deeper chunk) and keeps the shortest table, every one under the same 2S cap. For every
+    S <= 8 and M >= 2S the table takes 6M+S-1 ticks, the fewest any placement of these ops
+    can take (``pipeline.bounds``: the last stage cannot start before tick S-1).
     """
+    best, bound = None, None
+    for priority in ZBV_PRIORITIES:
+        orders = _zb_v_greedy(S, M, priority)
+        ticks = len(place(orders, V_CHUNKS * S))
+        if best is None or ticks < best[0]:
+            best = (ticks, orders)
+        bound = bound or makespan_lower_bound(orders, V_CHUNKS * S, UNIT_COSTS)
+        if ticks <= bound:   # no placement of these ops is shorter
+            break
+    return best[1]
+
+
+# (B_in before F, F's key, B_in's key): the greedy's tie-breaks, today's first.
+_DEEPER, _OLDER = (lambda o: (o.chunk, -o.mb)), (lambda o: (-o.mb, o.chunk))
+ZBV_PRIORITIES = tuple((b_first, f_key, b_key) for b_first in (True, False)
+                       for f_key in (_DEEPER, _OLDER) for b_key in (_OLDER, _DEEPER))
+
+
+def _zb_v_greedy(S: int, M: int, priority) -> Orders:
     C = V_CHUNKS * S
     orders: Orders = [[] for _ in range(S)]
     done: dict[Op, int] = {}
     count = {(k, c): 0 for k in (F, B_IN, W) for c in range(C)}
     left, t = 3 * M * C, 0
     while left:
-        picks = [_zbv_pick(s, S, M, count, done, t) for s in range(S)]
+        picks = [_zbv_pick(s, S, M, count, done, t, priority) for s in range(S)]
         for s, op in enumerate(picks):
             if op is not None:
                 orders[s].append(op)
@@ -141,15 +164,16 @@ def zb_v_orders(S: int, M: int, v: int) -> Orders:
     return orders
 
 
-def _zbv_pick(s, S, M, count, done, t):
+def _zbv_pick(s, S, M, count, done, t, priority):
     C = V_CHUNKS * S
     chunks = (s, C - 1 - s)
     ready = lambda op: all(d in done and done[d] < t for d in prerequisites(op, C))  # noqa: E731
     cand = [Op(k, count[k, c], c) for c in chunks for k in (F, B_IN, W) if count[k, c] < M]
     cand = [op for op in cand if ready(op)]
     in_flight = sum(count[F, c] - count[W, c] for c in chunks)
-    for kind, key in ((B_IN, lambda o: (-o.mb, o.chunk)), (F, lambda o: (o.chunk, -o.mb)),
-                      (W, lambda o: (-o.mb, o.chunk))):
+    b_first, f_key, b_key = priority
+    order = ((B_IN, b_key), (F, f_key)) if b_first else ((F, f_key), (B_IN, b_key))
+    for kind, key in order + ((W, _OLDER),):
         ops = [o for o in cand if o.kind is kind and (kind is not F or in_flight < C)]
         if ops:
             return max(ops, key=key)
@@ -162,6 +186,7 @@ GENERATORS: dict[ScheduleKind, Callable[[int, int, int], Orders]] = {
     ScheduleKind.INTERLEAVED: interleaved_orders,
     ScheduleKind.ZB_H1: zb_h1_orders,
     ScheduleKind.ZB_V: zb_v_orders,
+    ScheduleKind.DUALPIPE_V: dualpipe_v_orders,
     ScheduleKind.FORWARD_ONLY: forward_only_orders,
 }
 

@@ -35,20 +35,39 @@ class OpKind(enum.IntEnum):
     B = 2      # full backward (input and weight gradients)
     B_IN = 3   # backward for the input gradient only (zero-bubble split)
     W = 4      # backward for the weight gradients only (zero-bubble split)
+    FB = 5     # DualPipe's F&B: one micro-batch's F and another's full B, overlapped
 
 
-DEFAULT_COSTS = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.B_IN: 1.0, OpKind.W: 1.0}
+# F&B defaults to F + B: it saves no compute, it hides one op's communication behind the
+# other's (DualPipe's F&B is at most F + B).
+DEFAULT_COSTS = {OpKind.F: 1.0, OpKind.B: 2.0, OpKind.B_IN: 1.0, OpKind.W: 1.0, OpKind.FB: 3.0}
 
 
 @dataclass(frozen=True)
 class Op:
-    """One cell of a schedule: what (``kind``) for which micro-batch (``mb``) and model chunk."""
+    """One cell of a schedule: what (``kind``) for which micro-batch (``mb``) and model chunk.
+    F&B (``OpKind.FB``) is two ops in one cell: F of (``mb``, ``chunk``) and B of
+    (``b_mb``, ``b_chunk``).
+
+        >>> [str(op) for op in Op(OpKind.FB, 3, 0, b_mb=1, b_chunk=7).parts()]
+        ['F(mb=3, chunk=0)', 'B(mb=1, chunk=7)']
+    """
 
     kind: OpKind
     mb: int
     chunk: int
+    b_mb: int = -1       # F&B only: the backward's micro-batch
+    b_chunk: int = -1    # F&B only: the backward's chunk
+
+    def parts(self) -> tuple["Op", ...]:
+        """The single ops this cell runs: F&B's F and B, else the op itself."""
+        if self.kind is OpKind.FB:
+            return Op(OpKind.F, self.mb, self.chunk), Op(OpKind.B, self.b_mb, self.b_chunk)
+        return (self,)
 
     def __str__(self) -> str:
+        if self.kind is OpKind.FB:
+            return f"FB(F mb={self.mb} chunk={self.chunk}, B mb={self.b_mb} chunk={self.b_chunk})"
         return f"{self.kind.name}(mb={self.mb}, chunk={self.chunk})"
 
 
@@ -60,17 +79,30 @@ class ScheduleKind(enum.Enum):
     INTERLEAVED = "interleaved"
     ZB_H1 = "zb-h1"
     ZB_V = "zb-v"
+    DUALPIPE_V = "dualpipev"
     FORWARD_ONLY = "forward-only"
 
     @property
     def split_backward(self) -> bool:
-        """Runs each backward as B_in then W (zero-bubble schedules)."""
-        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_V)
+        """Runs backwards as B_in then W (zero-bubble schedules; DualPipeV for some of its
+        backwards, so its stash slot holds the cut too)."""
+        return self in (ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKind.DUALPIPE_V)
 
     @property
     def v_shape(self) -> bool:
         """Places two chunks per stage in a V (``chunk_stage``)."""
-        return self is ScheduleKind.ZB_V
+        return self in (ScheduleKind.ZB_V, ScheduleKind.DUALPIPE_V)
+
+    @property
+    def backward_kinds(self) -> frozenset:
+        """The op kinds that may run a backward in this schedule's tables."""
+        if self is ScheduleKind.FORWARD_ONLY:
+            return frozenset()
+        if self is ScheduleKind.DUALPIPE_V:
+            return frozenset((OpKind.B, OpKind.B_IN, OpKind.W, OpKind.FB))
+        if self.split_backward:
+            return frozenset((OpKind.B_IN, OpKind.W))
+        return frozenset((OpKind.B,))
 
     @classmethod
     def parse(cls, name: "str | ScheduleKind") -> "ScheduleKind":
@@ -109,6 +141,12 @@ class Schedule:
     def has_backward(self) -> bool:
         return self.kind is not ScheduleKind.FORWARD_ONLY
 
+    @cached_property
+    def sends_two(self) -> bool:
+        """A stage sends an activation and a gradient in one tick (an F&B cell), so the
+        executor sends each buffer both ways every tick (twice the permutes)."""
+        return any(op is not None and op.kind is OpKind.FB for row in self.table for op in row)
+
     def stage_of(self, chunk: int) -> int:
         """The stage global ``chunk`` runs on (``chunk_stage``)."""
         return chunk_stage(chunk, self.stages, self.kind.v_shape)
@@ -128,8 +166,14 @@ class Schedule:
         return max(in_flight_profile(self)) if self.has_backward else 0
 
     def bubble_fraction(self, costs: dict = DEFAULT_COSTS) -> float:
-        """Idle share of stage-time when ops take ``costs`` (default F=1, B_in=W=1, B=2)."""
+        """Idle share of stage-time when ops take ``costs`` (default F=1, B_in=W=1, B=2,
+        F&B=3)."""
         return cost_bubble(self.orders(), self.stages, self.num_chunks, costs)
+
+    def idle_times(self, costs: dict = DEFAULT_COSTS) -> list[float]:
+        """Per stage, the time it idles when the orders run with ``costs`` (its bubble in
+        time units, the figure DualPipe's table gives)."""
+        return run_orders(self.orders(), self.stages, self.num_chunks, costs)[1]
 
     def summary(self) -> dict:
         return {"kind": self.kind.value, "stages": self.stages,
@@ -140,7 +184,7 @@ class Schedule:
                                                          self.microbatches, self.virtual)}
 
     def __str__(self) -> str:
-        cell = {OpKind.F: "F", OpKind.B: "B", OpKind.B_IN: "b", OpKind.W: "W"}
+        cell = {OpKind.F: "F", OpKind.B: "B", OpKind.B_IN: "b", OpKind.W: "W", OpKind.FB: "X"}
         lines = []
         for s in range(self.stages):
             row = "".join(" ." if r[s] is None else f"{cell[r[s].kind]}{r[s].mb % 10}"
@@ -175,7 +219,10 @@ def closed_form_bubble(kind: ScheduleKind, S: int, M: int, v: int = 1) -> Option
 # ---- dependencies (shared by placement, validation and the cost model) -------------------
 
 def prerequisites(op: Op, num_chunks: int) -> list[Op]:
-    """Ops that must finish before ``op`` may start (the backward ones are B *or* B_in)."""
+    """Ops that must finish before ``op`` may start (the backward ones are B *or* B_in;
+    F&B waits for both its parts')."""
+    if op.kind is OpKind.FB:
+        return [d for part in op.parts() for d in prerequisites(part, num_chunks)]
     if op.kind is OpKind.F:
         return [Op(OpKind.F, op.mb, op.chunk - 1)] if op.chunk > 0 else []
     if op.kind is OpKind.W:
@@ -216,7 +263,8 @@ def place(orders: Sequence[Sequence[Op]], num_chunks: int) -> Table:
                                 f"wait on each other")
         for s, op in enumerate(row):
             if op is not None:
-                done[op] = len(rows)
+                for part in op.parts():
+                    done[part] = len(rows)
                 pos[s] += 1
         rows.append(tuple(row))
     return tuple(rows)
@@ -224,6 +272,13 @@ def place(orders: Sequence[Sequence[Op]], num_chunks: int) -> Table:
 
 def cost_bubble(orders, S: int, num_chunks: int, costs: dict) -> float:
     """Run the orders with real op durations; bubble = 1 - busy / (S * makespan)."""
+    makespan, idle = run_orders(orders, S, num_chunks, costs)
+    return sum(idle) / (S * makespan)
+
+
+def run_orders(orders, S: int, num_chunks: int, costs: dict) -> tuple[float, list[float]]:
+    """Run the orders with op durations ``costs``, each op as soon as its stage is free and
+    its inputs are done: ``(makespan, per-stage idle time)``."""
     pos, free, done = [0] * S, [0.0] * S, {}
     remaining = sum(len(o) for o in orders)
     while remaining:
@@ -235,27 +290,31 @@ def cost_bubble(orders, S: int, num_chunks: int, costs: dict) -> float:
                 if any(t is None for t in ready):
                     break
                 start = max([free[s]] + ready)
-                free[s] = done[op] = start + costs[op.kind]
+                free[s] = start + costs[op.kind]
+                for part in op.parts():
+                    done[part] = free[s]
                 pos[s] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             raise ScheduleError("orders deadlock under the cost model")
-    busy = sum(costs[op.kind] for o in orders for op in o)
-    return 1.0 - busy / (S * max(free))
+    makespan = max(free)
+    return makespan, [makespan - sum(costs[op.kind] for op in o) for o in orders]
 
 
 def in_flight_profile(s: Schedule) -> list[int]:
-    """Per stage, the most chunks whose forward ran and whose last backward op has not."""
-    last = OpKind.W if s.kind.split_backward else OpKind.B
+    """Per stage, the most chunks whose forward ran and whose last backward op (B, or W after
+    B_in) has not. F&B holds both its micro-batches in its tick: its F stashes before its B
+    frees."""
     peaks = []
     for st in range(s.stages):
         live = peak = 0
         for row in s.table:
-            op = row[st]
-            if op is None:
-                continue
-            live += 1 if op.kind is OpKind.F else -1 if op.kind is last else 0
-            peak = max(peak, live)
+            for part in () if row[st] is None else row[st].parts():
+                live += 1 if part.kind is OpKind.F else -1 if part.kind in FINAL_KINDS else 0
+                peak = max(peak, live)
         peaks.append(peak)
     return peaks
+
+
+FINAL_KINDS = (OpKind.B, OpKind.W)   # the op that ends a chunk's backward frees its stash

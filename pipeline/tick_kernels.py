@@ -48,6 +48,8 @@ class Carry:
     send_f: Any = None        # F's output activation
     stash: Any = None         # the stash slots' cell buffers (StashLayout.buffers)
     state: Any = None         # per-stage state [v, ..., M, ...] ({} for none)
+    recv_f_down: Any = None   # both ways (F&B): the activation that came down (s+1 → s)
+    recv_b_up: Any = None     # both ways (F&B): the gradient that came up (s-1 → s)
 
     def merge(self, part: "Carry") -> "Carry":
         """This carry with ``part``'s fields that are set."""
@@ -66,6 +68,7 @@ class Arrivals:
     bwd_at_turn: bool         # the turn: the stage's own gradient
     up_carries_b: bool        # some tick sends a gradient on the up channel
     down_carries_f: bool      # some tick sends an activation on the down channel
+    both_ways: bool = False   # F&B sends two messages: each buffer goes up and down
 
     @classmethod
     def of(cls, program) -> "Arrivals":
@@ -74,7 +77,7 @@ class Arrivals:
                    bool((t.fwd_in_turn_w != program.fwd_slots).any()),
                    bool((t.bwd_in_up_w != program.bwd_slots).any()),
                    bool((t.bwd_in_turn_w != program.bwd_slots).any()),
-                   bool(t.up_b.any()), bool(t.down_f.any()))
+                   bool(t.up_b.any()), bool(t.down_f.any()), program.both_ways)
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,6 +118,14 @@ class Tick:
     last: Any                 # bool: the chunk is the model's last (once per tick, not per op)
     dloss: Any                # the loss seed (ones): every chunk's loss is differentiated
     count: Any = None         # uneven stages: the layers this op's chunk runs
+    b_count: Any = None       # uneven stages: the layers the backward's chunk runs
+
+    def backward_view(self) -> "Tick":
+        """The tick as its backward op reads it: ``b_mb`` ... ``b_last`` (an F&B's B is on
+        another micro-batch and chunk than its F; for a lone backward they are the same)."""
+        r = self.row
+        row = replace(r, mb=r.b_mb, chunk=r.b_chunk, first=r.b_first, last=r.b_last)
+        return replace(self, row=row, last=r.b_last > 0, count=self.b_count)
 
     def chunk(self):
         """This op's chunk of the stage's layers (read inside the op that needs it)."""
@@ -140,9 +151,10 @@ def _add_pieces(acc, d_pieces):
     return jax.tree.map(lambda a, d: a + d.astype(a.dtype), acc, d_pieces)
 
 
-def forward(t: Tick, c: Carry, w: Carry) -> Carry:
+def forward(t: Tick, c: Carry, w: Carry, after=None) -> Carry:
     """F: the chunk on the filed activation; with a backward it stashes its residuals, else
-    it reads and writes the state's (chunk, micro-batch) slice and files the outputs."""
+    it reads and writes the state's (chunk, micro-batch) slice and files the outputs.
+    ``after``: values the stash write must wait for (F&B: its B's read of the stash)."""
     s, row = t.step, t.row
     x_in = take(c.fwd_inbox, row.fwd_in_r)
     if not s.backward:
@@ -153,14 +165,21 @@ def forward(t: Tick, c: Carry, w: Carry) -> Carry:
                     out=jax.tree.map(lambda b, x: put(b, x, row.out_w), w.out, out))
     else:
         (y, loss), res = s.sb.forward(s.loss_apply, t.chunk(), s.pieces, x_in, t.extras())
+        if after is not None:   # the write depends on the read: XLA orders them, no copy
+            res, _ = jax.lax.optimization_barrier((res, after))
         w = replace(w, stash=s.layout.write(w.stash, res, row.stash_w, row.head_w, t.last))
     return replace(w, send_f=y.astype(s.dtype), loss=jax.tree.map(jnp.add, w.loss, loss))
 
 
 def backward(t: Tick, c: Carry, w: Carry) -> Carry:
-    """B (1F1B, interleaved): the whole backward from the stash; frees the slot."""
-    s, row = t.step, t.row
-    stored = s.layout.read(c.stash, row.stash_r, row.head_r)
+    """B (1F1B, interleaved, DualPipeV): the whole backward from the stash; frees the slot."""
+    t = t.backward_view()
+    return _backward_from(t, c, w, t.step.layout.read(c.stash, t.row.stash_r, t.row.head_r))
+
+
+def _backward_from(t: Tick, c: Carry, w: Carry, stored) -> Carry:
+    """B on the slot's ``stored`` residuals (``t``: the backward's view of the tick)."""
+    s = t.step
     d_chunk, d_pieces, dx = s.sb.backward(stored, t.chunk(), s.pieces, t.extras(), t.dy(c),
                                           t.dloss)
     return replace(w, acc_blocks=t.add_blocks(w.acc_blocks, d_chunk),
@@ -170,6 +189,8 @@ def backward(t: Tick, c: Carry, w: Carry) -> Carry:
 def backward_input(t: Tick, c: Carry, w: Carry) -> Carry:
     """B_in (ZB-H1, ZB-V): the input gradient and the pre/post-stack's gradients; writes the
     cut for W over the residuals only it reads."""
+    on = t.on[OpKind.B_IN]
+    t = t.backward_view()
     s, row = t.step, t.row
 
     def run(ops):
@@ -189,7 +210,7 @@ def backward_input(t: Tick, c: Carry, w: Carry) -> Carry:
     # inside it, into the accumulator it carries: returned fresh, the head's (embedding and
     # unembedding, vocab-sized) would each hold a buffer of their own across the tick.
     with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as B_in's own
-        acc_pieces, dx, cut = jax.lax.cond(t.on[OpKind.B_IN] > 0, run, skip,
+        acc_pieces, dx, cut = jax.lax.cond(on > 0, run, skip,
                                            (w.stash, w.acc_pieces))
     return replace(w, stash=s.layout.write_cut(w.stash, cut, row.stash_r, row.head_r, t.last),
                    acc_pieces=acc_pieces, send_b=dx.astype(s.dtype))
@@ -198,11 +219,29 @@ def backward_input(t: Tick, c: Carry, w: Carry) -> Carry:
 def backward_weight(t: Tick, c: Carry, w: Carry) -> Carry:
     """W (ZB-H1, ZB-V): the layers' weight gradients from the stash and the cut; frees the
     slot."""
+    t = t.backward_view()
     s, row = t.step, t.row
     stored = s.layout.read(c.stash, row.stash_r, row.head_r)
     cut = s.layout.read_cut(c.stash, row.stash_r, row.head_r)
     d_chunk = s.sb.backward_weight(stored, cut, t.chunk(), s.pieces, t.extras())
     return replace(w, acc_blocks=t.add_blocks(w.acc_blocks, d_chunk))
+
+
+def forward_backward(t: Tick, c: Carry, w: Carry) -> Carry:
+    """F&B (DualPipeV): one micro-batch's B and another's F in one conditional branch, with
+    no data between them, so the compiler may run one's communication (an MoE all-to-all)
+    beside the other's compute. B's slot is read out of the stash by a conditional of its
+    own (on a flag true here), and F's write waits for that read (an optimization barrier
+    on F's residuals and the read slot): without the order XLA copied the whole stash every
+    tick to keep the read valid (``tests/test_pipeline_tick_tax.py``). Only the read and
+    the write are ordered; B computes on the read slot, free to interleave with F."""
+    tb = t.backward_view()
+    read = lambda stash: tb.step.layout.read(stash, tb.row.stash_r, tb.row.head_r)  # noqa: E731
+    with jax.named_scope(ORDERED_SCOPE):   # introspection counts it as F&B's own
+        stored = jax.lax.cond(
+            t.on[OpKind.FB] > 0, read,
+            lambda st: jax.tree.map(jnp.zeros_like, jax.eval_shape(read, st)), w.stash)
+    return forward(t, c, _backward_from(tb, c, w, stored), after=stored)
 
 
 @dataclass(frozen=True)
@@ -222,11 +261,15 @@ KERNELS = {
     OpKind.W: Kernel(backward_weight, lambda c: Carry(acc_blocks=c.acc_blocks)),
     OpKind.B: Kernel(backward, lambda c: Carry(acc_blocks=c.acc_blocks,
                                                acc_pieces=c.acc_pieces, send_b=c.send_b)),
+    OpKind.FB: Kernel(forward_backward,
+                      lambda c: Carry(stash=c.stash, send_f=c.send_f, loss=c.loss, out=c.out,
+                                      state=c.state, acc_blocks=c.acc_blocks,
+                                      acc_pieces=c.acc_pieces, send_b=c.send_b)),
 }
-# Writers run before readers (F writes the stash B, B_in and W read; B_in reads it and writes
-# the cut W reads): a buffer read by one conditional and then written in place by a later one
-# is copied whole first. One op runs per tick, so the order changes nothing else.
-KERNEL_ORDER = (OpKind.F, OpKind.B_IN, OpKind.W, OpKind.B)
+# Writers run before readers (F and F&B write the stash B, B_in and W read; B_in reads it and
+# writes the cut W reads): a buffer read by one conditional and then written in place by a
+# later one is copied whole first. One op runs per tick, so the order changes nothing else.
+KERNEL_ORDER = (OpKind.F, OpKind.FB, OpKind.B_IN, OpKind.W, OpKind.B)
 
 
 def file_arrivals(s: Step, c: Carry, row) -> Carry:
@@ -235,11 +278,11 @@ def file_arrivals(s: Step, c: Carry, row) -> Carry:
     bin_ = put(c.bwd_inbox, c.recv_b, row.bwd_in_w) if s.backward else c.bwd_inbox
     a = s.arrivals
     if a.fwd_from_down:
-        fin = put(fin, c.recv_b, row.fwd_in_down_w)
+        fin = put(fin, c.recv_f_down if a.both_ways else c.recv_b, row.fwd_in_down_w)
     if a.fwd_at_turn:
         fin = put(fin, c.send_f, row.fwd_in_turn_w)
     if a.bwd_from_up:
-        bin_ = put(bin_, c.recv_f, row.bwd_in_up_w)
+        bin_ = put(bin_, c.recv_b_up if a.both_ways else c.recv_f, row.bwd_in_up_w)
     if a.bwd_at_turn:
         bin_ = put(bin_, c.send_b, row.bwd_in_turn_w)
     return replace(c, fwd_inbox=fin, bwd_inbox=bin_)
@@ -260,9 +303,15 @@ def run_ops(t: Tick, c: Carry) -> Carry:
 
 def send(s: Step, c: Carry, row) -> Carry:
     """Up carries the activation, down the gradient, except where a V sends them the other
-    way (one op per tick: a stage sends at most one message)."""
+    way (one op per tick: a stage sends at most one message), or, where F&B sends two,
+    each goes both ways."""
     fperm, bperm = s.perms
     a = s.arrivals
+    if a.both_ways:
+        return replace(c, recv_f=jax.lax.ppermute(c.send_f, PIPE, fperm),
+                       recv_b=jax.lax.ppermute(c.send_b, PIPE, bperm),
+                       recv_f_down=jax.lax.ppermute(c.send_f, PIPE, bperm),
+                       recv_b_up=jax.lax.ppermute(c.send_b, PIPE, fperm))
     up = jnp.where(row.up_b > 0, c.send_b, c.send_f) if a.up_carries_b else c.send_f
     c = replace(c, recv_f=jax.lax.ppermute(up, PIPE, fperm))
     if s.backward:
@@ -279,5 +328,6 @@ def tick(s: Step, stage, c: Carry, xs) -> Carry:
     # Every chunk's loss is seeded (a MoE adds auxiliary losses on every chunk; a dense
     # chunk that is not the last has a constant zero loss). The loss may be a dict.
     dloss = jax.tree.map(lambda sd: jnp.ones(sd.shape, sd.dtype), s.loss_sd)
-    count = None if s.slot_counts is None else jnp.asarray(s.slot_counts)[stage, row.chunk]
-    return send(s, run_ops(Tick(s, row, on, last, dloss, count), c), row)
+    counts = None if s.slot_counts is None else jnp.asarray(s.slot_counts)[stage]
+    count, b_count = (None, None) if counts is None else (counts[row.chunk], counts[row.b_chunk])
+    return send(s, run_ops(Tick(s, row, on, last, dloss, count, b_count), c), row)

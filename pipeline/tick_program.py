@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from triax.pipeline.schedules import Op, OpKind, Schedule
+from triax.pipeline.schedules import FINAL_KINDS, Op, OpKind, Schedule
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +47,12 @@ class Ticks:
     (``bwd_in_up_w``), and the turn files the stage's own output (``*_turn_w``). ``up_b``:
     the up channel carries this tick's gradient, not its activation; ``down_f`` the reverse.
     Fields a schedule never uses hold only scratch slots and zeros, and cost nothing.
+
+    A backward op reads its own ``b_mb``, ``b_chunk``, ``b_first``, ``b_last`` (for B, B_in
+    and W the same as ``mb`` ... ``last``): DualPipeV's F&B (``OpKind.FB``) runs the F of
+    ``mb``/``chunk`` and the B of ``b_mb``/``b_chunk`` in one tick, and sends both an
+    activation and a gradient; such a program sends every buffer both ways every tick
+    (``TickProgram.both_ways``), so ``up_b`` and ``down_f`` stay zero.
     """
 
     kind: np.ndarray       # OpKind value; 0 idle
@@ -69,6 +75,10 @@ class Ticks:
     bwd_in_turn_w: np.ndarray
     up_b: np.ndarray
     down_f: np.ndarray
+    b_mb: np.ndarray       # the backward's micro-batch (B, B_in, W, F&B's B)
+    b_chunk: np.ndarray    # its local chunk
+    b_first: np.ndarray
+    b_last: np.ndarray
 
     def at(self, t: int, s: int) -> dict:
         """One cell as ``{field: int}`` (for reading and tests)."""
@@ -92,6 +102,11 @@ class TickProgram:
     @property
     def out_slots(self) -> int:
         return self.schedule.microbatches
+
+    @property
+    def both_ways(self) -> bool:
+        """Some tick sends two messages (F&B): every buffer goes up and down each tick."""
+        return self.schedule.sends_two
 
 
 class _Slots:
@@ -121,11 +136,12 @@ def compile_program(s: Schedule) -> TickProgram:
             for n in names}
     stash, fin, bin_, head = ([_Slots() for _ in range(S)] for _ in range(4))
     # The op that frees a forward's stash: B, or (ZB-H1, ZB-V) W, which reads it with the cut.
-    final_kind = (None if not s.has_backward else
-                  OpKind.W if s.kind.split_backward else OpKind.B)
+    keeps = s.has_backward
+    two = s.sends_two
     for t, row in enumerate(s.table):
         # Messages sent in tick t-1 arrive at the start of tick t.
-        for st, op in enumerate(s.table[t - 1] if t else ()):
+        for st, op in ((st, p) for st, c in enumerate(s.table[t - 1] if t else ())
+                       for p in (c.parts() if c is not None else (None,))):
             forward = op is not None and op.kind is OpKind.F
             if op is None or (op.chunk == C - 1 if forward else
                               op.kind is OpKind.W or op.chunk == 0):
@@ -134,15 +150,18 @@ def compile_program(s: Schedule) -> TickProgram:
             dst, way = s.stage_of(to), _way(s, st, forward, to)
             if forward:
                 cols[_FWD_FIELD[way]][t, dst] = fin[dst].take((op.mb, to))
-                cols["down_f"][t - 1, st] = int(way == "down")
+                cols["down_f"][t - 1, st] = int(way == "down" and not two)
             else:
                 cols[_BWD_FIELD[way]][t, dst] = bin_[dst].take((op.mb, to))
-                cols["up_b"][t - 1, st] = int(way == "up")
+                cols["up_b"][t - 1, st] = int(way == "up" and not two)
         for st, op in enumerate(row):
-            if op is not None:
-                cell = _cell(op, S, C, stash[st], fin[st], bin_[st], head[st], final_kind)
+            for part in () if op is None else op.parts():   # F&B: its F takes before B frees
+                cell = _cell(part, S, C, stash[st], fin[st], bin_[st], head[st], keeps,
+                             paired=op.kind is OpKind.FB)
                 for name, value in cell.items():
                     cols[name][t, st] = value
+            if op is not None:
+                cols["kind"][t, st] = int(op.kind)
     size = lambda alloc: max(1, max(len(a.owner) for a in alloc))  # noqa: E731
     sizes = {"stash": size(stash), "fwd_in": size(fin), "bwd_in": size(bin_),
              "head": size(head), "out": s.microbatches}
@@ -170,27 +189,35 @@ def _way(s: Schedule, st: int, forward: bool, to: int) -> str:
     return "up" if forward else "down"
 
 
-def _cell(op: Op, S: int, C: int, stash, fin, bin_, head, final_kind) -> dict:
-    """The fields of one non-idle cell (slots left out are scratch)."""
+def _cell(op: Op, S: int, C: int, stash, fin, bin_, head, keeps: bool,
+          paired: bool = False) -> dict:
+    """The fields of one single op (slots left out are scratch); an F&B cell (``paired``)
+    is its F's fields then its B's. ``keeps``: the schedule has a backward (F stashes)."""
     key = (op.mb, op.chunk)
-    cell = {"kind": int(op.kind), "mb": op.mb, "chunk": op.chunk // S,
-            "first": int(op.chunk == 0), "last": int(op.chunk == C - 1)}
+    where = {"mb": op.mb, "chunk": op.chunk // S, "first": int(op.chunk == 0),
+             "last": int(op.chunk == C - 1)}
     if op.kind is OpKind.F:
+        cell = dict(where)
         if op.chunk > 0:
             cell["fwd_in_r"] = fin.free(key)
         if op.chunk == C - 1:
             cell["out_w"] = op.mb
-        if final_kind is not None:  # forward-only keeps no residuals
+        if keeps:  # forward-only keeps no residuals
             cell["stash_r"] = cell["stash_w"] = stash.take(key)
             if op.chunk == C - 1:
                 cell["head_r"] = cell["head_w"] = head.take(key)
         return cell
+    cell = {"b_" + k: v for k, v in where.items()}
+    if not paired:   # a lone backward's cell names its op in mb ... last too
+        cell.update(where)
     if op.kind in (OpKind.B, OpKind.B_IN):
         if op.chunk < C - 1:
             cell["bwd_in_r"] = bin_.free(key)
-    final = op.kind is final_kind
+    final = op.kind in FINAL_KINDS
     cell["stash_r"] = stash.free(key) if final else stash.owner.index(key)
     # B_in computes the post-stack's gradients itself: W reads no head cell.
     if op.chunk == C - 1 and op.kind is not OpKind.W:
         cell["head_r"] = head.free(key)
+    elif paired:   # not the F's head cell: scratch
+        cell["head_r"] = -1
     return cell

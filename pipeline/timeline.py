@@ -1,4 +1,5 @@
-"""Draw a schedule: ticks across, stages down, F/B/B_in/W coloured, bubbles left blank.
+"""Draw a schedule: ticks across, stages down, F/B/B_in/W/F&B coloured (an F&B cell names its
+forward's micro-batch, then its backward's), bubbles left blank.
 
 matplotlib is imported only when drawing, so the schedules stay importable without it.
 
@@ -16,8 +17,8 @@ from pathlib import Path
 from triax.pipeline.schedules import OpKind, Schedule
 
 COLORS = {OpKind.F: "#4C72B0", OpKind.B: "#DD8452", OpKind.B_IN: "#C44E52",
-          OpKind.W: "#55A868"}
-LABELS = {OpKind.F: "F", OpKind.B: "B", OpKind.B_IN: "B_in", OpKind.W: "W"}
+          OpKind.W: "#55A868", OpKind.FB: "#8172B3"}
+LABELS = {OpKind.F: "F", OpKind.B: "B", OpKind.B_IN: "B_in", OpKind.W: "W", OpKind.FB: "FB"}
 
 
 def draw(sched: Schedule, ax=None, title: str | None = None):
@@ -33,8 +34,9 @@ def draw(sched: Schedule, ax=None, title: str | None = None):
                 continue
             shade = 1.0 - 0.35 * (op.chunk // sched.stages) / max(1, sched.virtual - 1)
             ax.add_patch(_cell(t, s, COLORS[op.kind], shade))
-            ax.text(t + 0.5, s + 0.5, str(op.mb), ha="center", va="center", fontsize=7,
-                    color="white")
+            mb = str(op.mb) if op.kind is not OpKind.FB else f"{op.mb}|{op.b_mb}"
+            ax.text(t + 0.5, s + 0.5, mb, ha="center", va="center",
+                    fontsize=7 if op.kind is not OpKind.FB else 5, color="white")
     ax.set_xlim(0, sched.ticks)
     ax.set_ylim(sched.stages, 0)
     ax.set_yticks([s + 0.5 for s in range(sched.stages)],

@@ -24,8 +24,10 @@ def _cells(sched: Schedule):
             yield t, s, cell
 
 
-def _check_op(t: int, s: int, op: Op, sched: Schedule) -> None:
-    where = f"tick {t}, stage {s}, op {op}"
+def _check_op(t: int, s: int, cell: Op, op: Op, sched: Schedule) -> None:
+    where = f"tick {t}, stage {s}, op {cell}"
+    if cell.kind is OpKind.FB and cell.kind not in sched.kind.backward_kinds:
+        raise ScheduleError(f"{where}: {sched.kind.value} runs no overlapped F&B")
     if not 0 <= op.mb < sched.microbatches:
         raise ScheduleError(f"{where}: micro-batch out of range 0..{sched.microbatches - 1}")
     if not 0 <= op.chunk < sched.num_chunks:
@@ -34,39 +36,46 @@ def _check_op(t: int, s: int, op: Op, sched: Schedule) -> None:
         rule = "the V: c, then 2S-1-c" if sched.kind.v_shape else "circular placement c % S"
         raise ScheduleError(f"{where}: chunk {op.chunk} lives on stage "
                             f"{sched.stage_of(op.chunk)} ({rule})")
-    split = sched.kind.split_backward
+    allowed = sched.kind.backward_kinds
     if not sched.has_backward and op.kind is not OpKind.F:
         raise ScheduleError(f"{where}: a forward-only schedule has no backward ops")
-    if op.kind is OpKind.B and split or op.kind in (OpKind.B_IN, OpKind.W) and not split:
-        raise ScheduleError(f"{where}: {sched.kind.value} uses "
-                            f"{'B_IN + W' if split else 'B'} for backwards, not {op.kind.name}")
+    if op.kind is not OpKind.F and op.kind not in allowed and cell.kind not in allowed:
+        names = " + ".join(k.name for k in sorted(allowed))
+        raise ScheduleError(f"{where}: {sched.kind.value} uses {names} for backwards, "
+                            f"not {op.kind.name}")
 
 
 def validate(sched: Schedule) -> None:
     """Raise :class:`ScheduleError` on the first broken rule (tick, stage and op named)."""
     done: dict[Op, int] = {}
-    for t, s, op in _cells(sched):
-        _check_op(t, s, op, sched)
-        if op in done:
-            raise ScheduleError(f"tick {t}, stage {s}, op {op}: runs twice (first at tick "
-                                f"{done[op]})")
-        for dep in prerequisites(op, sched.num_chunks):
-            when = _find(done, dep)
-            if when is None or when >= t:
-                raise ScheduleError(f"tick {t}, stage {s}, op {op}: needs {dep} to finish in "
-                                    f"an earlier tick, but it "
-                                    f"{'has not run' if when is None else f'runs at tick {when}'}")
-        done[op] = t
+    for t, s, cell in _cells(sched):
+        for op in cell.parts():
+            _check_op(t, s, cell, op, sched)
+            again = _find(done, op) if op.kind in (OpKind.B, OpKind.B_IN) else done.get(op)
+            if again is not None:
+                raise ScheduleError(f"tick {t}, stage {s}, op {op}: runs twice (first at "
+                                    f"tick {again})")
+            for dep in prerequisites(op, sched.num_chunks):
+                when = _find(done, dep)
+                if when is None or when >= t:
+                    raise ScheduleError(
+                        f"tick {t}, stage {s}, op {op}: needs {dep} to finish in an earlier "
+                        f"tick, but it {'has not run' if when is None else f'runs at tick {when}'}")
+        for op in cell.parts():
+            done[op] = t
     _check_complete(sched, done)
 
 
 def _check_complete(sched: Schedule, done: dict) -> None:
-    split = sched.kind.split_backward
-    need = [OpKind.F] + ([] if not sched.has_backward else
-                         [OpKind.B_IN, OpKind.W] if split else [OpKind.B])
+    """Every (micro-batch, chunk) ran F and, with a backward, B or B_in then W."""
     for m in range(sched.microbatches):
         for c in range(sched.num_chunks):
-            for k in need:
-                if Op(k, m, c) not in done:
-                    raise ScheduleError(f"stage {sched.stage_of(c)}: op {Op(k, m, c)} never runs "
+            need = [Op(OpKind.F, m, c)]
+            if sched.has_backward and Op(OpKind.B, m, c) not in done:
+                need += [Op(OpKind.B_IN, m, c), Op(OpKind.W, m, c)]
+                if sched.kind.backward_kinds == {OpKind.B}:
+                    need = [Op(OpKind.F, m, c), Op(OpKind.B, m, c)]
+            for op in need:
+                if op not in done:
+                    raise ScheduleError(f"stage {sched.stage_of(c)}: op {op} never runs "
                                         f"(each micro-batch needs one of each per chunk)")

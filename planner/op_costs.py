@@ -12,7 +12,8 @@ same block, and every dense preset's block has the same dots (attention and SwiG
 projections), whose backward costs scale with the forward's. So one compile per op-kind set
 serves every dense workload, and the result is cached (per op-kind set and remat policy). GPipe, 1F1B and interleaved run the
 same F and B branches (measured on 1F1B); ZB-H1 and ZB-V run F, B_in and W (measured
-on ZB-H1).
+on ZB-H1); DualPipeV runs all four (both probes) and its overlapped F&B, which runs exactly
+F's and B's matmuls (``tests/test_dualpipe_v.py``), so it costs F + B.
 
 Where this process cannot get two CPU devices (JAX started with one, or without a CPU
 backend), the costs fall back to ``DEFAULT_COSTS`` and the source says so and why.
@@ -45,10 +46,13 @@ from triax.training.step import Trainer
 PROBE_MODEL, PROBE_STAGES, PROBE_MICROBATCHES, PROBE_BATCH, PROBE_SEQ = "tiny", 2, 2, 2, 16
 
 
-def _measured_as(schedule: ScheduleKind) -> ScheduleKind:
-    """The probe schedule whose tick switch has ``schedule``'s op kinds: a split backward
-    runs F, B_in and W (measured on ZB-H1), any other F and B (measured on 1F1B)."""
-    return ScheduleKind.ZB_H1 if schedule.split_backward else ScheduleKind.ONE_F_ONE_B
+def _measured_as(schedule: ScheduleKind) -> tuple[ScheduleKind, ...]:
+    """The probe schedules whose tick switches have ``schedule``'s op kinds: a split
+    backward runs F, B_in and W (measured on ZB-H1), a full one F and B (1F1B); DualPipeV
+    runs both."""
+    kinds = schedule.backward_kinds
+    return tuple(probe for probe, runs in ((ScheduleKind.ONE_F_ONE_B, OpKind.B in kinds),
+                                           (ScheduleKind.ZB_H1, OpKind.W in kinds)) if runs)
 
 
 _KIND_OF_LABEL = {label: kind for kind, label in LABELS.items()}
@@ -67,8 +71,11 @@ class OpCosts:
 
     @property
     def per_microbatch(self) -> float:
-        """Work of one micro-batch through one chunk: every op kind runs once for it."""
-        return sum(v for _, v in self.costs)
+        """Work of one micro-batch through one chunk: its F and one backward (B_in + W where
+        the schedule splits it; F&B is an F and a B of two micro-batches, counted there)."""
+        c = self.as_dict()
+        backward = (c[OpKind.B_IN] + c[OpKind.W] if OpKind.W in c else c.get(OpKind.B, 0.0))
+        return c[OpKind.F] + backward
 
     def to_json(self) -> dict:
         return {**{LABELS[k]: v for k, v in self.costs}, "source": self.source,
@@ -90,7 +97,13 @@ def op_costs_for(schedule: Optional[ScheduleKind], remat: str = "none") -> OpCos
     rematerialised backward reruns the forward: B ≈ 3F under ``full``)."""
     if schedule is None or schedule is ScheduleKind.FORWARD_ONLY:
         return OpCosts(((OpKind.F, 1.0),), "forward only: one op kind", measured=True)
-    return _measure(_measured_as(schedule), remat)
+    probes = [_measure(p, remat) for p in _measured_as(schedule)]
+    if len(probes) == 1 and OpKind.FB not in schedule.backward_kinds:
+        return probes[0]
+    costs = {k: v for p in probes for k, v in p.costs}
+    costs[OpKind.FB] = costs[OpKind.F] + costs[OpKind.B]   # F&B runs F's and B's matmuls
+    return OpCosts(tuple(sorted(costs.items())), "; ".join(p.source for p in probes)
+                   + "; F&B = F + B", all(p.measured for p in probes))
 
 
 @functools.lru_cache(maxsize=4096)
