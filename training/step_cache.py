@@ -56,7 +56,8 @@ class Compiled:
 
             def f(params, batch):
                 with activation_sharding(tr.mesh, tr.strategy):
-                    return loss(params, batch)[0]
+                    # The model's own form: uneven stages store theirs stage by stage.
+                    return loss(tr.to_model(params), batch)[0]
             self._eval = jax.jit(f, in_shardings=(tr.param_shardings, tr.batch_sharding()))
         return self._eval
 
