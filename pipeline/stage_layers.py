@@ -172,15 +172,6 @@ class StageLayers:
         real = np.flatnonzero(self.slots >= 0)
         return jax.tree.map(lambda a: a[real], blocks)
 
-    def masked(self, blocks):
-        """Stored-stack leaves with the zero slots' entries zeroed (their gradients: a
-        padded slot that ran would otherwise learn, and stop being an identity)."""
-        if not self.restacked:
-            return blocks
-        keep = self.slots >= 0
-        return jax.tree.map(lambda a: jnp.where(
-            keep.reshape(keep.shape + (1,) * (a.ndim - 1)), a, jnp.zeros((), a.dtype)), blocks)
-
     # ---- into and out of the pipeline ------------------------------------------------------
     @property
     def routed(self) -> bool:
@@ -209,16 +200,16 @@ class StageLayers:
     def enter(self, blocks):
         """The stored blocks → what the pipeline's ``shard_map`` takes: ``[S, v, Lc, ...]`` in
         compute order, or in storage order when :attr:`routed` (moved inside) or
-        :attr:`restacked` (already stage by stage). :meth:`leave` is its inverse (zero slots'
-        gradients dropped)."""
+        :attr:`restacked` (already stage by stage). :meth:`leave` is its inverse; a zero slot
+        that was skipped (:attr:`slot_counts`) has a zero gradient, so it stays zero."""
         if self.routed or self.restacked:
             return self.stored_chunks(blocks)
         return self.to_stages(blocks)
 
     def leave(self, blocks):
-        if self.restacked:
-            return self.masked(self.from_stored_chunks(blocks))
-        return self.from_stored_chunks(blocks) if self.routed else self.from_stages(blocks)
+        if self.routed or self.restacked:
+            return self.from_stored_chunks(blocks)
+        return self.from_stages(blocks)
 
     def _padding(self, a, n: int):
         """``n`` zero slots (skipped at run time under ``counts``, identities otherwise)."""
