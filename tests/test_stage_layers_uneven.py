@@ -18,7 +18,7 @@ from triax.pipeline.stage_layers import StageLayers
 from triax.training.config import RunConfig
 from triax.training.setup import build_run
 from triax.training.step import Trainer
-from layer_slot_flops import stage_op_flops
+from triax.sharding.introspect.slot_flops import stage_op_flops
 from pipeline_helpers import single_device_references
 
 B, T = 8, 16
