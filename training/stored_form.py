@@ -37,6 +37,11 @@ class StoredForm:
         """Whether the train state's form differs from the model's (uneven stages)."""
         return self.stored is not self.abstract
 
+    @property
+    def model_strategy(self):
+        """The strategy of the model's own form (``Pipeline.model_strategy``)."""
+        return self.strategy if self.pipeline is None else self.pipeline.model_strategy
+
     @cached_property
     def model_param_shardings(self) -> PyTree:
         """Shardings of the model's own form (``Pipeline.model_strategy``)."""
