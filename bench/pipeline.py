@@ -45,7 +45,7 @@ from triax.pipeline.timeline import LABELS  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled, op_branch_costs  # noqa: E402
 from triax.sharding.introspect.branch_costs import computation_cost  # noqa: E402
 from triax.sharding.introspect.hlo_text import compiled_text, parse_module  # noqa: E402
-from triax.sharding.introspect.slot_flops import stage_op_flops  # noqa: E402
+from triax.sharding.introspect.slot_flops import op_slot_conditionals, stage_op_flops  # noqa: E402,E501
 from triax.training.config import RunConfig  # noqa: E402
 from triax.training.setup import build_run  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
@@ -125,13 +125,18 @@ def uneven_step_flops(compiled, schedule, counts) -> int:
     S = len(counts)
     total = S * computation_cost(m, m.entry).flops
     ops, slots = op_branch_costs(text), stage_op_flops(text, counts, max(counts))
+    # The head's conditional on the last chunk: the costliest branches less the slots' (each
+    # slot conditional counts once at its run branch in ``Cost.costliest``).
+    runs = {k: sum(sc.run.flops - sc.skip.flops for sc in v[1])
+            for k, v in op_slot_conditionals(text).items()}
     last = schedule.num_chunks - 1
     for row in schedule.table:
         for op in row:
             if op is None:
                 continue
             c, label = ops[LABELS[op.kind]], LABELS[op.kind]
-            head = c.costliest().flops - c.cheapest().flops if op.chunk == last else 0
+            head = (c.costliest().flops - c.cheapest().flops - runs.get(label, 0)
+                    if op.chunk == last else 0)
             total += (slots[label][op.chunk] if label in slots else c.cheapest().flops) + head
     return total
 

@@ -113,14 +113,6 @@ class StageLayers:
         """The stored stack's length: ``S·Lc`` when :attr:`restacked`, else ``L``."""
         return self.chunks * self.per_chunk if self.restacked else self.num_layers
 
-    @property
-    def stage_share(self) -> int:
-        """The layer slots one pipe rank stores: its stage's ``Lc`` (padding included) when
-        the stack splits over ``pipe``, the whole stack when it is kept whole."""
-        if stack_kept_whole(self.num_layers, self.stages, self.counts):
-            return self.num_layers
-        return self.stored_layers // self.stages
-
     def describe(self) -> str:
         if self.counts is not None:
             return (f"{self.num_layers} layers over {self.stages} uneven stages: "
