@@ -75,7 +75,9 @@ def trainer(cfg, counts, mesh=None):
 
 
 def test_the_zero_slots_stay_zero(saved_31):
-    """Stage 1's two padded slots (storage slots 4 and 5) after a step: still zero blocks."""
+    """Stage 1's two padded slots (storage slots 4 and 5) after a step: still zero blocks
+    (``StageLayers.store`` pads with zeros; skipped, they get zero gradients, and an all-zero
+    block is a fixed point of AdamW even where it runs)."""
     *_, pad = saved_31
     for leaf in jax.tree.leaves(pad):
         assert leaf.shape[0] == 6 and not np.any(leaf[4:]), leaf.shape
