@@ -11,6 +11,12 @@ do: ``vmap`` over stages, every stage computing in every tick (bubble included),
 differentiated by autodiff through the loop.
 
     python bench/pipeline.py --model small --layers 8 --seq 8 --batch 64 --steps 2 --write
+
+``--stage-layers 3,2,2,1`` instead compares uneven stages with even 1F1B at each M (its own
+section, "## Pipeline: uneven stages"): the table's bubble and the bubble on identical devices
+(the short stages idle for the longest), FLOPs per micro-batch read per stage from the compiled
+layer slots (``sharding.introspect.slot_flops``), parameter bytes per device (the state's
+layout), peak and temporaries.
 """
 from __future__ import annotations
 
@@ -40,6 +46,7 @@ from triax.pipeline.timeline import LABELS  # noqa: E402
 from triax.sharding.introspect import memory_from_compiled, op_branch_costs  # noqa: E402
 from triax.sharding.introspect.branch_costs import computation_cost  # noqa: E402
 from triax.sharding.introspect.hlo_text import compiled_text, parse_module  # noqa: E402
+from triax.sharding.introspect.slot_flops import op_slot_conditionals, stage_op_flops  # noqa: E402,E501
 from triax.training.config import RunConfig  # noqa: E402
 from triax.training.setup import build_run  # noqa: E402
 from triax.training.step import Trainer  # noqa: E402
@@ -111,6 +118,38 @@ def step_flops(compiled, stages: int, schedule=None) -> int:
     return total
 
 
+def uneven_step_flops(compiled, schedule, counts) -> int:
+    """:func:`step_flops` for uneven stages: an op's layer slots (nested conditionals, which
+    ``op_branch_costs`` keeps apart) counted per stage, each stage running ``counts[s]``
+    of its ``max(counts)`` slots (``slot_flops.stage_op_flops``)."""
+    text = compiled_text(compiled)
+    m = parse_module(text)
+    S = len(counts)
+    total = S * computation_cost(m, m.entry).flops
+    ops, slots = op_branch_costs(text), stage_op_flops(text, counts, max(counts))
+    # The head's conditional on the last chunk: the costliest branches less the slots' (each
+    # slot conditional counts once at its run branch in ``Cost.costliest``).
+    runs = {k: sum(sc.run.flops - sc.skip.flops for sc in v[1])
+            for k, v in op_slot_conditionals(text).items()}
+    last = schedule.num_chunks - 1
+    for row in schedule.table:
+        for op in row:
+            if op is None:
+                continue
+            c, label = ops[LABELS[op.kind]], LABELS[op.kind]
+            head = (c.costliest().flops - c.cheapest().flops - runs.get(label, 0)
+                    if op.chunk == last else 0)
+            total += (slots[label][op.chunk] if label in slots else c.cheapest().flops) + head
+    return total
+
+
+def param_bytes(trainer: Trainer) -> int:
+    """Per-device bytes of the train state's parameters, as the step's input shardings lay
+    them out."""
+    return sum(int(np.prod(s.sharding.shard_shape(s.shape))) * s.dtype.itemsize
+               for s in jax.tree.leaves(trainer.abstract_state()["params"]))
+
+
 def measure(trainer: Trainer, batch, steps: int) -> dict:
     t0 = time.perf_counter()
     compiled = trainer._jitted_step.lower(trainer.abstract_state(), {
@@ -130,17 +169,8 @@ def measure(trainer: Trainer, batch, steps: int) -> dict:
         times.append(time.perf_counter() - t0)
     peak = mem.argument_bytes + mem.output_bytes + mem.temp_bytes - mem.alias_bytes
     return {"step_s": float(np.min(times)), "compile_s": compile_s, "peak_mb": mib(peak),
-            "temp_mb": mib(mem.temp_bytes), "param_mb": mib(param_bytes(state["params"])),
-            "loss": float(m["loss"]), "compiled": compiled}
-
-
-def param_bytes(params) -> int:
-    """The parameter bytes the fullest device holds (its shards of every parameter)."""
-    per_device: dict = {}
-    for leaf in jax.tree.leaves(params):
-        for shard in leaf.addressable_shards:
-            per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
-    return max(per_device.values())
+            "param_mb": mib(param_bytes(trainer)),
+            "temp_mb": mib(mem.temp_bytes), "loss": float(m["loss"]), "compiled": compiled}
 
 
 def run(args) -> list[dict]:
@@ -208,6 +238,65 @@ def run(args) -> list[dict]:
     return refs + rows
 
 
+def run_uneven(args) -> list[dict]:
+    """1F1B with even stages and with ``args.stage_layers``, per M, on data=2 x pipe=4."""
+    cfg = config.get(args.model, args.layers)
+    counts = tuple(int(c) for c in args.stage_layers.split(","))
+    mesh = f"data={8 // STAGES},pipe={STAGES}"
+
+    def trainer(**kw) -> Trainer:
+        return build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
+                                   strategy="dp", batch_size=args.batch, seq_len=args.seq,
+                                   **kw), cfg).trainer
+    rows = []
+    for M in args.ms:
+        for layers in (None, counts):
+            tr = trainer(schedule="1f1b", microbatches=M,
+                         stage_layers=layers and ",".join(map(str, layers)))
+            batch = tr.example_batch(args.batch, args.seq)
+            sched = tr.pipeline.schedule
+            r = measure(tr, batch, args.steps)
+            compiled = r.pop("compiled")
+            flops = step_flops(compiled, STAGES, sched) if layers is None else \
+                uneven_step_flops(compiled, sched, layers)
+            b = sched.bubble_fraction()
+            per = layers or (cfg.num_layers // STAGES,) * STAGES
+            r.update(layers=",".join(map(str, per)), M=M, bubble=b, flops_mb=flops / M,
+                     idle=1 - (1 - b) * (sum(per) / len(per)) / max(per))
+            print(r, file=sys.stderr)
+            rows.append(r)
+    for r in rows:
+        even = next(e for e in rows if e["M"] == r["M"])
+        np.testing.assert_allclose(r["loss"], even["loss"], rtol=1e-4)
+        r["flops_ratio"] = r["flops_mb"] / even["flops_mb"]
+    return rows
+
+
+def uneven_table(rows, args) -> str:
+    cmd = ("python bench/pipeline.py --model {} --layers {} --seq {} --batch {} --steps {} "
+           "--ms {} --stage-layers {}").format(args.model, args.layers, args.seq, args.batch,
+                                                args.steps, ",".join(map(str, args.ms)),
+                                                args.stage_layers)
+    head = ["## Pipeline: uneven stages", "",
+            f"`{cmd} --write` — 1F1B on data=2 x pipe=4 (8 simulated CPU devices), even "
+            f"stages against stages of {args.stage_layers} layers, global batch {args.batch} "
+            f"x {args.seq} tokens. The table's bubble is the schedule's; on identical devices "
+            "the short stages also idle while the longest works (1 − (1 − bubble) × mean / "
+            "max layers): uneven stages pay off only where the devices differ (mixed "
+            "generations, `planner.mixed`). FLOPs are the compiled program's matmuls, each "
+            "stage's layer slots counted as that stage runs them (skipped slots cost no "
+            "matmul); parameter MB are per device, as the state is laid out (each pipe rank "
+            "holds its own stage, padded to the longest).", "",
+            "| stage layers | M | bubble (table) | bubble on identical devices | step s | "
+            "FLOPs per micro-batch / even | param MB/device | peak MB/device | temp MB | "
+            "compile s |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    body = [f"| {r['layers']} | {r['M']} | {r['bubble']:.3f} | {r['idle']:.3f} | "
+            f"{r['step_s']:.1f} | {r['flops_ratio']:.3f} | {r['param_mb']:.1f} | "
+            f"{r['peak_mb']:.1f} | {r['temp_mb']:.1f} | {r['compile_s']:.1f} |" for r in rows]
+    return "\n".join(head + body) + "\n"
+
+
 def table(rows, args) -> str:
     cmd = ("python bench/pipeline.py --model {} --layers {} --seq {} "
            "--batch {} --steps {}").format(args.model, args.layers, args.seq, args.batch,
@@ -271,8 +360,16 @@ def main(argv=None):
     p.add_argument("--schedules", type=lambda s: s.split(","),
                    default=["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev",
                             "maxtext-vmap"])
+    p.add_argument("--stage-layers", default=None,
+                   help="uneven stages, e.g. 3,2,2,1: compare them with even 1F1B instead")
     p.add_argument("--write", action="store_true", help="update docs/benchmarks.md")
     args = p.parse_args(argv)
+    if args.stage_layers:
+        md = uneven_table(run_uneven(args), args)
+        print(md)
+        if args.write:
+            write_section(BENCHMARKS_MD, "## Pipeline: uneven stages", md)
+        return
     rows = run(args)
     md = table(rows, args)
     print(md)

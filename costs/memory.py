@@ -154,7 +154,7 @@ def pipelined_fsdp(w: Workload, lay: Layout, mode: str = "stage") -> bool:
 def _stage_elements(w: Workload, lay: Layout) -> int:
     """A pipeline stage's own parameters whole over ``data`` (what pipelined FSDP gathers and
     accumulates): the pre/post-stack and its ``v`` chunks of ``per_chunk`` blocks, even where
-    the stack is stored whole on every stage (uneven layers or stages)."""
+    the stack is stored whole on every stage (an uneven layer count)."""
     rules = layout_rules(w, lay.unsharded_over_data())
     pieces = sum(local_elements(s, l, rules, lay.sizes)
                  for p, s, l in param_leaves(w.cfg) if not p.startswith("blocks/"))
@@ -163,8 +163,9 @@ def _stage_elements(w: Workload, lay: Layout) -> int:
 
 def _stage_copy_elements(w: Workload, lay: Layout) -> int:
     """The stage's chunks copied out of a stack kept whole on every pipe rank
-    (``stage_layers.stack_kept_whole``: uneven layers or stages), in its local placement;
-    an even split's stage is a view of its own ``layers → pipe`` shard instead."""
+    (``stage_layers.stack_kept_whole``: an uneven layer count), in its local placement;
+    an even split's stage, and uneven stages' (stored stage by stage), is a view of its own
+    ``layers → pipe`` shard instead."""
     if lay.pipe == 1 or w.cfg is None or not stack_kept_whole(
             w.cfg.num_layers, lay.pipe, lay.stage_layers):
         return 0

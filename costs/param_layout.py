@@ -19,7 +19,7 @@ import jax
 
 from triax.models.config import ModelConfig
 from triax.models.lora import is_adapter_path
-from triax.pipeline.stage_layers import pipeline_strategy
+from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.costs.workload import Layout, Workload, ceil_div, prod
 from triax.sharding.partition import abstract_model, path_str
 from triax.sharding.rules import Rules
@@ -36,12 +36,23 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
     return tuple((path_str(p), tuple(s.shape), tuple(l)) for (p, s), l in zip(flat, logical))
 
 
+def stored_leaves(w: Workload, lay: Layout) -> tuple[Leaf, ...]:
+    """:func:`param_leaves` as the step stores them: under uneven pipeline stages the blocks'
+    stack is ``StageLayers.stored_layers`` long (stage by stage, padded to the longest)."""
+    leaves = param_leaves(w.cfg)
+    if lay.pipe == 1:
+        return leaves
+    n = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                    counts=lay.stage_layers).stored_layers
+    return tuple((p, (n,) + s[1:] if p.startswith("blocks/") else s, l) for p, s, l in leaves)
+
+
 def local_base_bytes(w: Workload, lay: Layout) -> int:
     """Per-device bytes of the frozen LoRA base, each leaf in its own dtype (an int8 base
     keeps fp32 scales, embeddings and norms beside its int8 projections)."""
     rules, size = layout_rules(w, lay), _itemsizes(w.cfg)
     return sum(local_elements(s, l, rules, lay.sizes) * size[p]
-               for p, s, l in param_leaves(w.cfg) if not is_adapter_path(p.split("/")))
+               for p, s, l in stored_leaves(w, lay) if not is_adapter_path(p.split("/")))
 
 
 @functools.lru_cache(maxsize=32)
@@ -70,7 +81,7 @@ def _local_elements(shape, logical, rules: Rules, items) -> int:
 def layout_rules(w: Workload, lay: Layout, optimizer: bool = False) -> Rules:
     """The rules the step places parameters with: the strategy's, as the pipeline adapts
     them for ``pipe`` (``pipeline_strategy``: an uneven layer count keeps every layer on
-    every stage)."""
+    every stage; uneven stages split their stage-ordered stack, :func:`stored_leaves`)."""
     st = lay.strategy
     if lay.pipe > 1 and w.cfg is not None:
         st = pipeline_strategy(st, w.cfg.num_layers, lay.pipe, lay.stage_layers)
@@ -89,5 +100,5 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False,
         if "data" in rules.mesh_axes("embed"):
             shards *= lay.data
         return ceil_div(w.params, shards)
-    return sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+    return sum(local_elements(s, l, rules, lay.sizes) for p, s, l in stored_leaves(w, lay)
                if part is None or (part == "adapters") == is_adapter_path(p.split("/")))

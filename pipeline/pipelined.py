@@ -18,7 +18,7 @@ built from a model, a mesh, a strategy and a schedule.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
@@ -141,6 +141,10 @@ class Pipeline:
         num_layers = jax.tree.leaves(am.shapes["blocks"])[0].shape[0]
         self.strategy = pipeline_strategy(get_strategy(strategy), num_layers, self.stages,
                                           config.stage_layers)
+        # The model's own [L, ...] form (checkpoints, equality checks): whole over pipe
+        # where L does not split evenly.
+        self.model_strategy = pipeline_strategy(get_strategy(strategy), num_layers,
+                                                self.stages)
         # A stack of experts (a parameter named "experts", e.g. models.moe.MoE) routes its
         # tokens with an all-to-all over the expert axis, whoever wrote the model.
         self.experts = any("experts" in names for names in
@@ -159,8 +163,35 @@ class Pipeline:
         return branch_kinds(self.schedule)
 
     @cached_property
+    def stored(self) -> AbstractModel:
+        """The model as the pipeline stores it: the blocks' stack in stage order,
+        ``[S·Lc, ...]``, when the stages restack it (``StageLayers.restacked``: stages of
+        their own lengths), else the model itself. The train state has these shapes."""
+        if not self.layout.restacked:
+            return self.abstract
+        n = self.layout.stored_layers
+        shapes = {**self.abstract.shapes, "blocks": jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct((n,) + s.shape[1:], s.dtype),
+            self.abstract.shapes["blocks"])}
+        return replace(self.abstract, shapes=shapes)
+
+    def store(self, params):
+        """The model's parameters (or any tree of them: gradients, a trainable part) →
+        :attr:`stored` form (``StageLayers.store``)."""
+        return self._blocks(params, self.layout.store)
+
+    def unstore(self, params):
+        """Inverse of :meth:`store`: the model's ``[L, ...]`` form."""
+        return self._blocks(params, self.layout.unstore)
+
+    def _blocks(self, params, fn):
+        if not self.layout.restacked or "blocks" not in params:
+            return params
+        return {**params, "blocks": fn(params["blocks"])}
+
+    @cached_property
     def param_specs(self):
-        return specs_for(self.strategy.rules, self.abstract.logical, self.abstract.shapes,
+        return specs_for(self.strategy.rules, self.stored.logical, self.stored.shapes,
                          self.mesh)
 
     @cached_property
@@ -233,7 +264,8 @@ class Pipeline:
         lay = StageLayers.of(self.layout.num_layers, schedule, self.layout.counts)
         blocks = lay.enter(params["blocks"])       # [S, v, Lc, ...]
         pieces = {k: v for k, v in params.items() if k != "blocks"}
-        state = {} if state is None else lay.enter(state)  # [S, v, Lc, B, ...]
+        # Per-layer state comes in the model's [L, ...] form: stored as the blocks are.
+        state = {} if state is None else lay.enter(lay.store(state))  # [S, v, Lc, B, ...]
         spec = StepSpec(compile_program(schedule), stage, self.stages, self.exe.dtype,
                         lay.layer_ids(), state_mb_axis=1, slot_counts=lay.slot_counts)
         bspec, pspec, bfsdp, pfsdp, lfsdp = self._manual_specs
@@ -287,7 +319,7 @@ class Pipeline:
                            axis_names={PIPE, DATA}, check_vma=False)
         loss, outputs, state, g_blocks, g_pieces = fn(blocks, pieces, inputs, consts, state)
         if state:
-            state = lay.leave(state)
+            state = lay.unstore(lay.leave(state))
         return RunResult(loss, outputs, state, g_blocks, g_pieces)
 
     def _loss_run(self, schedule: Schedule, params, batch):

@@ -14,8 +14,8 @@ schedule's bubble: ``op_costs.measured_bubble``) plus the communication the same
 leaves exposed (the largest of the kinds'), against the same with equal stages.
 
 Memory is asked of ``memory.estimate`` for the uneven layout: the executor pads every stage's
-chunk to the longest stage's layers (one program, one set of buffers on every stage), so every
-stage needs the same bytes, which must fit each group's devices; the longest stage is
+chunk to the longest stage's layers (one program, one set of buffers on every stage; each pipe
+rank stores its own stage's layers, so padded), so every stage needs the same bytes, which must fit each group's devices; the longest stage is
 shortened (its layers moved to the next fastest) until it does.
 
     >>> from triax.models import config
@@ -23,7 +23,7 @@ shortened (its layers moved to the next fastest) until it does.
     >>> w = Workload.of(config.get("llama3-8b"), train=True, batch=32, seq=2048, remat="full")
     >>> m = plan_mixed(w, hardware.parse_gpu("h100-80gb:8,a100-80gb:8"))
     >>> m.by_speed, m.uneven, m.uneven_step_s < m.equal_step_s   # 25 layers would not fit
-    ((25, 7), (17, 15), True)
+    ((25, 7), (19, 13), True)
 """
 from __future__ import annotations
 
@@ -108,9 +108,9 @@ class MixedPlan:
             f"  Memory: {decimal_bytes(self.memory.total)} per device on every stage (the "
             f"executor pads each stage to the longest's {max(self.uneven)} layers); {fits} "
             + ", ".join(f"{d.name} {decimal_bytes(d.memory)}" for d in self.stages) + ". "
-            "Modelled too, and still low for uneven stages (compiled peaks ran 1.10-1.28x "
-            "the model on tiny and small, docs/planner.md): compile the run (triax inspect) "
-            "to check.",
+            "Modelled too, and low for uneven stages by the layer slots' conditional "
+            "(compiled peaks ran 1.05-1.13x the model on tiny and small, docs/planner.md): "
+            "compile the run (triax inspect) to check.",
             f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy.name} --schedule "
             f"{lay.schedule.value} --microbatches {lay.microbatches} --stage-layers {layers}"])
 

@@ -30,8 +30,10 @@ def run_steps(cfg, mesh, strategy, pipeline, params, B, T, steps=3):
     final params and optimizer state, the compiled step and its trainer."""
     tr = Trainer(cfg, mesh, strategy, pipeline=pipeline)
     compiled = tr.lower(B, T).compile()
-    state = jax.jit(tr.fresh_state, out_shardings=tr.state_shardings)(
-        jax.device_put(params, tr.param_shardings))
+    # The model's form in and out (uneven stages store their blocks stage by stage).
+    state = jax.jit(lambda p: tr.fresh_state(tr.to_stored(p)),
+                    out_shardings=tr.state_shardings)(
+        jax.device_put(params, tr.model_param_shardings))
     losses = []
     for i in range(steps):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))
@@ -39,7 +41,7 @@ def run_steps(cfg, mesh, strategy, pipeline, params, B, T, steps=3):
         if i == 0:
             b1 = tr.optim.b1
             grads = jax.tree.map(lambda m: np.asarray(m) / (1 - b1),
-                                 jax.device_get(adam_mu(state["opt_state"])))
+                                 tr.to_model(jax.device_get(adam_mu(state["opt_state"]))))
     return dict(loss=losses[0], grads=grads, losses=losses, compiled=compiled, trainer=tr,
-                params=jax.device_get(state["params"]),
+                params=tr.to_model(jax.device_get(state["params"])),
                 opt=jax.device_get(state["opt_state"]))

@@ -79,11 +79,12 @@ def test_pipeline_memory_and_comm_are_derived_not_fitted(devices, key):
 
 # Uneven stages, the stack whole on every pipe rank: (layers, data, pipe, counts).
 UNEVEN_CASES = {
-    # The stage's chunk copied out of the stack (memory.py's _stage_copy_elements): 1.18
-    # without it.
+    # 1.066: the blocks stored stage by stage, split over pipe (StageLayers.store; 1.0999
+    # while the stack was kept whole on every pipe rank). The rest is the layer slot's
+    # conditional: 0.997 with the skip switched off (docs/planner.md).
     "tiny-3-1": (4, 4, 2, (3, 1)),
-    # 1.18 while the executor stacked per-stage concatenations, which XLA built as one
-    # replicated [S, Lc] copy per stage (stage_layers.to_stages).
+    # 1.049. 1.18 while the executor stacked per-stage concatenations, which XLA built as
+    # one replicated [S, Lc] copy per stage.
     "tiny-2-1-2-1": (6, 2, 4, (2, 1, 2, 1)),
 }
 

@@ -18,7 +18,7 @@ from triax.pipeline.stage_layers import StageLayers
 from triax.training.config import RunConfig
 from triax.training.setup import build_run
 from triax.training.step import Trainer
-from layer_slot_flops import stage_op_flops
+from triax.sharding.introspect.slot_flops import stage_op_flops
 from pipeline_helpers import single_device_references
 
 B, T = 8, 16
@@ -68,7 +68,8 @@ def test_padded_slots_are_skipped_at_run_time(reference, monkeypatch):
     cfg, params, batch, loss0, _ = reference(4)
     monkeypatch.setattr(StageLayers, "_padding", lambda self, a, n: jnp.repeat(a[:1], n, 0))
     tr = trainer(cfg, "1f1b", 2, 2, (3, 1))
-    loss, _ = jax.jit(tr.pipeline.forward)(params, batch)
+    pipe = tr.pipeline
+    loss, _ = jax.jit(lambda p, b: pipe.forward(pipe.store(p), b))(params, batch)
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
 
 

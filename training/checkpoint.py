@@ -111,7 +111,8 @@ def restore_step(ckpt: Checkpointer, step: int, cfg: ModelConfig, trainer) -> tu
     check_same_model(meta.get("model", {}), cfg,
                      where=f"checkpoint step {step} in {ckpt.directory!r}",
                      fix="pass matching --model/--num-layers, or use another --checkpoint-dir")
-    return ckpt.restore(step, trainer.abstract_state())
+    state, meta = ckpt.restore(step, trainer.saved_abstract_state())   # the model's form
+    return trainer.restored(state), meta
 
 
 def data_position(meta: dict) -> int:

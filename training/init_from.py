@@ -54,11 +54,12 @@ def initial_state(trainer, cfg: ModelConfig, directory: str, adapter: Optional[s
     With LoRA, the base comes from DIR (stored in the base dtype) and the adapters from the
     PEFT directory ``adapter`` or, without one, fresh (B = 0: step 0 is the base)."""
     if cfg.lora is None:
-        params, _ = load_params(directory, cfg, trainer.mesh, trainer.strategy)
+        params, _ = load_params(directory, cfg, trainer.mesh, trainer.model_strategy)
     else:
         params = lora_params(trainer, cfg, directory, adapter, seed)
-    make = jax.jit(trainer.fresh_state, out_shardings=trainer.state_shardings,
-                   donate_argnums=0)
+    # DIR's weights are the model's form; the state stores uneven stages stage by stage.
+    make = jax.jit(lambda p: trainer.fresh_state(trainer.to_stored(p)),
+                   out_shardings=trainer.state_shardings, donate_argnums=0)
     return make(params)
 
 
@@ -66,9 +67,10 @@ def lora_params(trainer, cfg: ModelConfig, directory: str, adapter: Optional[str
                 seed: int = 0) -> dict:
     """Base weights from the HF directory (cast, or int8-quantized, to ``--base-dtype``) joined
     with adapters from ``adapter`` (PEFT) or freshly initialised, all placed as ``trainer``
-    shards them."""
-    shardings = trainer.param_shardings
-    base, _ = load_params(directory, cfg.replace(lora=None), trainer.mesh, trainer.strategy)
+    shards them, in the model's own form (``Trainer.to_stored`` makes the state's)."""
+    shardings = trainer.model_param_shardings
+    base, _ = load_params(directory, cfg.replace(lora=None), trainer.mesh,
+                          trainer.model_strategy)
     _, base_shardings = lora.split(shardings)
     _, base_shapes = lora.split(trainer.abstract.shapes)
     base = jax.jit(lambda b: cast_like(b, base_shapes), out_shardings=base_shardings,

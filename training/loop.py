@@ -315,7 +315,9 @@ class _Loop:
         if self._saving is not None:   # Orbax would wait too; this names the failed step
             self._guarded(self.ckpt.wait)
         self._saving = step
-        self._guarded(lambda: self.ckpt.save(step, state, meta, wait=wait))
+        # The model's [L, ...] form, whatever the stages (Trainer.saved_form).
+        saved = tr.to_saved(state)
+        self._guarded(lambda: self.ckpt.save(step, saved, meta, wait=wait))
         self.stats.times["ckpt_s"] += time.perf_counter() - t
         self._last_done = time.perf_counter()   # save time is not step time
 

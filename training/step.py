@@ -40,6 +40,7 @@ from triax.sharding.rules import Strategy, get_strategy
 from triax.training.offload import (DEVICE, HOST, Offload, device_update, host_update,
                                     in_memory, moved)
 from triax.training.optim import OptimConfig, lr_schedule, make_optimizer, optimizer_parts
+from triax.training.stored_form import StoredForm
 from triax.training.user_model import UserModel, user_loss
 
 PyTree = Any
@@ -50,7 +51,7 @@ BATCH_DTYPES = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float3
                 "segment_ids": jnp.int32, "positions": jnp.int32}
 
 
-class Trainer:
+class Trainer(StoredForm):
     """A model, a mesh and a strategy, compiled into ``init`` and ``step``.
 
     Internally it works from the abstract model (``self.abstract``: graph, shapes, logical
@@ -97,7 +98,10 @@ class Trainer:
         self.optim = optim.resolved(total_steps)
         self.tx = make_optimizer(self.optim)
         self.schedule = lr_schedule(self.optim)
-        self.param_shardings = param_shardings(self.abstract, mesh, self.strategy)
+        # The train state's form: the pipeline's stored blocks (stage by stage under
+        # uneven stages, Pipeline.stored), else the model's.
+        self.stored = self.abstract if self.pipeline is None else self.pipeline.stored
+        self.param_shardings = param_shardings(self.stored, mesh, self.strategy)
         self._custom_loss_and_grad = loss_and_grad
         # LoRA: only the adapters train; the base gets no gradients and no optimizer state.
         self.lora = lora.has_adapters(self.abstract.shapes)
@@ -136,13 +140,13 @@ class Trainer:
     def grad_shardings(self) -> PyTree:
         """Per-parameter shardings under the optimizer rules (gradients and Adam moments) of
         the trainable parameters (the adapters under LoRA)."""
-        return self.trainable(param_shardings(self.abstract, self.mesh, self.strategy,
+        return self.trainable(param_shardings(self.stored, self.mesh, self.strategy,
                                               optimizer=True))
 
     @cached_property
     def opt_shardings(self) -> PyTree:
         """Shardings of the optimizer state: moments like the gradients, counters replicated."""
-        abstract_opt = jax.eval_shape(self.tx.init, self.trainable(self.abstract.shapes))
+        abstract_opt = jax.eval_shape(self.tx.init, self.trainable(self.stored.shapes))
         replicated = NamedSharding(self.mesh, P())
         return optax.tree_map_params(self.tx, lambda _, s: s, abstract_opt, self.grad_shardings,
                                      transform_non_params=lambda _: replicated)
@@ -170,14 +174,15 @@ class Trainer:
     def placement(self, optimizer: bool = False) -> list:
         """Where every parameter lives (logical axes, spec, shard shape, bytes per device);
         ``optimizer=True``: the optimizer state's layout. No compile."""
-        return placement_table(self.abstract, self.mesh, self.strategy, optimizer=optimizer)
+        return placement_table(self.stored, self.mesh, self.strategy, optimizer=optimizer)
 
     # ---- init ------------------------------------------------------------------------------
     def _init_fn(self, seed):
         tx, make_params = self.tx, init_fn(self.abstract, seed)
 
         def init():
-            params = jax.lax.with_sharding_constraint(make_params(), self.param_shardings)
+            params = self.to_stored(make_params())
+            params = jax.lax.with_sharding_constraint(params, self.param_shardings)
             return self.fresh_state(params)
         return init
 
@@ -338,11 +343,13 @@ class Trainer:
         def f(params, batch):
             batch = self.balanced(batch)
             with self.sharding_context():
-                return self.loss_and_grad(params, batch)
-        return jax.jit(f, in_shardings=(self.param_shardings, self.batch_sharding()))
+                out, grads = self.loss_and_grad(self.to_stored(params), batch)
+            return out, self.to_model(grads)
+        return jax.jit(f, in_shardings=(self.model_param_shardings, self.batch_sharding()))
 
     def grads(self, params, batch):
-        """Loss and gradients only (for equivalence checks), sharded like the step."""
+        """Loss and gradients only (for equivalence checks), sharded like the step; both
+        in the model's own form (:meth:`to_model`), whatever the stages."""
         return self.jitted_grads(params, self.shard_batch(batch))
 
     def example_batch(self, batch_size: int, seq_len: int, seed: int = 0) -> Batch:

@@ -57,7 +57,8 @@ class Compiled:
             def f(params, batch):
                 params = tr.device_params(params)
                 with activation_sharding(tr.mesh, tr.strategy):
-                    return loss(params, batch)[0]
+                    # The model's own form: uneven stages store theirs stage by stage.
+                    return loss(tr.to_model(params), batch)[0]
             self._eval = jax.jit(f, in_shardings=(tr.state_shardings["params"],
                                                   tr.batch_sharding()))
         return self._eval

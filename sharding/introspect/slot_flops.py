@@ -1,5 +1,5 @@
 """What each pipeline stage's ops compute under uneven stages, read from the compiled program
-(``test_stage_layers_uneven.py``'s measure: nothing in triax needs it, so it lives here).
+(``tests/test_stage_layers_uneven.py`` and ``bench/pipeline.py``'s uneven rows measure it).
 
 Every stage runs the same SPMD program; a stage shorter than the longest runs its chunk's
 ``Lc`` layer slots each as a two-branch conditional (the runtime's ``layer_count``,
@@ -28,6 +28,8 @@ from triax.sharding.introspect.hlo_text import Module, compiled_text, parse_modu
 
 @dataclass
 class SlotConditional:
+    """One layer slot's two-branch conditional and how often it runs per op."""
+
     slots: int               # executions per run of the op (the layer loop's trip count)
     skip: Cost               # branch 0: the slot passed through
     run: Cost                # branch 1: the layer
