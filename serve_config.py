@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
-from triax.choices import SERVE_STRATEGY, SLOTS
+from triax.choices import SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, check
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -116,6 +116,9 @@ class Engine:
                              "grows: with a pool smaller than slots × the longest sequence, "
                              "requests are admitted as blocks are free)")
     pool: KVPool = field(default_factory=KVPool)
+    dtype: str = spec(SERVE_DTYPE, "dtype of the served weights and their compute (float32: "
+                                   "twice the bytes every decode step reads)",
+                      choices=SERVE_DTYPES)
     max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
                            "max_tokens (default: the model's context)")
     max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "
@@ -128,6 +131,7 @@ class Engine:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token", tuple(self.stop_token))
+        check("dtype", self.dtype, SERVE_DTYPES)
         check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
                             "max_queue": (*GE0, "give the waiting requests at most, e.g. "

@@ -41,8 +41,8 @@ from triax.inference.context_length import check_context, positions_needed
 from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 (re-exported)
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
 from triax.inference.kv_blocks import KVBlocks
-from triax.inference.kv_pool import (CACHE_DTYPE, decode_microbatches, kv_pool, scratch_layout,
-                                     split_context)
+from triax.inference.kv_pool import (SCALE_DTYPE, decode_microbatches, kv_pool,
+                                     kv_storage_dtype, scratch_layout, split_context)
 from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
@@ -57,7 +57,10 @@ from triax.choices import SERVE_STRATEGY, SLOTS
 @dataclass(frozen=True)
 class EngineConfig:
     """Static serving shapes: decode slots, a sequence's longest, prompt buckets,
-    micro-batches, and the KV pool's size (``inference.kv_pool.kv_pool``)."""
+    micro-batches, the KV pool's size (``inference.kv_pool.kv_pool``), and the dtypes of
+    the served weights (``dtype``: their floating leaves are cast to it, and it is the
+    compute dtype) and of the pool (``kv_dtype``; ``auto``: ``dtype``'s). fp32 here, the
+    exact reference; ``triax serve`` defaults to ``choices.SERVE_DTYPE``."""
 
     max_batch: int = SLOTS
     max_len: int = 128           # positions a sequence may hold (prompt + generated tokens)
@@ -66,6 +69,16 @@ class EngineConfig:
     kv_blocks: int = 0           # pool blocks (all row groups); 0: from kv_memory, or
     kv_memory: int = 0           # pool bytes per device; both 0: max_batch × max_len's
     block_size: int = choices.KV_BLOCK_SIZE   # positions per block
+    dtype: str = "float32"       # served weights and compute: float32 | bfloat16
+    kv_dtype: str = "auto"       # the pool: auto | float32 | bfloat16 | int8
+
+    def __post_init__(self):
+        kv_storage_dtype(self.dtype, self.kv_dtype)   # names the flag and the choices
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the KV pool stores (``kv_dtype`` resolved)."""
+        return kv_storage_dtype(self.dtype, self.kv_dtype)
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], self.min_bucket
@@ -81,10 +94,24 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     shard of the weights and of the KV cache (k and v)."""
     st = get_strategy(strategy)
     am = abstract_model(cfg)
-    weights = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
+    weights = sum(math.prod(sh.shard_shape(s.shape)) * served_dtype(s.dtype, ecfg.dtype).itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
     return {"weights": weights, "KV cache": kv_pool(cfg, mesh, st, ecfg).bytes_per_device()}
+
+
+def served_dtype(leaf_dtype, dtype: str):
+    """A parameter's dtype as served: fp32 leaves in ``dtype``; others (an int8 base's
+    projections, a bf16 base) as they are."""
+    return jnp.dtype(dtype) if jnp.dtype(leaf_dtype) == jnp.float32 else jnp.dtype(leaf_dtype)
+
+
+def cast_params(params, dtype: str, shardings):
+    """``params`` with their fp32 leaves cast to ``dtype``, in place on ``shardings``."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return params
+    return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(served_dtype(x.dtype, dtype)), p),
+                   out_shardings=shardings, donate_argnums=0)(params)
 
 
 class Engine:
@@ -98,17 +125,20 @@ class Engine:
             raise InferenceError(f"cache length max_len={ecfg.max_len} exceeds the model's "
                                  f"context max_seq_len={cfg.max_seq_len}; lower max_len")
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
-        self.ecfg, self.sampling, self.exe = ecfg, sampling, exe
+        self.ecfg, self.sampling = ecfg, sampling
+        self.exe = exe = dataclasses.replace(exe, compute_dtype=ecfg.dtype)
         self.sizes = mesh_sizes(mesh)
         self.am = abstract_model(cfg)
         self.param_shardings = param_shardings(self.am, mesh, self.strategy)
         # params=None: an abstract engine (ShapeDtypeStructs, nothing allocated), for
         # ahead-of-time compiles of its programs (``lower_decode``; --plan auto).
         self.abstract = params is None
-        self.params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                      sharding=sh),
-                                   self.am.shapes, self.param_shardings) if self.abstract \
-            else jax.device_put(params, self.param_shardings)
+        self.params = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, served_dtype(s.dtype, ecfg.dtype),
+                                               sharding=sh),
+            self.am.shapes, self.param_shardings) if self.abstract \
+            else cast_params(jax.device_put(params, self.param_shardings), ecfg.dtype,
+                             self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = decode_microbatches(mesh, ecfg.microbatches)
@@ -140,16 +170,28 @@ class Engine:
         return cls(cfg, params, mesh, strategy, **kw)
 
     # ---- placement -------------------------------------------------------------------------
+    def _cache_layout(self) -> dict:
+        """Each pool array's shape, dtype and placement: k and v (and an int8 pool's
+        per-block, per-head scales)."""
+        p = self.pool
+        out = {n: (p.shape, jnp.dtype(p.dtype), p.sharding) for n in ("k", "v")}
+        if p.quantized:
+            out.update({f"{n}_scale": (p.scale_shape, SCALE_DTYPE, p.scale_sharding)
+                        for n in ("k", "v")})
+        return out
+
     def _zeros_cache(self):
-        shape, sh = self.pool.shape, self.pool.sharding
-        make = jax.jit(lambda: {"k": jnp.zeros(shape, CACHE_DTYPE),
-                                "v": jnp.zeros(shape, CACHE_DTYPE)},
-                       out_shardings={"k": sh, "v": sh})
+        lay = self._cache_layout()
+        make = jax.jit(lambda: {n: jnp.zeros(s, d) for n, (s, d, _) in lay.items()},
+                       out_shardings={n: sh for n, (_, _, sh) in lay.items()})
         return make()
 
     def _abstract_cache(self):
-        return {n: jax.ShapeDtypeStruct(self.pool.shape, CACHE_DTYPE, sharding=self.pool.sharding)
-                for n in ("k", "v")}
+        return {n: jax.ShapeDtypeStruct(s, d, sharding=sh)
+                for n, (s, d, sh) in self._cache_layout().items()}
+
+    def _cache_shardings(self) -> dict:
+        return {n: sh for n, (_, _, sh) in self._cache_layout().items()}
 
     def lower_decode(self):
         """The decode step of every slot (the largest bucket), lowered on abstract inputs
@@ -181,8 +223,10 @@ class Engine:
         b, T = tokens_bT.shape
         # The prompt attends within a scratch cache of its bucket, then enters the pool.
         shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, T)
+        # int8: the prompt attends unquantized, its blocks enter the pool quantized.
+        dtype = self.exe.dtype if self.pool.quantized else jnp.dtype(self.pool.dtype)
         tmp = jax.lax.with_sharding_constraint(
-            {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}, sh)
+            {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}, sh)
         # The position of each token as it enters: in order, or striped over `context`.
         order = np.arange(T) if self.context is None else self.context.order(T)
         index = jnp.asarray(np.argsort(order), jnp.int32)   # where each position sits
@@ -194,8 +238,8 @@ class Engine:
         group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         # striped over context where the pool is (no communication: models.decode)
         cache = write_scratch(cache, tmp, table_bM, group_b,
-                              1 if self.context is None else self.context.size)
-        cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+                              1 if self.context is None else self.context.size, lengths_b)
+        cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings())
         return (cache, tok, last_bV) if with_logits else (cache, tok)
 
     def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
@@ -210,8 +254,8 @@ class Engine:
         with runtime.using(moe_inference=True):
             logits_B1V, paged = self._fwd(params, tokens_B[:, None], positions_B[:, None],
                                           paged)
-        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},
-                                                 self.cache_sharding)
+        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
+                                                 self._cache_shardings())
         tok = sample(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         if slots_B is None:
             return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)

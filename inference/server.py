@@ -212,6 +212,22 @@ class Server(Batching):
         return sum(e.kv.total for e in self.engines)
 
     @property
+    def dtype(self) -> str:
+        """The served weights' (and compute) dtype: ``bfloat16`` or ``float32``."""
+        return self.engines[0].ecfg.dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the KV pools store: ``bfloat16``, ``float32`` or ``int8``."""
+        return self.engines[0].pool.dtype
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """KV pool bytes (k and v, an int8 pool's scales) on each device, the largest over
+        the replicas."""
+        return max(e.pool.bytes_per_device() for e in self.engines)
+
+    @property
     def running(self) -> int:
         """Requests in a decode slot now."""
         with self._lock:

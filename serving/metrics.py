@@ -5,7 +5,7 @@ as histograms (seconds)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _CoreCounters:
@@ -17,6 +17,11 @@ class _CoreCounters:
     def collect(self):
         yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
                                   value=self.server.stats["generated_tokens"])
+        pool = GaugeMetricFamily("triax_kv_pool_bytes", "KV pool bytes per device (k, v and "
+                                 "an int8 pool's scales), labelled with what it stores and "
+                                 "the served weights' dtype", labels=["kv_dtype", "dtype"])
+        pool.add_metric([self.server.kv_dtype, self.server.dtype], self.server.kv_pool_bytes)
+        yield pool
 
 _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 

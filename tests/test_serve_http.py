@@ -39,7 +39,8 @@ def served(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "triax", "serve", "--model-dir", str(d), "--mesh", LAYOUT,
          "--slots", str(SLOTS), "--max-queue", str(MAX_QUEUE), "--max-len", str(MAX_LEN),
-         "--kv-blocks", str(KV_BLOCKS), "--port", "0"], stdout=subprocess.PIPE,
+         "--kv-blocks", str(KV_BLOCKS), "--dtype", "float32", "--port", "0"],
+        stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
         env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"})
     line = proc.stdout.readline()  # blocks until ready (or the process ended)
