@@ -119,6 +119,10 @@ class Engine:
     dtype: str = spec(SERVE_DTYPE, "dtype of the served weights and their compute (float32: "
                                    "twice the bytes every decode step reads)",
                       choices=SERVE_DTYPES)
+    prefix_cache: bool = spec(True, "share the KV blocks of prompts' common first tokens "
+                                    "(keyed by a hash of a block's tokens and all before "
+                                    "them; kept after use until evicted, least recently used "
+                                    "first); a hit skips their prefill")
     max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
                            "max_tokens (default: the model's context)")
     max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "

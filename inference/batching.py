@@ -5,7 +5,9 @@ group of the KV pool can set aside the blocks its prompt plus ``max_tokens`` may
 (``KVBlocks.reserve``), not a slot cache of ``max_len``: so many short requests run beside a
 few long ones, and a sequence never waits for a block once started (nothing is preempted).
 Requests are admitted first come, first served: one that does not fit yet waits at the head
-of the queue until blocks come back.
+of the queue until blocks come back. With prefix caching, the slot whose group holds the
+longest cached run of the prompt's first blocks is chosen; those blocks are shared, not
+reserved again, and only the rest of the prompt is prefilled.
 """
 from __future__ import annotations
 
@@ -56,17 +58,32 @@ class Batching:
         slots, batch = [], []
         while self.queue and free:
             live = self.queue[0]
-            need = positions_needed(len(live.result.prompt), live.max_new)
-            slot = next((i for i in free if eng.kv.can_reserve(i, need)), None)
-            if slot is None:   # not enough blocks free yet: it waits, first in line
+            prompt = live.result.prompt
+            need = positions_needed(len(prompt), live.max_new)
+            # the fitting slot whose group caches the longest run of the prompt's blocks
+            fits = [(i, shared) for i, shared in self._lookups(eng, free, prompt)
+                    if eng.kv.can_reserve(i, need, shared)]
+            if not fits:   # not enough blocks free yet: it waits, first in line
                 break
-            eng.kv.reserve(slot, need)
+            slot, shared = max(fits, key=lambda f: len(f[1]))
+            eng.kv.reserve(slot, need, shared)
+            live.result.cached_tokens = len(shared) * eng.kv.block_size
+            if eng.prefix_cache:
+                self.stats["prefix_queries"] += len(prompt)
+                self.stats["prefix_hits"] += live.result.cached_tokens
             self.queue.popleft()
             free.remove(slot)
             self.slots[r][slot] = live
             slots.append(slot)
             batch.append(live)
         return slots, batch
+
+    @staticmethod
+    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int]):
+        """``(slot, cached blocks)`` for each free slot: one lookup per row group."""
+        per = eng.ecfg.max_batch // eng.kv.groups
+        found = {g: eng.kv.lookup(g * per, prompt) for g in {i // per for i in free}}
+        return [(i, found[i // per]) for i in free]
 
     def _prefill_all(self) -> int:
         launched = []
@@ -80,7 +97,8 @@ class Batching:
             try:
                 toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
                                    [x.seed for x in batch], [x.sampling or eng.sampling
-                                                             for x in batch])
+                                                             for x in batch],
+                                   cached=[x.result.cached_tokens for x in batch])
             except Exception as e:
                 self._engine_failed(r, batch, e)
                 continue

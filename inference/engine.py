@@ -46,7 +46,7 @@ from triax.inference.kv_pool import (SCALE_DTYPE, decode_microbatches, kv_pool,
 from triax.inference.sampling import SamplingConfig, row_settings, sample
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
-from triax.models.decode import write_scratch
+from triax.models.decode import read_prefix, write_scratch
 from triax.models.runtime import ExecConfig
 from triax.models import runtime
 from triax.sharding.partition import abstract_model, init_params, param_shardings
@@ -71,6 +71,7 @@ class EngineConfig:
     block_size: int = choices.KV_BLOCK_SIZE   # positions per block
     dtype: str = "float32"       # served weights and compute: float32 | bfloat16
     kv_dtype: str = "auto"       # the pool: auto | float32 | bfloat16 | int8
+    prefix_cache: bool = False   # share cached prompt blocks (inference.prefix_cache)
 
     def __post_init__(self):
         kv_storage_dtype(self.dtype, self.kv_dtype)   # names the flag and the choices
@@ -154,12 +155,15 @@ class Engine:
                                  f"data={self.sizes['data']}; choose a multiple")
         self.pool = kv_pool(cfg, mesh, self.strategy, ecfg)
         self.cache_sharding = self.pool.sharding
+        # Prefix caching reads cached blocks into an unstriped scratch: not under context.
+        self.prefix_cache = ecfg.prefix_cache and self.context is None
         self.kv = KVBlocks(self.pool.groups, self.pool.blocks, self.pool.block_size, B,
-                           self.pool.max_blocks)
+                           self.pool.max_blocks, self.prefix_cache)
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7, 9))
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,),
+                                    static_argnums=(7, 9, 10))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
         self.compiles = {"prefill": set(), "decode": set()}
 
@@ -212,33 +216,40 @@ class Engine:
 
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
-                 rows=None, with_logits=False):
+                 rows=None, with_logits=False, S=0, start_b=None, read_bM=None):
         # MoE: dropless, so padding and batch-mates take nothing
         with runtime.using(moe_inference=True):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
-                                      seeds_b, rule, rows, with_logits)
+                                      seeds_b, rule, rows, with_logits, S, start_b, read_bM)
 
     def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
-                      rule, rows, with_logits):
+                      rule, rows, with_logits, S, start_b, read_bM):
+        """The prompts' tokens from ``start_b`` (cached prefixes: their first blocks, read
+        through ``read_bM`` into a scratch of ``S`` positions; none: 0, ``S = T``) attend
+        within a scratch cache, then enter the pool (``table_bM``: the blocks to write)."""
         b, T = tokens_bT.shape
-        # The prompt attends within a scratch cache of its bucket, then enters the pool.
-        shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, T)
+        shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, S or T)
         # int8: the prompt attends unquantized, its blocks enter the pool quantized.
         dtype = self.exe.dtype if self.pool.quantized else jnp.dtype(self.pool.dtype)
         tmp = jax.lax.with_sharding_constraint(
             {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}, sh)
+        group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         # The position of each token as it enters: in order, or striped over `context`.
         order = np.arange(T) if self.context is None else self.context.order(T)
         index = jnp.asarray(np.argsort(order), jnp.int32)   # where each position sits
         positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, T))
+        if start_b is not None:   # unstriped: prefixes are cached without a context split
+            tmp = jax.lax.with_sharding_constraint(
+                read_prefix(cache, tmp, read_bM, group_b, start_b), sh)
+            positions = positions + start_b[:, None]
         logits_bTV, tmp = self._fwd(params, jnp.take(tokens_bT, order, axis=1), positions, tmp)
         last_b = index[lengths_b - 1]
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
-        tok = sample(last_bV, rule, seeds_b, lengths_b, rows)
-        group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
+        full_b = lengths_b if start_b is None else start_b + lengths_b
+        tok = sample(last_bV, rule, seeds_b, full_b, rows)
         # striped over context where the pool is (no communication: models.decode)
         cache = write_scratch(cache, tmp, table_bM, group_b,
-                              1 if self.context is None else self.context.size, lengths_b)
+                              1 if self.context is None else self.context.size, full_b)
         cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings())
         return (cache, tok, last_bV) if with_logits else (cache, tok)
 
@@ -325,44 +336,68 @@ class Engine:
         return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
-                     with_logits=False):
-        table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
-        n = len(prompts)
+                     with_logits=False, cached=None):
+        """``cached``: each row's positions already in its blocks (whole cached blocks; the
+        rest of its prompt computed); None: none cached (the plain program)."""
+        n, P = len(prompts), self.pool.block_size
+        start = np.zeros(b, np.int32)
+        if cached is not None:
+            start[:n] = cached
+        S = self._scratch_length(int(start.max()) + T) if cached is not None else 0
+        width = max(self.pool.max_blocks, -(-(S or T) // P))
+        table = np.full((b, width), self.pool.blocks, np.int32)  # no block
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         slot_arr = np.full(b, self.ecfg.max_batch, np.int32)  # out of range: write dropped
         seed_arr = np.zeros(b, np.int32)
         for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-            lengths[i] = len(p)
+            tokens[i, :len(p) - start[i]] = p[start[i]:]
+            lengths[i] = len(p) - start[i]
         slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
-        table[:n] = self.kv.tables[list(slots)]
-        self.compiles["prefill"].add((b, T))
+        table[:n, :self.pool.max_blocks] = self.kv.tables[list(slots)]
+        extra = ()
+        if cached is not None:
+            read = table[:, :self.pool.max_blocks].copy()
+            for i in range(n):   # the cached blocks are read, never written
+                table[i, :start[i] // P] = self.pool.blocks
+            extra = (start, read)
+        self.compiles["prefill"].add((b, T, S))
         self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings), with_logits)
+            self._rows(b, settings), with_logits, S, *extra)
         return tuple(x[:n] for x in out) if with_logits else out[0][:n]
+
+    def _scratch_length(self, n: int) -> int:
+        """A cached prefix's scratch: a prompt bucket, or past ``max_len`` whole buckets."""
+        if n <= self.ecfg.max_len:
+            return self._bucket(n)
+        return -(-n // self.ecfg.min_bucket) * self.ecfg.min_bucket
 
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
-                with_logits: bool = False):
+                with_logits: bool = False, cached: Optional[Sequence[int]] = None):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
         ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
         token was drawn from (a program of its own: serving never moves them).
         A slot's sequence takes its prompt's blocks (from its reservation, ``kv.reserve``,
-        else from the free ones); a sequence still in the slot ends first."""
+        else from the free ones); a sequence still in the slot ends first. ``cached``: the
+        positions of each prompt its slot already holds in shared blocks (``kv.lookup``,
+        reserved with ``kv.reserve(..., shared=)``): only the rest is computed."""
         lens = [len(p) for p in prompts]
+        cached = list(cached) if cached is not None and any(cached) else None
         for n in lens:
             self.check_prompt(n, 1)
-        for s, n in zip(slots, lens):
-            if self.kv.held[s]:
+        for i, (s, n) in enumerate(zip(slots, lens)):
+            if self.kv.held[s] and not (cached and cached[i]):
                 self.release(s)
             self.kv.grow(s, n)
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
-        out = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings,
-                                with_logits)
+        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
+        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached)
         self.lengths[list(slots)] = lens
+        for s, p in zip(slots, prompts):
+            self.kv.register(s, p)
         return out
 
     def warmup(self, prompt_lengths: Sequence[int]) -> None:

@@ -16,6 +16,7 @@ class Result:
     request_id: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)  # generated ids (a stop token excluded)
+    cached_tokens: int = 0                           # prompt tokens read from cached blocks
     finish_reason: str = ""                          # "stop", "length" or "cancelled"
     replica: int = -1
     slot: int = -1

@@ -68,6 +68,8 @@ class Server(Batching):
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0, "generated_tokens": 0,
+                      # automatic prefix caching: prompt tokens looked up, and found cached
+                      "prefix_queries": 0, "prefix_hits": 0,
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and

@@ -243,6 +243,30 @@ def _write_scratch_int8(p_LGNPKH, scale_LGNK, s_LbTKH, table_bM, group_b, length
     return p, scale
 
 
+def read_prefix(pool: Cache, scratch: Cache, table_bM, group_b, start_b) -> Cache:
+    """``scratch`` (``[L, b, S, K, H]``) with each row's first ``start_b`` positions read from
+    the pool through its block table (dequantized from an int8 pool): a prompt whose first
+    blocks are cached (``inference.prefix_cache``) attends to them and computes the rest.
+    The rest of the scratch stays zero. Unstriped (no context split)."""
+    G = pool["k"].shape[1]
+    S = scratch["k"].shape[2]
+    g_b = jnp.clip(group_b, 0, G - 1)   # padding rows: any group, all masked below
+    keep_bS = jnp.arange(S)[None, :] < start_b[:, None]
+    block_bM = jnp.clip(table_bM, 0, pool["k"].shape[2] - 1)   # no block: masked below
+    out = {}
+    for n in ("k", "v"):
+        view = pool[n][:, g_b[:, None], block_bM]   # adjacent indices stay: [L, b, M, P, K, H]
+        if f"{n}_scale" in pool:
+            view = dequantize(view, pool[f"{n}_scale"][:, g_b[:, None], block_bM])
+        L, b, M, P = view.shape[:4]
+        view = view.reshape(L, b, M * P, *view.shape[4:])
+        view = view[:, :, :S] if M * P >= S else jnp.pad(
+            view, ((0, 0), (0, 0), (0, S - M * P), (0, 0), (0, 0)))
+        out[n] = jnp.where(keep_bS[None, :, :, None, None], view.astype(scratch[n].dtype),
+                           scratch[n])
+    return out
+
+
 def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation):
     block_BT, place_BT = pages(layer_cache["table"], positions_BT, layer_cache["k"].shape[2])
     pool, k_BSKH, v_BSKH = paged_write_read(layer_cache, k_BTKH, v_BTKH, block_BT, place_BT)

@@ -142,8 +142,10 @@ class _Run:
 
     def usage(self) -> dict:
         n = len(self.detok.tokens)
+        res = self.st.server.results.get(self.rid)
         return {"prompt_tokens": len(self.prompt), "completion_tokens": n,
-                "total_tokens": len(self.prompt) + n}
+                "total_tokens": len(self.prompt) + n,
+                "prompt_tokens_details": {"cached_tokens": res.cached_tokens if res else 0}}
 
 
 def _check(st: Serving, req) -> None:

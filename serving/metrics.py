@@ -15,8 +15,13 @@ class _CoreCounters:
         self.server = server
 
     def collect(self):
+        stats = self.server.stats
         yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
-                                  value=self.server.stats["generated_tokens"])
+                                  value=stats["generated_tokens"])
+        yield CounterMetricFamily("triax_prefix_cache_queries", "prompt tokens looked up in "
+                                  "the prefix cache", value=stats["prefix_queries"])
+        yield CounterMetricFamily("triax_prefix_cache_hits", "prompt tokens found in the "
+                                  "prefix cache (not prefilled)", value=stats["prefix_hits"])
         pool = GaugeMetricFamily("triax_kv_pool_bytes", "KV pool bytes per device (k, v and "
                                  "an int8 pool's scales), labelled with what it stores and "
                                  "the served weights' dtype", labels=["kv_dtype", "dtype"])

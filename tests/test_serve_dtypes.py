@@ -23,7 +23,7 @@ CFG = config.TINY.replace(num_layers=2)
 PROMPTS = [[5, 6, 7], list(range(30, 47)), [200, 1], list(range(60, 69))]
 NEW = 12
 # int8 keys/values: every logit within 1% of the reference's largest (measured: 0.0024 of
-# a largest |logit| of about 0.9 on this model).
+# a largest |logit| of 0.58 on this model).
 INT8_TOL = 0.01
 
 
@@ -74,7 +74,7 @@ def test_int8_kv_keeps_every_logit_within_the_stated_tolerance(params, ref32, de
         got.append(np.asarray(lg))
     err = np.abs(np.stack(got, 1) - logits).max()
     assert err <= INT8_TOL * np.abs(logits).max(), err
-    assert err > 0          # really quantized
+    assert err > 1e-4       # really quantized (an fp32 pool: 2e-7)
     assert {n: str(x.dtype) for n, x in eng.cache.items()} == {
         "k": "int8", "v": "int8", "k_scale": "float32", "v_scale": "float32"}
     assert placed_bytes(eng) == eng.pool.bytes_per_device()
