@@ -62,6 +62,9 @@ SLOTS = 8
 # exact reference), and the KV pool's (``auto``: the weights'; int8 keeps a float32 scale
 # per block and KV head, ``inference.kv_pool``). Precision names (``PRECISIONS``'s keys,
 # and int8) are what the planner counts (``KV_PRECISION``).
+# A waiting request that does not fit lets this many later (smaller) ones be admitted
+# first; then nothing behind it is (``inference.batching``: the age bound).
+MAX_BYPASS = 8
 SERVE_DTYPES = ("bfloat16", "float32")
 SERVE_DTYPE = "bfloat16"
 KV_DTYPES = ("auto", "bfloat16", "float32", "int8")

@@ -111,8 +111,9 @@ def cast_params(params, dtype: str, shardings):
     """``params`` with their fp32 leaves cast to ``dtype``, in place on ``shardings``."""
     if jnp.dtype(dtype) == jnp.float32:
         return params
+    # no donation: the caller's arrays may be these very ones (a device_put in place)
     return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(served_dtype(x.dtype, dtype)), p),
-                   out_shardings=shardings, donate_argnums=0)(params)
+                   out_shardings=shardings)(params)
 
 
 class Engine:
@@ -213,6 +214,7 @@ class Engine:
         the donated one (its slots' requests have failed; the server refills them)."""
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._zeros_cache()
+            self.kv.forget_cached()   # the cached prefixes' blocks are zeros now
 
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
@@ -361,7 +363,7 @@ class Engine:
             for i in range(n):   # the cached blocks are read, never written
                 table[i, :start[i] // P] = self.pool.blocks
             extra = (start, read)
-        self.compiles["prefill"].add((b, T, S))
+        self.compiles["prefill"].add((b, T, S) if S else (b, T))   # S: a cached prefix's
         self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
             self._rows(b, settings), with_logits, S, *extra)

@@ -154,6 +154,14 @@ class KVBlocks:
         self.tables[slot] = self.blocks
         self.held[slot] = self.reserved[slot] = 0
 
+    def forget_cached(self) -> None:
+        """Drop every cached key (the pool's contents were lost): unused cached blocks are
+        free again, held ones are no longer shared with later prompts."""
+        if self.prefix is not None:
+            for g, cache in enumerate(self.prefix):
+                self._free[g].extend(cache.unused)
+                self.prefix[g] = PrefixCache()
+
     @property
     def total(self) -> int:
         return self.groups * self.blocks

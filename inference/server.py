@@ -48,7 +48,7 @@ from triax.inference.request import QueueFullError, Result, _Live
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
-from triax.choices import SERVE_STRATEGY
+from triax.choices import MAX_BYPASS, SERVE_STRATEGY
 
 
 class Server(Batching):
@@ -59,9 +59,13 @@ class Server(Batching):
     ``stop()`` (or ``with server:``), which serve in a background thread while callers wait
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
-    def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None):
+    def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
+                 max_bypass: int = MAX_BYPASS):
         self.engines = list(engines)
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
+        # a request that does not fit lets this many later ones go first, then they wait
+        self.max_bypass = max_bypass
+        self._admissions = 0
         self.queue: collections.deque[_Live] = collections.deque()
         self.slots: list[list[_Live | None]] = [[None] * e.ecfg.max_batch for e in self.engines]
         self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
@@ -70,6 +74,7 @@ class Server(Batching):
                       "decode_steps": 0, "generated_tokens": 0,
                       # automatic prefix caching: prompt tokens looked up, and found cached
                       "prefix_queries": 0, "prefix_hits": 0,
+                      "preemptions": 0,   # sequences whose blocks were taken back
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
@@ -108,7 +113,8 @@ class Server(Batching):
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
                sampling: Optional[SamplingConfig] = None,
-               on_token: Optional[Callable[[int, float], None]] = None) -> int:
+               on_token: Optional[Callable[[int, float], None]] = None,
+               priority: int = 0) -> int:
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
@@ -116,7 +122,8 @@ class Server(Batching):
         ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
         not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
-        the serving thread with each generated token as it is sampled (streaming)."""
+        the serving thread with each generated token as it is sampled (streaming).
+        ``priority``: lower is admitted first and preempted last (default 0)."""
         prompt = self.engines[0].check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
@@ -139,7 +146,8 @@ class Server(Batching):
             self._next_id += 1
             self._futures[rid] = fut
             self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
-                                    max_new_tokens, seed, sampling, on_token))
+                                    max_new_tokens, seed, sampling, on_token,
+                                    priority=int(priority)))
             self._wake.notify()
         return rid
 

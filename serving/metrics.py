@@ -18,6 +18,9 @@ class _CoreCounters:
         stats = self.server.stats
         yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
                                   value=stats["generated_tokens"])
+        yield CounterMetricFamily("triax_preemptions", "running sequences preempted (by "
+                                  "recompute) for want of KV blocks",
+                                  value=stats["preemptions"])
         yield CounterMetricFamily("triax_prefix_cache_queries", "prompt tokens looked up in "
                                   "the prefix cache", value=stats["prefix_queries"])
         yield CounterMetricFamily("triax_prefix_cache_hits", "prompt tokens found in the "
