@@ -83,7 +83,8 @@ class _Run:
                                       top_p=req.top_p, seed=eng.sampling.seed,
                                       stop_tokens=eng.sampling.stop_tokens + req.stop_ids())
             self.rid = st.server.submit(prompt, req.max_tokens, seed=req.seed,
-                                        sampling=sampling, on_token=lambda t, s: put((t, s)))
+                                        sampling=sampling, on_token=lambda t, s: put((t, s)),
+                                        priority=req.priority)
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
