@@ -83,9 +83,11 @@ def dtypes(args, mesh) -> str:
                      f"{agree:.1%} |")
     lines += ["", "Positions per GiB are exact (the pool's bytes per device, k and v, int8's "
               "per-block scales included). Decode tok/s is from one run on a shared 2-core "
-              "CPU: XLA's CPU backend has no bf16 matmul units, so bf16's halved weight and KV "
-              "reads show as a speed-up only where memory bandwidth bounds a decode step (GPU, "
-              "TPU); CPU figures rank only."]
+              "CPU while other jobs ran (CPU figures rank only): a decode step of `small` "
+              "reads its weights and KV pool, so halving (bf16) and quartering (int8 KV) "
+              "those bytes shows even here; the greedy agreement is that of a random-init "
+              "model whose logits are nearly flat (docs/serving.md, \"Dtypes\"), and a "
+              "flipped token changes every later one of its request."]
     return "\n".join(lines)
 
 
