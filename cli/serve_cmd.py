@@ -50,7 +50,6 @@ def run(args) -> int:
     import uvicorn  # after the device count is set: the app's modules start JAX
 
     from triax.inference.generate import build_server
-    from triax.mesh import describe
     from triax.serving.app import create_app
     from triax.serving.chat_template import load_chat_template
     tokenizer = load_tokenizer_for(config.source)
@@ -64,12 +63,7 @@ def run(args) -> int:
             return 0
     server = build_server(config, longest=longest, max_new_tokens=0)
     server.warmup([1])  # the shortest prompt bucket and decode; longer buckets compile on use
-    e = server.engines[0].ecfg
-    layout = (f"{len(server.engines)} replica(s): "
-              + "; ".join(describe(eng.mesh) for eng in server.engines)
-              + f"; {e.max_batch} slots each, sequences up to {e.max_len} positions; KV pool "
-              + ", ".join(f"{eng.kv.total} blocks × {eng.kv.block_size}"
-                          for eng in server.engines))
+    layout = server.describe()
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
                      layout)

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine, InferenceError
 from triax.inference.request import _Live
 
@@ -66,6 +67,9 @@ class Batching:
         for live in sorted(self.queue, key=_Live.rank):
             if not free:
                 break
+            whole = positions_needed(len(live.result.prompt), live.max_new)
+            if eng.kv.need(whole) > eng.kv.blocks:
+                continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
             # the fitting slot whose group caches the longest run of the prompt's blocks
             fits = [(i, shared) for i, shared in self._lookups(eng, free, tokens)

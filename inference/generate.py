@@ -122,13 +122,13 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
     tok = tokenizer or TOKENIZER
-    vocab = server.engines[0].cfg.vocab_size
+    vocab = server.vocab_size
     if tok.vocab_size > vocab:
         raise InferenceError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary "
                              f"is {vocab}; pass the model's own --tokenizer")
     encoded = [tok.encode(p) for p in prompts]
     for e in encoded:  # reject bad requests before compiling anything
-        server.engines[0].check_prompt(len(e), max_new_tokens)
+        server.check_request(e, max_new_tokens)
     server.warmup([len(e) for e in encoded])  # so the reported rates exclude compilation
     ids = [server.submit(e, max_new_tokens) for e in encoded]
     results = server.run()

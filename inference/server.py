@@ -124,13 +124,8 @@ class Server(Batching):
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
         the serving thread with each generated token as it is sampled (streaming).
         ``priority``: lower is admitted first and preempted last (default 0)."""
-        prompt = self.engines[0].check_token_ids(prompt)
-        try:
-            max_new_tokens = operator.index(max_new_tokens)
-        except TypeError:
-            raise InferenceError(f"max_new_tokens must be an integer, got "
-                                 f"{max_new_tokens!r}") from None
-        self.engines[0].check_prompt(len(prompt), max_new_tokens)
+        prompt = self.check_request(prompt, max_new_tokens)
+        max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
             seed = zlib.crc32(np.asarray(prompt, np.int32).tobytes()) & 0x7FFFFFFF
         fut: Future = Future()
@@ -220,6 +215,48 @@ class Server(Batching):
     def kv_blocks_total(self) -> int:
         """KV pool blocks over all replicas."""
         return sum(e.kv.total for e in self.engines)
+
+    # ---- public limits (what serving/ and the CLI read; no engine internals) ----------------
+    @property
+    def max_len(self) -> int:
+        """KV positions one sequence may hold: prompt + max_tokens (the least replica's)."""
+        return min(e.ecfg.max_len for e in self.engines)
+
+    @property
+    def slots_per_replica(self) -> list[int]:
+        """Decode slots of each replica."""
+        return [len(row) for row in self.slots]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engines[0].cfg.vocab_size
+
+    @property
+    def default_sampling(self) -> SamplingConfig:
+        """The sampling a request gets unless it says its own (the engines' default)."""
+        return self.engines[0].sampling
+
+    def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
+        """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
+        ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
+        ``inference.context_length``) that ``submit`` would raise."""
+        prompt = self.engines[0].check_token_ids(prompt)
+        try:
+            max_new_tokens = operator.index(max_new_tokens)
+        except TypeError:
+            raise InferenceError(f"max_new_tokens must be an integer, got "
+                                 f"{max_new_tokens!r}") from None
+        self.engines[0].check_prompt(len(prompt), max_new_tokens)
+        return prompt
+
+    def describe(self) -> str:
+        """Each replica's layout, slots, sequence length and KV pool, in one line."""
+        from triax.mesh import describe
+        pools = ", ".join(f"{e.kv.total} blocks × {e.kv.block_size}" for e in self.engines)
+        return (f"{len(self.engines)} replica(s): "
+                + "; ".join(describe(e.mesh) for e in self.engines)
+                + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
+                f"positions; {self.dtype} weights; KV pool ({self.kv_dtype}) {pools}")
 
     @property
     def dtype(self) -> str:
