@@ -172,9 +172,24 @@ class HTTP:
     port: int = spec(8000, "port (0: any free port, printed when ready)")
     request_timeout: float = spec(600.0, "seconds a request may take before it is cancelled "
                                          "with a 408")
+    compile_cache: Optional[str] = spec(None, "directory of XLA's persistent compilation "
+                                              "cache, so a second start compiles nothing "
+                                              "('off': none)",
+                                        default_help="$JAX_COMPILATION_CACHE_DIR, else "
+                                                     "~/.cache/triax/xla", metavar="DIR")
     served_model_name: Optional[str] = spec(None, "the model name requests give",
                                             default_help="--model's preset, or --model-dir's "
                                                          "folder name")
+
+    def compile_cache_dir(self) -> Optional[str]:
+        """Where compiled programs persist (None: ``--compile-cache off``)."""
+        import os
+        if self.compile_cache == "off":
+            return None
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                 ".cache")
+        return (self.compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                or os.path.join(home, "triax", "xla"))
 
     def __post_init__(self):
         check_fields(self, {

@@ -14,6 +14,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from triax.cli.common import start_devices
 from triax.cli.flags import add_flags
@@ -31,7 +32,7 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_flags(p, HTTP, ["host", "port"])
     add_flags(p, ServeConfig, ["max_len", "max_queue"], DEFAULTS)
-    add_flags(p, HTTP, ["request_timeout", "served_model_name"])
+    add_flags(p, HTTP, ["request_timeout", "served_model_name", "compile_cache"])
     p.set_defaults(func=run)
 
 
@@ -44,9 +45,19 @@ def _model_name(config: ServeConfig) -> str:
     return os.path.basename(os.path.normpath(src.model_dir or src.checkpoint))
 
 
+def use_compile_cache(directory) -> None:
+    """Keep every compiled program in ``directory`` (None: leave JAX's setting alone)."""
+    if directory is not None:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
 def run(args) -> int:
+    started = time.perf_counter()
     config = serve_config(args, **DEFAULTS)
     start_devices()
+    use_compile_cache(config.http.compile_cache_dir())
     import uvicorn  # after the device count is set: the app's modules start JAX
 
     from triax.inference.generate import build_server
@@ -74,7 +85,7 @@ def run(args) -> int:
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 print(f"triax serve: ready at http://{host}:{port} ({_model_name(config)}; "
-                      f"{layout})", flush=True)
+                      f"{layout}; ready in {time.perf_counter() - started:.1f} s)", flush=True)
 
     # uvicorn re-raises the signal it drained on; after a drained SIGTERM, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
