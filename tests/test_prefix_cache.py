@@ -8,7 +8,7 @@ nothing (one device's pool is small enough to evict)."""
 import numpy as np
 import pytest
 
-from triax.inference import EngineConfig, Server
+from triax.inference import Engine, EngineConfig, Server
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.reference import greedy_reference
 from triax.mesh import make_mesh
@@ -62,7 +62,7 @@ def test_shared_blocks_are_counted_kept_after_use_and_evicted_least_recent_first
 
 
 # ---- exact tokens with the cache, on every layout ---------------------------------------------
-LAYOUTS = {"one": {}, "tensor2": {"tensor": 2}, "pipe2": {"pipe": 2}, "context2": {"context": 2}}
+LAYOUTS = {"one": {}, "tensor2": {"tensor": 2}, "pipe2": {"pipe": 2}}
 
 
 def _serve(params, devices, sizes, kv_blocks: int = 0):
@@ -86,9 +86,6 @@ def test_tokens_with_the_prefix_cache_equal_the_reference(layout, params, refere
     server, got = _serve(params, devices, LAYOUTS[layout], kv_blocks=9 * (layout == "one"))
     assert [r.tokens for r in got] == reference
     eng = server.engines[0]
-    if layout == "context2":                # striped prompts: served without the cache
-        assert not eng.prefix_cache and server.stats["prefix_hits"] == 0
-        return
     # slot 0's group caches the system prompt's 3 blocks (prompt 2 shares 2 of them where
     # it lands in that group: pipe=2 has a row group per slot)
     hits = [r.cached_tokens for r in got]
@@ -99,3 +96,12 @@ def test_tokens_with_the_prefix_cache_equal_the_reference(layout, params, refere
     assert kv.in_use == 0 and not kv.refs.any() and kv.cached > 0   # every block back
     assert kv.cached + sum(map(len, kv._free)) == kv.total
     assert (kv.evicted > 0) == (layout == "one")
+
+
+def test_context_layouts_serve_without_the_cache(devices):
+    """Striped prompts (context=2) are served whole: the cache is off there (their tokens
+    are test_kv_paging's), and an engine elsewhere keeps it on."""
+    ecfg = EngineConfig(max_batch=2, max_len=32, block_size=BS, prefix_cache=True)
+    ctx = Engine(CFG, None, make_mesh(context=2, devices=devices[:2]), "tp", ecfg)
+    one = Engine(CFG, None, make_mesh(devices=devices[:1]), "tp", ecfg)
+    assert (ctx.prefix_cache, ctx.kv.prefix, one.prefix_cache) == (False, None, True)
