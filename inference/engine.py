@@ -41,9 +41,10 @@ from triax.inference.context_length import check_context, positions_needed
 from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 (re-exported)
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
 from triax.inference.kv_blocks import KVBlocks
-from triax.inference.kv_pool import (SCALE_DTYPE, decode_microbatches, kv_pool,
-                                     kv_storage_dtype, scratch_layout, split_context)
+from triax.inference.kv_pool import (decode_microbatches, kv_pool, kv_storage_dtype,
+                                     scratch_layout, split_context)
 from triax.inference.sampling import SamplingConfig, row_settings, sample
+from triax.inference.served_weights import cast_params, served_dtype
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
 from triax.models.decode import read_prefix, write_scratch
@@ -99,21 +100,6 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
     return {"weights": weights, "KV cache": kv_pool(cfg, mesh, st, ecfg).bytes_per_device()}
-
-
-def served_dtype(leaf_dtype, dtype: str):
-    """A parameter's dtype as served: fp32 leaves in ``dtype``; others (an int8 base's
-    projections, a bf16 base) as they are."""
-    return jnp.dtype(dtype) if jnp.dtype(leaf_dtype) == jnp.float32 else jnp.dtype(leaf_dtype)
-
-
-def cast_params(params, dtype: str, shardings):
-    """``params`` with their fp32 leaves cast to ``dtype``, in place on ``shardings``."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return params
-    # no donation: the caller's arrays may be these very ones (a device_put in place)
-    return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(served_dtype(x.dtype, dtype)), p),
-                   out_shardings=shardings)(params)
 
 
 class Engine:
@@ -175,28 +161,18 @@ class Engine:
         return cls(cfg, params, mesh, strategy, **kw)
 
     # ---- placement -------------------------------------------------------------------------
-    def _cache_layout(self) -> dict:
-        """Each pool array's shape, dtype and placement: k and v (and an int8 pool's
-        per-block, per-head scales)."""
-        p = self.pool
-        out = {n: (p.shape, jnp.dtype(p.dtype), p.sharding) for n in ("k", "v")}
-        if p.quantized:
-            out.update({f"{n}_scale": (p.scale_shape, SCALE_DTYPE, p.scale_sharding)
-                        for n in ("k", "v")})
-        return out
-
     def _zeros_cache(self):
-        lay = self._cache_layout()
+        lay = self.pool.arrays()
         make = jax.jit(lambda: {n: jnp.zeros(s, d) for n, (s, d, _) in lay.items()},
                        out_shardings={n: sh for n, (_, _, sh) in lay.items()})
         return make()
 
     def _abstract_cache(self):
         return {n: jax.ShapeDtypeStruct(s, d, sharding=sh)
-                for n, (s, d, sh) in self._cache_layout().items()}
+                for n, (s, d, sh) in self.pool.arrays().items()}
 
     def _cache_shardings(self) -> dict:
-        return {n: sh for n, (_, _, sh) in self._cache_layout().items()}
+        return {n: sh for n, (_, _, sh) in self.pool.arrays().items()}
 
     def lower_decode(self):
         """The decode step of every slot (the largest bucket), lowered on abstract inputs

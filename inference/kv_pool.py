@@ -125,6 +125,15 @@ class KVPool:
         """KV positions the whole pool holds (what the planner's KV term counts)."""
         return self.total_blocks * self.block_size
 
+    def arrays(self) -> dict:
+        """Each pool array's ``(shape, dtype, sharding)``: k and v (and an int8 pool's
+        per-block, per-head scales, ``k_scale`` / ``v_scale``)."""
+        out = {n: (self.shape, jnp.dtype(self.dtype), self.sharding) for n in ("k", "v")}
+        if self.quantized:
+            out.update({f"{n}_scale": (self.scale_shape, SCALE_DTYPE, self.scale_sharding)
+                        for n in ("k", "v")})
+        return out
+
     def bytes_per_device(self) -> int:
         """Bytes of pool (k and v) each device holds."""
         return _per_device(self.shape, self.sharding, self.dtype)

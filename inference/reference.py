@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from triax.inference.engine import served_dtype
+from triax.inference.served_weights import served_dtype
 from triax.models.config import ModelConfig
 from triax.models.runtime import ExecConfig
 from triax.models import runtime
@@ -35,7 +35,7 @@ def greedy_reference(cfg: ModelConfig, params: Any, prompts: Sequence[Sequence[i
     (``[n, max_new_tokens, V]``). Rows are right-padded to one length; the causal mask
     keeps padding invisible to the positions that are read. ``forced`` feeds given tokens
     instead of the argmax (teacher forcing, to compare logits step by step). ``dtype``: the
-    weights as served (``inference.engine.served_dtype``) and the compute dtype."""
+    weights as served (``inference.served_weights``) and the compute dtype."""
     graphdef = abstract_model(cfg).graphdef
     params = jax.tree.map(lambda x: np.asarray(x).astype(served_dtype(x.dtype, dtype)),
                           jax.device_get(params))
