@@ -79,6 +79,17 @@ KV_BLOCK_SIZE = 16
 # the decode slots per replica.
 SERVE_STRATEGY = "tp"
 SLOTS = 8
+# The served weights' dtype (bf16: half the bytes every decode step reads; fp32 is the
+# exact reference), and the KV pool's (``auto``: the weights'; int8 keeps a float32 scale
+# per block and KV head, ``inference.kv_pool``). Precision names (``PRECISIONS``'s keys,
+# and int8) are what the planner counts (``KV_PRECISION``).
+# A waiting request that does not fit lets this many later (smaller) ones be admitted
+# first; then nothing behind it is (``inference.batching``: the age bound).
+MAX_BYPASS = 8
+SERVE_DTYPES = ("bfloat16", "float32")
+SERVE_DTYPE = "bfloat16"
+KV_DTYPES = ("auto", "bfloat16", "float32", "int8")
+KV_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}
 
 # What a NaN/inf loss does (``triax.training.faults``).
 NONFINITE_MODES = ("stop", "skip", "rollback")

@@ -74,8 +74,12 @@ class KVPool:
                                           "many whole blocks as fit; instead of --kv-blocks)")
     kv_block_size: int = spec(choices.KV_BLOCK_SIZE, "positions per KV pool block (a multiple "
                                                      "of the context axis)")
+    kv_dtype: str = spec("auto", "what the KV pool stores: auto (the served weights' --dtype), "
+                                 "bfloat16, float32, or int8 (a float32 scale per block and KV "
+                                 "head; about half bf16's bytes)", choices=choices.KV_DTYPES)
 
     def __post_init__(self):
+        choices.check("kv_dtype", self.kv_dtype, choices.KV_DTYPES)
         check_fields(self, {
             "kv_blocks": (*GE1, "give the pool's blocks, e.g. --kv-blocks 512, or leave it out"),
             "kv_block_size": (*GE1, "give positions per block, e.g. --kv-block-size 16")})
@@ -99,10 +103,11 @@ class KVPool:
     def engine_kw(self) -> dict:
         """The pool as ``EngineConfig`` takes it."""
         return {"kv_blocks": self.kv_blocks or 0, "kv_memory": self.memory_bytes(),
-                "block_size": self.kv_block_size}
+                "block_size": self.kv_block_size, "kv_dtype": self.kv_dtype}
 
     def given(self) -> list[str]:
         """The pool's flags set away from their defaults (for "no pool here" warnings)."""
         return [f"--{n.replace('_', '-')}" for n, d in (("kv_blocks", None), ("kv_memory", None),
-                                                        ("kv_block_size", choices.KV_BLOCK_SIZE))
+                                                        ("kv_block_size", choices.KV_BLOCK_SIZE),
+                                                        ("kv_dtype", "auto"))
                 if getattr(self, n) != d]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
-from triax.choices import SERVE_STRATEGY, SLOTS
+from triax.choices import SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, check
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -117,6 +117,13 @@ class Engine:
                              "grows: with a pool smaller than slots × the longest sequence, "
                              "requests are admitted as blocks are free)")
     pool: KVPool = field(default_factory=KVPool)
+    dtype: str = spec(SERVE_DTYPE, "dtype of the served weights and their compute (float32: "
+                                   "twice the bytes every decode step reads)",
+                      choices=SERVE_DTYPES)
+    prefix_cache: bool = spec(True, "share the KV blocks of prompts' common first tokens "
+                                    "(keyed by a hash of a block's tokens and all before "
+                                    "them; kept after use until evicted, least recently used "
+                                    "first); a hit skips their prefill")
     max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
                            "max_tokens (default: the model's context)")
     max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "
@@ -129,6 +136,7 @@ class Engine:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token", tuple(self.stop_token))
+        check("dtype", self.dtype, SERVE_DTYPES)
         check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
                             "max_queue": (*GE0, "give the waiting requests at most, e.g. "
@@ -165,11 +173,26 @@ class HTTP:
     port: int = spec(8000, "port (0: any free port, printed when ready)")
     request_timeout: float = spec(600.0, "seconds a request may take before it is cancelled "
                                          "with a 408")
+    compile_cache: Optional[str] = spec(None, "directory of XLA's persistent compilation "
+                                              "cache, so a second start compiles nothing "
+                                              "('off': none)",
+                                        default_help="$JAX_COMPILATION_CACHE_DIR, else "
+                                                     "~/.cache/triax/xla", metavar="DIR")
     served_model_name: Optional[str] = spec(None, "the model name requests give",
                                             default_help="--model's preset, or --model-dir's "
                                                          "folder name")
     max_request_bytes: int = spec(16 * 2 ** 20, "a request body's bytes at most; a larger "
                                                  "one gets 413")
+
+    def compile_cache_dir(self) -> Optional[str]:
+        """Where compiled programs persist (None: ``--compile-cache off``)."""
+        import os
+        if self.compile_cache == "off":
+            return None
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"),
+                                                                 ".cache")
+        return (self.compile_cache or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                or os.path.join(home, "triax", "xla"))
 
     def __post_init__(self):
         check_fields(self, {

@@ -34,7 +34,8 @@ def add_parser(sub) -> None:
     add_model_flags(p)
     add_flags(p, HTTP, ["host", "port"])
     add_flags(p, ServeConfig, ["max_len", "max_queue"], DEFAULTS)
-    add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes"])
+    add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes",
+                        "compile_cache"])
     p.set_defaults(func=run)
 
 
@@ -67,16 +68,24 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def use_compile_cache(directory) -> None:
+    """Keep every compiled program in ``directory`` (None: leave JAX's setting alone)."""
+    if directory is not None:
+        import jax
+        jax.config.update("jax_compilation_cache_dir", directory)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
 def run(args) -> int:
+    started = time.perf_counter()
     config = serve_config(args, **DEFAULTS)
     sock = listen_socket(config.http.host, config.http.port)
-    t0 = time.perf_counter()
     say = Progress("serve")
     start_devices()
+    use_compile_cache(config.http.compile_cache_dir())
     import uvicorn  # after the device count is set: the app's modules start JAX
 
     from triax.inference.generate import build_server
-    from triax.mesh import describe
     from triax.serving.app import create_app
     from triax.serving.chat_template import load_chat_template
     tokenizer = load_tokenizer_for(config.source)
@@ -93,16 +102,8 @@ def run(args) -> int:
     # The shortest prompt bucket and decode; longer buckets compile on use.
     with say("compiling the first prompt bucket and decode"):
         server.warmup([1], say.line)
-    e = server.engines[0].ecfg
-    layout = (f"{len(server.engines)} replica(s): "
-              + "; ".join(describe(eng.mesh) for eng in server.engines)
-              + f"; {e.max_batch} slots each, sequences up to {e.max_len} positions; KV pool "
-              + ", ".join(f"{eng.kv.total} blocks × {eng.kv.block_size}"
-                          for eng in server.engines))
-    lora = server.engines[0].cfg.lora
-    if lora is not None:   # served unmerged: say which adapter answers
-        layout += f"; {lora.describe()}" + (f" from {config.source.adapter}"
-                                            if config.source.adapter else "")
+    layout = server.describe() + (f" from {config.source.adapter}"
+                                  if config.source.adapter else "")
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
                      layout, config.http.max_request_bytes)
@@ -112,9 +113,8 @@ def run(args) -> int:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
-                print(f"triax serve: ready at http://{host}:{port} in "
-                      f"{time.perf_counter() - t0:.1f} s ({_model_name(config)}; {layout})",
-                      flush=True)
+                print(f"triax serve: ready at http://{host}:{port} ({_model_name(config)}; "
+                      f"{layout}; ready in {time.perf_counter() - started:.1f} s)", flush=True)
 
     # uvicorn re-raises the signal it drained on; after a drained SIGTERM, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)

@@ -70,7 +70,8 @@ def choose_layout(config: ServeConfig, longest: int, max_new_tokens: int):
                             objective=lay.objective, device_memory=lay.device_memory,
                             mesh_sizes=lay.mesh_sizes() if lay.mesh else None,
                             replicas=lay.replicas, context_attention=lay.context_attention,
-                            pool=config.engine.pool.engine_kw())
+                            pool={**config.engine.pool.engine_kw(),
+                                  "dtype": config.engine.dtype})
     return config.replace(mesh=choice.mesh, replicas=choice.replicas), choice
 
 

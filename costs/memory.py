@@ -75,14 +75,14 @@ class Memory:
 def kv_cache_bytes(w: Workload, lay: Layout) -> float:
     """The serving engine's paged KV pool (k and v) per device on the layout, from the pool's
     one home (``inference.kv_pool.planned_pool``): ``w.batch`` slots of ``w.seq`` positions,
-    sized by ``w.kv_blocks`` / ``w.kv_memory``, in the workload's dtype. A pool the layout
+    sized by ``w.kv_blocks`` / ``w.kv_memory``, stored as ``w.kv_storage``. A pool the layout
     cannot split (its row groups, a block over ``context``) is a ``ShardingError``."""
     if w.cfg is None or w.train:
         return 0.0
     settings = PoolSettings(w.kv_blocks, w.kv_memory, w.kv_block_size)
     try:
         pool = planned_pool(w.cfg, lay.sizes, lay.strategy, w.batch, w.seq,
-                            settings, lay.microbatches if lay.pipe > 1 else 0, w.dtype_bytes)
+                            settings, lay.microbatches if lay.pipe > 1 else 0, w.kv_storage)
     except InferenceError as e:
         raise ShardingError(f"the KV pool on {lay.mesh_str}: {e}") from None
     return float(pool.bytes_per_device())

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from triax import choices
-from triax.choices import PRECISION_BYTES
-from triax.inference.kv_pool import CACHE_PRECISION   # the pool's home (no engine loaded)
+from triax.choices import KV_DTYPES, KV_PRECISION, PRECISION_BYTES, PRECISIONS
 from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
@@ -60,6 +59,7 @@ class Workload:
     kv_blocks: int = 0
     kv_memory: int = 0
     kv_block_size: int = choices.KV_BLOCK_SIZE
+    kv_dtype: str = "auto"         # what the pool stores (--kv-dtype; auto: `dtype`'s)
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":
@@ -72,6 +72,7 @@ class Workload:
         for k in ("batch", "seq"):
             if k in kw and kw[k] < 1:
                 raise ValueError(f"--{'batch-size' if k == 'batch' else 'seq-len'} must be ≥ 1")
+        choices.check("kv_dtype", kw.get("kv_dtype", "auto"), KV_DTYPES)
         resolve(kw.get("attention", "auto"))   # an unknown --attention names the choices
         check_loss_chunks(kw.get("loss_chunks", 1), kw.get("seq", 2048))
         return cls(cfg, int(params or cfg.num_params), **kw)
@@ -93,18 +94,20 @@ class Workload:
         return cls.of(cfg, params, train=train, dtype=run.precision, batch=run.batch_size,
                       seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
                       attention=run.attention, backend=backend, kv_blocks=pool.kv_blocks,
-                      kv_memory=pool.kv_memory, kv_block_size=pool.block_size)
+                      kv_memory=pool.kv_memory, kv_block_size=pool.block_size,
+                      kv_dtype=pool.kv_dtype)
 
     @classmethod
     def of_engine(cls, cfg: ModelConfig, ecfg: "triax.inference.engine.EngineConfig",
                   backend: str = "gpu") -> "Workload":
         """The one mapping from a serving engine's settings (an
         ``inference.engine.EngineConfig``) to what is planned: ``max_batch`` slots of
-        ``max_len`` positions, its KV pool, weights and pool in the pool's precision
-        (``inference.kv_pool.CACHE_PRECISION``: what the engine holds)."""
-        return cls.of(cfg, train=False, dtype=CACHE_PRECISION, batch=ecfg.max_batch,
+        ``max_len`` positions, its KV pool, the weights in the served ``dtype`` and the pool
+        in its ``kv_dtype`` (what the engine holds)."""
+        return cls.of(cfg, train=False, dtype=KV_PRECISION[ecfg.dtype], batch=ecfg.max_batch,
                       seq=ecfg.max_len, backend=backend, kv_blocks=ecfg.kv_blocks,
-                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size)
+                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size,
+                      kv_dtype=ecfg.kv_dtype)
 
     @property
     def run_label(self) -> str:
@@ -115,6 +118,11 @@ class Workload:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_storage(self) -> str:
+        """The KV pool's stored dtype (a NumPy name): ``kv_dtype``, or ``dtype``'s."""
+        return PRECISIONS[self.dtype] if self.kv_dtype == "auto" else self.kv_dtype
 
     @property
     def mixed(self) -> bool:

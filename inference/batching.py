@@ -1,11 +1,21 @@
 """One serving iteration of ``Server``: admission by free KV blocks, prefill, decode.
 
-A waiting request is admitted into a free decode slot of a replica when that slot's row
-group of the KV pool can set aside the blocks its prompt plus ``max_tokens`` may fill
-(``KVBlocks.reserve``), not a slot cache of ``max_len``: so many short requests run beside a
-few long ones, and a sequence never waits for a block once started (nothing is preempted).
-Requests are admitted first come, first served: one that does not fit yet waits at the head
-of the queue until blocks come back.
+Nothing is reserved up front. A waiting request is admitted into a free decode slot of a
+replica when that slot's row group of the KV pool has the blocks of its prompt (and of the
+first token after it); it takes more blocks as it grows (``KVBlocks.grow``). When a running
+sequence needs a block and its group has none left, the running request of that group with
+the lowest priority (the largest ``priority``), the newest among equals, is **preempted by
+recompute**: its blocks go back and it returns to the queue in its old place; readmitted,
+its prompt and every token it generated so far are prefilled again (its cached blocks, with
+prefix caching, need no recompute) and it goes on exactly where it stopped: the same
+positions, the same seeds, so greedy and sampled tokens alike are those of a run without
+pressure.
+
+The queue is served by priority, then arrival. A request that does not fit yet lets smaller
+ones behind it that do fit go first, but only ``max_bypass`` times: then nothing behind it is
+admitted until it fits (so nothing starves). With prefix caching, the slot whose group holds
+the longest cached run of the prompt's first blocks is chosen; those blocks are shared, and
+only the rest of the prompt is prefilled.
 """
 from __future__ import annotations
 
@@ -17,6 +27,7 @@ import numpy as np
 from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine, InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
+from triax.inference.penalties import reads_prompt
 from triax.inference.request import _Live
 
 
@@ -51,23 +62,91 @@ class Batching:
         self.engines[r].recover()
 
     def _admit(self, r: int, eng: Engine) -> tuple[list[int], list[_Live]]:
-        """Waiting requests into replica ``r``'s free slots, each with its KV blocks
-        reserved (the caller holds the lock)."""
+        """Waiting requests into replica ``r``'s free slots, by priority then arrival, each
+        with its prompt's KV blocks (the caller holds the lock)."""
         free = [i for i, s in enumerate(self.slots[r]) if s is None]
-        slots, batch = [], []
-        while self.queue and free:
-            live = self.queue[0]
-            need = positions_needed(len(live.result.prompt), live.max_new)
-            slot = next((i for i in free if eng.kv.can_reserve(i, need)), None)
-            if slot is None:   # not enough blocks free yet: it waits, first in line
+        slots, batch, waiting = [], [], []
+        for live in sorted(self.queue, key=_Live.rank):
+            if not free:
                 break
-            eng.kv.reserve(slot, need)
-            self.queue.popleft()
+            whole = positions_needed(len(live.result.prompt), live.max_new)
+            if eng.kv.need(whole) > eng.kv.blocks:
+                continue   # a smaller replica's group could never hold it all: others will
+            tokens = live.tokens_to_prefill()
+            # the fitting slot whose group caches the longest run of the prompt's blocks
+            looked = (self._lookups(eng, free, tokens)
+                      if not reads_prompt(live.sampling or eng.sampling) else
+                      [(i, ()) for i in free])   # its sampling reads every prompt token
+            fits = [(i, shared) for i, shared in looked
+                    if eng.kv.can_reserve(i, len(tokens) + 1, shared)]
+            if not fits:   # not enough blocks free yet
+                waiting.append(live)
+                continue
+            if any(w.passed >= self.max_bypass for w in waiting):
+                break   # one was passed over enough: the rest wait for it
+            for w in waiting:   # a later request goes first
+                w.passed += 1
+            slot, shared = max(fits, key=lambda f: len(f[1]))
+            eng.kv.reserve(slot, len(tokens), shared)
+            res = live.result
+            if not res.preemptions:
+                res.cached_tokens = len(shared) * eng.kv.block_size
+            if eng.prefix_cache:
+                self.stats["prefix_queries"] += len(tokens)
+                self.stats["prefix_hits"] += len(shared) * eng.kv.block_size
+            self.queue.remove(live)
             free.remove(slot)
+            self._admissions += 1
+            live.admitted = self._admissions
             self.slots[r][slot] = live
             slots.append(slot)
             batch.append(live)
         return slots, batch
+
+    def _make_room(self, r: int, eng: Engine) -> None:
+        """Give every running sequence of replica ``r`` the block its next token needs,
+        preempting by recompute where its group has none left (``_preempt``); the oldest
+        and most important sequences are served first."""
+        with self._lock:
+            running = sorted((x for x in self.slots[r] if x is not None), key=_Live.rank)
+            for live in running:
+                if live not in self.slots[r]:
+                    continue   # preempted for an earlier one
+                slot = self.slots[r].index(live)
+                positions = int(eng.lengths[slot]) + 1
+                while (eng.kv.need(positions) > eng.kv.held[slot]
+                       and eng.kv.available(slot) < 1):
+                    victim = self._victim(r, eng, slot)
+                    self._preempt(r, victim)
+                    if victim == slot:
+                        break
+                if self.slots[r][slot] is live:
+                    eng.kv.grow(slot, positions)
+
+    def _victim(self, r: int, eng: Engine, slot: int) -> int:
+        """The slot of ``slot``'s row group to preempt: lowest priority, then newest."""
+        per = eng.ecfg.max_batch // eng.kv.groups
+        g = slot // per
+        group = [i for i in range(g * per, (g + 1) * per) if self.slots[r][i] is not None]
+        return max(group, key=lambda i: (self.slots[r][i].priority,
+                                         self.slots[r][i].admitted))
+
+    def _preempt(self, r: int, slot: int) -> None:
+        """Take ``slot``'s blocks back and requeue its request (the caller holds the lock);
+        readmitted, it recomputes its prompt and tokens so far and goes on."""
+        live = self.slots[r][slot]
+        self.slots[r][slot] = None
+        self.engines[r].release(slot)
+        live.result.preemptions += 1
+        self.stats["preemptions"] += 1
+        self.queue.append(live)
+
+    @staticmethod
+    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int]):
+        """``(slot, cached blocks)`` for each free slot: one lookup per row group."""
+        per = eng.ecfg.max_batch // eng.kv.groups
+        found = {g: eng.kv.lookup(g * per, prompt) for g in {i // per for i in free}}
+        return [(i, found[i // per]) for i in free]
 
     def _prefill_all(self) -> int:
         launched = []
@@ -79,9 +158,12 @@ class Batching:
             if not batch:
                 continue
             try:
-                toks = eng.prefill(slots, [np.asarray(x.result.prompt) for x in batch],
+                toks = eng.prefill(slots, [np.asarray(x.tokens_to_prefill()) for x in batch],
                                    [x.seed for x in batch], [x.sampling or eng.sampling
-                                                             for x in batch])
+                                                             for x in batch],
+                                   cached=[int(eng.kv.held[s]) * eng.kv.block_size
+                                           for s in slots],
+                                   prompt_lens=[len(x.result.prompt) for x in batch])
             except Exception as e:
                 self._engine_failed(r, batch, e)
                 continue
@@ -94,17 +176,21 @@ class Batching:
                 continue
             now = time.perf_counter()
             for i, (slot, live, tok) in enumerate(zip(slots, batch, toks)):
-                live.result.replica, live.result.slot, live.result.first_token = r, slot, now
+                res = live.result
+                res.replica, res.slot = r, slot
+                res.first_token = res.first_token or now   # once, resumed or not
                 self.slot_uses[r][slot] += 1
-                self.stats["prefill_tokens"] += len(live.result.prompt)
-                if live.sampling is not None and live.sampling.prompt_logprobs:
-                    live.result.prompt_logprobs = prompt_entry(extra, i, len(live.result.prompt))
+                self.stats["prefill_tokens"] += len(live.tokens_to_prefill())
+                if live.sampling is not None and live.sampling.prompt_logprobs \
+                        and res.prompt_logprobs is None:   # a resumed request has them
+                    res.prompt_logprobs = prompt_entry(extra, i, len(res.prompt))
                 self._accept(r, slot, int(tok), now, row_entry(extra, i))
         return len(launched)
 
     def _decode_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
+            self._make_room(r, eng)
             live = list(self.slots[r])  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             if not active.any():

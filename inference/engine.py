@@ -42,14 +42,15 @@ from triax.inference.context_length import check_context, positions_needed
 from triax.inference.errors import CacheFullError, InferenceError  # noqa: F401 (re-exported)
 from triax.inference.forward import check_pipeline, pipelined_forward, plain_forward
 from triax.inference.kv_blocks import KVBlocks
-from triax.inference.kv_pool import (CACHE_DTYPE, decode_microbatches, kv_pool, scratch_layout,
-                                     split_context)
+from triax.inference.kv_pool import (decode_microbatches, kv_pool, kv_storage_dtype,
+                                     scratch_layout, split_context)
 from triax.inference.logprobs import prompt_logprobs, scatter_rows
 from triax.inference.penalties import TokenHistory
 from triax.inference.sampling import SamplingConfig, row_settings, sample_step
+from triax.inference.served_weights import cast_params, served_dtype
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
-from triax.models.decode import write_scratch
+from triax.models.decode import read_prefix, write_scratch
 from triax.models.runtime import ExecConfig
 from triax.models import runtime
 from triax.sharding.partition import abstract_model, init_params, param_shardings
@@ -60,7 +61,10 @@ from triax.choices import SERVE_STRATEGY, SLOTS
 @dataclass(frozen=True)
 class EngineConfig:
     """Static serving shapes: decode slots, a sequence's longest, prompt buckets,
-    micro-batches, and the KV pool's size (``inference.kv_pool.kv_pool``)."""
+    micro-batches, the KV pool's size (``inference.kv_pool.kv_pool``), and the dtypes of
+    the served weights (``dtype``: their floating leaves are cast to it, and it is the
+    compute dtype) and of the pool (``kv_dtype``; ``auto``: ``dtype``'s). fp32 here, the
+    exact reference; ``triax serve`` defaults to ``choices.SERVE_DTYPE``."""
 
     max_batch: int = SLOTS
     max_len: int = 128           # positions a sequence may hold (prompt + generated tokens)
@@ -69,6 +73,17 @@ class EngineConfig:
     kv_blocks: int = 0           # pool blocks (all row groups); 0: from kv_memory, or
     kv_memory: int = 0           # pool bytes per device; both 0: max_batch × max_len's
     block_size: int = choices.KV_BLOCK_SIZE   # positions per block
+    dtype: str = "float32"       # served weights and compute: float32 | bfloat16
+    kv_dtype: str = "auto"       # the pool: auto | float32 | bfloat16 | int8
+    prefix_cache: bool = False   # share cached prompt blocks (inference.prefix_cache)
+
+    def __post_init__(self):
+        kv_storage_dtype(self.dtype, self.kv_dtype)   # names the flag and the choices
+
+    @property
+    def cache_dtype(self) -> str:
+        """What the KV pool stores (``kv_dtype`` resolved)."""
+        return kv_storage_dtype(self.dtype, self.kv_dtype)
 
     def buckets(self) -> tuple[int, ...]:
         out, b = [], self.min_bucket
@@ -84,7 +99,7 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     shard of the weights and of the KV cache (k and v)."""
     st = get_strategy(strategy)
     am = abstract_model(cfg)
-    weights = sum(math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
+    weights = sum(math.prod(sh.shard_shape(s.shape)) * served_dtype(s.dtype, ecfg.dtype).itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
     return {"weights": weights, "KV cache": kv_pool(cfg, mesh, st, ecfg).bytes_per_device()}
@@ -101,17 +116,20 @@ class Engine:
             raise InferenceError(f"cache length max_len={ecfg.max_len} exceeds the model's "
                                  f"context max_seq_len={cfg.max_seq_len}; lower max_len")
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
-        self.ecfg, self.sampling, self.exe = ecfg, sampling, exe
+        self.ecfg, self.sampling = ecfg, sampling
+        self.exe = exe = dataclasses.replace(exe, compute_dtype=ecfg.dtype)
         self.sizes = mesh_sizes(mesh)
         self.am = abstract_model(cfg)
         self.param_shardings = param_shardings(self.am, mesh, self.strategy)
         # params=None: an abstract engine (ShapeDtypeStructs, nothing allocated), for
         # ahead-of-time compiles of its programs (``lower_decode``; --plan auto).
         self.abstract = params is None
-        self.params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype,
-                                                                      sharding=sh),
-                                   self.am.shapes, self.param_shardings) if self.abstract \
-            else jax.device_put(params, self.param_shardings)
+        self.params = jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, served_dtype(s.dtype, ecfg.dtype),
+                                               sharding=sh),
+            self.am.shapes, self.param_shardings) if self.abstract \
+            else cast_params(jax.device_put(params, self.param_shardings), ecfg.dtype,
+                             self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = decode_microbatches(mesh, ecfg.microbatches)
@@ -127,13 +145,16 @@ class Engine:
                                  f"data={self.sizes['data']}; choose a multiple")
         self.pool = kv_pool(cfg, mesh, self.strategy, ecfg)
         self.cache_sharding = self.pool.sharding
+        # Prefix caching reads cached blocks into an unstriped scratch: not under context.
+        self.prefix_cache = ecfg.prefix_cache and self.context is None
         self.kv = KVBlocks(self.pool.groups, self.pool.blocks, self.pool.block_size, B,
-                           self.pool.max_blocks)
+                           self.pool.max_blocks, self.prefix_cache)
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         self.history = TokenHistory(B, ecfg.max_len)   # what each slot saw (penalties)
         # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7, 9))
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,),
+                                    static_argnums=(7, 9, 10))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
         self.compiles = {"prefill": set(), "decode": set()}
 
@@ -145,15 +166,17 @@ class Engine:
 
     # ---- placement -------------------------------------------------------------------------
     def _zeros_cache(self):
-        shape, sh = self.pool.shape, self.pool.sharding
-        make = jax.jit(lambda: {"k": jnp.zeros(shape, CACHE_DTYPE),
-                                "v": jnp.zeros(shape, CACHE_DTYPE)},
-                       out_shardings={"k": sh, "v": sh})
+        lay = self.pool.arrays()
+        make = jax.jit(lambda: {n: jnp.zeros(s, d) for n, (s, d, _) in lay.items()},
+                       out_shardings={n: sh for n, (_, _, sh) in lay.items()})
         return make()
 
     def _abstract_cache(self):
-        return {n: jax.ShapeDtypeStruct(self.pool.shape, CACHE_DTYPE, sharding=self.pool.sharding)
-                for n in ("k", "v")}
+        return {n: jax.ShapeDtypeStruct(s, d, sharding=sh)
+                for n, (s, d, sh) in self.pool.arrays().items()}
+
+    def _cache_shardings(self) -> dict:
+        return {n: sh for n, (_, _, sh) in self.pool.arrays().items()}
 
     def lower_decode(self):
         """The decode step of every slot (the largest bucket), lowered on abstract inputs
@@ -171,39 +194,51 @@ class Engine:
         the donated one (its slots' requests have failed; the server refills them)."""
         if any(x.is_deleted() for x in jax.tree.leaves(self.cache)):
             self.cache = self._zeros_cache()
+            self.kv.forget_cached()   # the cached prefixes' blocks are zeros now
 
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
-                 rows=None, with_logits=False):
+                 rows=None, with_logits=False, S=0, start_b=None, read_bM=None):
         # MoE: dropless, so padding and batch-mates take nothing
         with runtime.using(moe_inference=True):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
-                                      seeds_b, rule, rows, with_logits)
+                                      seeds_b, rule, rows, with_logits, S, start_b, read_bM)
 
     def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
-                      rule, rows, with_logits):
+                      rule, rows, with_logits, S, start_b, read_bM):
+        """The prompts' tokens from ``start_b`` (cached prefixes: their first blocks, read
+        through ``read_bM`` into a scratch of ``S`` positions; none: 0, ``S = T``) attend
+        within a scratch cache, then enter the pool (``table_bM``: the blocks to write)."""
         b, T = tokens_bT.shape
-        # The prompt attends within a scratch cache of its bucket, then enters the pool.
-        shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, T)
+        shape, sh = scratch_layout(self.cfg, self.mesh, self.strategy, b, S or T)
+        # int8: the prompt attends unquantized, its blocks enter the pool quantized.
+        dtype = self.exe.dtype if self.pool.quantized else jnp.dtype(self.pool.dtype)
         tmp = jax.lax.with_sharding_constraint(
-            {"k": jnp.zeros(shape, CACHE_DTYPE), "v": jnp.zeros(shape, CACHE_DTYPE)}, sh)
+            {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}, sh)
+        group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         # The position of each token as it enters: in order, or striped over `context`.
         order = np.arange(T) if self.context is None else self.context.order(T)
         index = jnp.asarray(np.argsort(order), jnp.int32)   # where each position sits
         positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), (b, T))
+        if start_b is not None:   # unstriped: prefixes are cached without a context split
+            tmp = jax.lax.with_sharding_constraint(
+                read_prefix(cache, tmp, read_bM, group_b, start_b), sh)
+            positions = positions + start_b[:, None]
         logits_bTV, tmp = self._fwd(params, jnp.take(tokens_bT, order, axis=1), positions, tmp)
         last_b = index[lengths_b - 1]
         last_bV = jnp.take_along_axis(logits_bTV, last_b[:, None, None], axis=1)[:, 0]
-        tok = sample_step(last_bV, rule, seeds_b, lengths_b, rows,
-                          seen=(tokens_bT, lengths_b, lengths_b))
+        full_b = lengths_b if start_b is None else start_b + lengths_b
+        # Penalized rows see their whole prompt here (they never start from cached blocks);
+        # a resumed row's prompt is its request's, the rest it generated (``prompt_len``).
+        tok = sample_step(last_bV, rule, seeds_b, full_b, rows,
+                          seen=(tokens_bT, lengths_b, (rows or {}).get("prompt_len", lengths_b)))
         if rows is not None and "prompt_logprobs" in rows:   # echo: in token order
             lp = prompt_logprobs(jnp.take(logits_bTV, index, axis=1), tokens_bT)
             tok = {**(tok if isinstance(tok, dict) else {"token": tok}), **lp}
-        group_b = slots_b // (self.ecfg.max_batch // self.pool.groups)  # padding: >= G
         # striped over context where the pool is (no communication: models.decode)
         cache = write_scratch(cache, tmp, table_bM, group_b,
-                              1 if self.context is None else self.context.size)
-        cache = jax.lax.with_sharding_constraint(cache, self.cache_sharding)
+                              1 if self.context is None else self.context.size, full_b)
+        cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings())
         return (cache, tok, last_bV) if with_logits else (cache, tok)
 
     def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
@@ -218,8 +253,8 @@ class Engine:
         with runtime.using(moe_inference=True):
             logits_B1V, paged = self._fwd(params, tokens_B[:, None], positions_B[:, None],
                                           paged)
-        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in ("k", "v")},
-                                                 self.cache_sharding)
+        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
+                                                 self._cache_shardings())
         tok = sample_step(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
         if slots_B is None:
             return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)
@@ -234,11 +269,18 @@ class Engine:
     def _rule(self) -> SamplingConfig:
         return dataclasses.replace(self.sampling, stop_tokens=())
 
-    def _rows(self, n: int, settings: Optional[Sequence[SamplingConfig]]) -> dict:
+    def _rows(self, n: int, settings: Optional[Sequence[SamplingConfig]],
+              prompt_lens: Optional[Sequence[int]] = None) -> dict:
         """Per-row sampling arrays for ``n`` rows: each request's own settings, the engine's
-        default for the rest (padding rows and callers that give none)."""
+        default for the rest (padding rows and callers that give none); penalized rows
+        also their prompts' lengths (``prompt_lens``: a resumed row's request's prompt)."""
         given = list(settings or ())
-        return row_settings(given + [self.sampling] * (n - len(given)), prefill=True)
+        rows = row_settings(given + [self.sampling] * (n - len(given)), prefill=True)
+        if "presence" in rows and prompt_lens is not None:
+            lens = np.zeros(n, np.int32)
+            lens[:len(prompt_lens)] = prompt_lens
+            rows["prompt_len"] = lens
+        return rows
 
     # ---- host API ------------------------------------------------------------------------------
     def check_prompt(self, n_tokens: int, max_new_tokens: int) -> None:
@@ -289,47 +331,76 @@ class Engine:
         return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
-                     with_logits=False):
-        table = np.full((b, self.pool.max_blocks), self.pool.blocks, np.int32)  # no block
-        n = len(prompts)
+                     with_logits=False, cached=None, prompt_lens=None):
+        """``cached``: each row's positions already in its blocks (whole cached blocks; the
+        rest of its prompt computed); None: none cached (the plain program)."""
+        n, P = len(prompts), self.pool.block_size
+        start = np.zeros(b, np.int32)
+        if cached is not None:
+            start[:n] = cached
+        S = self._scratch_length(int(start.max()) + T) if cached is not None else 0
+        width = max(self.pool.max_blocks, -(-(S or T) // P))
+        table = np.full((b, width), self.pool.blocks, np.int32)  # no block
         tokens = np.zeros((b, T), np.int32)
         lengths = np.ones(b, np.int32)
         slot_arr = np.full(b, self.ecfg.max_batch, np.int32)  # out of range: write dropped
         seed_arr = np.zeros(b, np.int32)
         for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-            lengths[i] = len(p)
+            tokens[i, :len(p) - start[i]] = p[start[i]:]
+            lengths[i] = len(p) - start[i]
         slot_arr[:n], seed_arr[:n] = list(slots), list(seeds)
-        table[:n] = self.kv.tables[list(slots)]
-        self.compiles["prefill"].add((b, T))
+        table[:n, :self.pool.max_blocks] = self.kv.tables[list(slots)]
+        extra = ()
+        if cached is not None:
+            read = table[:, :self.pool.max_blocks].copy()
+            for i in range(n):   # the cached blocks are read, never written
+                table[i, :start[i] // P] = self.pool.blocks
+            extra = (start, read)
+        self.compiles["prefill"].add((b, T, S) if S else (b, T))   # S: a cached prefix's
         self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings), with_logits)
+            self._rows(b, settings, prompt_lens), with_logits, S, *extra)
         return tuple(jax.tree.map(lambda x: x[:n], x) for x in out) if with_logits else \
             jax.tree.map(lambda x: x[:n], out[0])
 
+    def _scratch_length(self, n: int) -> int:
+        """A cached prefix's scratch: a prompt bucket, or past ``max_len`` whole buckets."""
+        if n <= self.ecfg.max_len:
+            return self._bucket(n)
+        return -(-n // self.ecfg.min_bucket) * self.ecfg.min_bucket
+
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
-                with_logits: bool = False):
+                with_logits: bool = False, cached: Optional[Sequence[int]] = None,
+                prompt_lens: Optional[Sequence[int]] = None):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
         ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
         token was drawn from (a program of its own: serving never moves them).
         A slot's sequence takes its prompt's blocks (from its reservation, ``kv.reserve``,
-        else from the free ones); a sequence still in the slot ends first."""
+        else from the free ones); a sequence still in the slot ends first. ``cached``: the
+        positions of each prompt its slot already holds in shared blocks (``kv.lookup``,
+        reserved with ``kv.reserve(..., shared=)``): only the rest is computed.
+        ``prompt_lens``: each row's request prompt (a resumed row's ``prompts`` hold what it
+        generated too, which penalties count as output); default the whole row."""
         lens = [len(p) for p in prompts]
+        cached = list(cached) if cached is not None and any(cached) else None
         for n in lens:
             self.check_prompt(n, 1)
-        for s, n in zip(slots, lens):
-            if self.kv.held[s]:
+        for i, (s, n) in enumerate(zip(slots, lens)):
+            if self.kv.held[s] and not (cached and cached[i]):
                 self.release(s)
             self.kv.grow(s, n)
-        for s, p in zip(slots, prompts):
-            self.history.start(s, p)
+        prompt_lens = list(prompt_lens) if prompt_lens is not None else lens
+        for s, p, k in zip(slots, prompts, prompt_lens):
+            self.history.start(s, p, k)
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
-        out = self._run_prefill(slots, prompts, seeds, b, self._bucket(max(lens)), settings,
-                                with_logits)
+        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
+        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
+                                prompt_lens)
         self.lengths[list(slots)] = lens
+        for s, p in zip(slots, prompts):
+            self.kv.register(s, p)
         return out
 
     def warmup(self, prompt_lengths: Sequence[int],

@@ -38,18 +38,22 @@ TOKENIZER = ByteTokenizer()  # the byte presets' vocabulary (text.byte_tokenizer
 
 def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
                       longest: int, max_new_tokens: int, slots: int = SLOTS, kv_blocks: int = 0,
-                      kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE) -> EngineConfig:
+                      kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE,
+                      dtype: str = "float32", kv_dtype: str = "auto",
+                      prefix_cache: bool = False) -> EngineConfig:
     """Sequences just long enough for the longest request (rounded to 16, capped at the
     context); slots rounded up so they split over ``data`` (and pipeline micro-batches), on
     every replica when ``mesh_sizes`` lists one layout per replica; the KV pool's size
-    (``inference.kv_pool``: blocks, or bytes per device; neither: slots × max_len's)."""
+    (``inference.kv_pool``: blocks, or bytes per device; neither: slots × max_len's); the
+    served weights' and the pool's dtypes; prefix caching."""
     need = longest + max_new_tokens
     max_len = min(cfg.max_seq_len, 16 * math.ceil(need / 16))
     layouts = [mesh_sizes] if isinstance(mesh_sizes, Mapping) else list(mesh_sizes)
     unit = math.lcm(*(m.get("data", 1) * m.get("pipe", 1) for m in layouts))
     return EngineConfig(max_batch=unit * math.ceil(slots / unit), max_len=max_len,
                         min_bucket=min(16, max_len), kv_blocks=kv_blocks, kv_memory=kv_memory,
-                        block_size=block_size)
+                        block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
+                        prefix_cache=prefix_cache)
 
 
 def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
@@ -67,7 +71,7 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     strategy = dataclasses.replace(get_strategy(lay.strategy),
                                    context_attention=check_scheme(lay.context_attention))
     meshes = replica_meshes(mesh_sizes, lay.replicas, devices)
-    pool = eng.pool.engine_kw()
+    pool = {**eng.pool.engine_kw(), "dtype": eng.dtype, "prefix_cache": eng.prefix_cache}
     if not eng.skip_memory_check:
         cfg = source_config(src)
         ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
@@ -120,13 +124,13 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
     if not prompts:
         raise InferenceError("no prompts: give --prompt TEXT or --prompts-file F")
     tok = tokenizer or TOKENIZER
-    vocab = server.engines[0].cfg.vocab_size
+    vocab = server.vocab_size
     if tok.vocab_size > vocab:
         raise InferenceError(f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary "
                              f"is {vocab}; pass the model's own --tokenizer")
     encoded = [tok.encode(p) for p in prompts]
     for e in encoded:  # reject bad requests before compiling anything
-        server.engines[0].check_prompt(len(e), max_new_tokens)
+        server.check_request(e, max_new_tokens)
     # So the reported rates exclude compilation.
     server.warmup([len(e) for e in encoded], progress)
     ids = [server.submit(e, max_new_tokens) for e in encoded]

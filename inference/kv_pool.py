@@ -13,8 +13,14 @@ position lives on the rank that owns it in the prompt's striped order,
 Size: ``--kv-blocks`` (blocks over all groups), or ``--kv-memory`` (bytes of pool per
 device: as many whole blocks per group as fit), or by default as many blocks as slots ×
 ``max_len`` positions need (the memory of a slot-reserved cache). Bytes per block per device
-are ``bytes_per_block`` (2 · L/pipe · P/context · K/tensor · H · 4 for fp32). The planner
-counts the same pool on a mesh it only imagines (``planned_pool``: an abstract mesh).
+are ``bytes_per_block`` (2 · L/pipe · P/context · K/tensor · H · the dtype's bytes). The
+planner counts the same pool on a mesh it only imagines (``planned_pool``: an abstract mesh).
+
+Dtype (``--kv-dtype``, ``kv_dtype``): ``auto`` stores keys/values in the served weights'
+dtype; ``int8`` stores them quantized with one float32 scale per block, layer and KV head
+(``k_scale`` / ``v_scale``, ``[L, G, N, K]``, placed as the pool without its positions and
+head dim; ``models.decode`` quantizes on write and dequantizes on read), so a block costs
+2 · L · K · (P · H + 4) bytes before the mesh splits it.
 """
 from __future__ import annotations
 
@@ -23,9 +29,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import jax.numpy as jnp
-from jax.sharding import AbstractMesh, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from triax.choices import PRECISIONS
+from triax.choices import KV_DTYPES, SERVE_DTYPES, check
 from triax.inference.errors import InferenceError
 from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES, mesh_sizes
@@ -35,9 +41,14 @@ from triax.pipeline.pipelined import default_decode_microbatches
 from triax.sharding.context_cache import ContextCache, context_cache
 from triax.sharding.rules import Strategy
 
-CACHE_PRECISION = "fp32"   # the engine's pool (and weights): what the planner counts too
-CACHE_DTYPE = jnp.dtype(PRECISIONS[CACHE_PRECISION])
-CACHE_ITEMSIZE = CACHE_DTYPE.itemsize
+SCALE_DTYPE = jnp.dtype(jnp.float32)   # an int8 pool's per-block, per-head scales
+
+
+def kv_storage_dtype(dtype: str, kv_dtype: str = "auto") -> str:
+    """The pool's stored dtype: ``kv_dtype`` (``--kv-dtype``), ``auto`` following the
+    served weights' ``dtype`` (``--dtype``)."""
+    check("dtype", dtype, SERVE_DTYPES)
+    return dtype if check("kv_dtype", kv_dtype, KV_DTYPES) == "auto" else kv_dtype
 
 
 def split_context(mesh: Mesh, strategy: Strategy) -> Optional[ContextCache]:
@@ -86,7 +97,24 @@ class KVPool:
     max_blocks: int
     shape: tuple[int, ...]
     sharding: NamedSharding
-    itemsize: int = CACHE_ITEMSIZE   # bytes per value (the planner may plan another dtype)
+    dtype: str = "float32"   # what it stores: float32 | bfloat16 | int8 (with scales)
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype == "int8"
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.dtype).itemsize
+
+    @property
+    def scale_shape(self) -> tuple[int, ...]:
+        """An int8 pool's scales: one per layer, group, block and KV head."""
+        return _scale_shape(self.shape)
+
+    @property
+    def scale_sharding(self) -> NamedSharding:
+        return _scale_sharding(self.sharding)
 
     @property
     def total_blocks(self) -> int:
@@ -97,9 +125,27 @@ class KVPool:
         """KV positions the whole pool holds (what the planner's KV term counts)."""
         return self.total_blocks * self.block_size
 
+    def arrays(self) -> dict:
+        """Each pool array's ``(shape, dtype, sharding)``: k and v (and an int8 pool's
+        per-block, per-head scales, ``k_scale`` / ``v_scale``)."""
+        out = {n: (self.shape, jnp.dtype(self.dtype), self.sharding) for n in ("k", "v")}
+        if self.quantized:
+            out.update({f"{n}_scale": (self.scale_shape, SCALE_DTYPE, self.scale_sharding)
+                        for n in ("k", "v")})
+        return out
+
     def bytes_per_device(self) -> int:
         """Bytes of pool (k and v) each device holds."""
-        return _per_device(self.shape, self.sharding, self.itemsize)
+        return _per_device(self.shape, self.sharding, self.dtype)
+
+
+def _scale_shape(shape) -> tuple[int, ...]:
+    return (*shape[:3], shape[4])
+
+
+def _scale_sharding(sh: NamedSharding) -> NamedSharding:
+    spec = tuple(sh.spec) + (None,) * (6 - len(sh.spec))
+    return NamedSharding(sh.mesh, PartitionSpec(*spec[:3], spec[4]))
 
 
 def _placed(cfg, mesh, strategy, groups, blocks, block_size):
@@ -110,42 +156,49 @@ def _placed(cfg, mesh, strategy, groups, blocks, block_size):
     return shape, NamedSharding(mesh, spec)
 
 
-def _per_device(shape, sh, itemsize: int = CACHE_ITEMSIZE) -> int:
-    return 2 * math.prod(sh.shard_shape(shape)) * itemsize
+def _per_device(shape, sh, dtype: str) -> int:
+    values = math.prod(sh.shard_shape(shape)) * jnp.dtype(dtype).itemsize
+    if dtype == "int8":
+        scale = _scale_shape(shape)
+        values += math.prod(_scale_sharding(sh).shard_shape(scale)) * SCALE_DTYPE.itemsize
+    return 2 * values
 
 
 def bytes_per_block(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, block_size: int,
-                    microbatches: int = 0) -> int:
-    """Bytes one block (k and v) takes on each device that holds a share of it."""
+                    microbatches: int = 0, dtype: str = "float32") -> int:
+    """Bytes one block (k and v, and an int8 pool's scales) takes on each device that
+    holds a share of it, stored as ``dtype``."""
     G = row_groups(mesh, strategy, microbatches)
     shape, sh = _placed(cfg, mesh, strategy, G, 1, block_size)
-    return _per_device(shape, sh) // sh.shard_shape(shape)[1]   # over the groups held here
+    return _per_device(shape, sh, dtype) // sh.shard_shape(shape)[1]   # groups held here
 
 
 def planned_pool(cfg: ModelConfig, sizes: Mapping[str, int], strategy: Strategy, slots: int,
                  max_len: int, settings: PoolSettings, microbatches: int = 0,
-                 itemsize: int = CACHE_ITEMSIZE) -> KVPool:
+                 dtype: str = "float32") -> KVPool:
     """The pool ``kv_pool`` would build on a mesh of ``sizes`` (axes left out are 1) for
-    ``slots`` sequences of ``max_len`` positions, with ``itemsize`` bytes per value: no
-    devices needed (``triax plan``'s KV term)."""
+    ``slots`` sequences of ``max_len`` positions, stored as ``dtype``: no devices needed
+    (``triax plan``'s KV term)."""
     mesh = AbstractMesh(tuple(int(sizes.get(a, 1)) for a in AXES), AXES)
-    return _pool(cfg, mesh, strategy, slots, max_len, settings, microbatches, itemsize)
+    return _pool(cfg, mesh, strategy, slots, max_len, settings, microbatches, dtype)
 
 
-def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg,
-            itemsize: int = CACHE_ITEMSIZE) -> KVPool:
-    """The pool ``ecfg`` (an ``EngineConfig``) asks for on ``mesh``; a clear error when its
-    size or block size cannot be. ``itemsize``: what ``--kv-memory`` buys (the engine's is
-    ``CACHE_DTYPE``'s)."""
+def kv_pool(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, ecfg) -> KVPool:
+    """The pool ``ecfg`` (an ``EngineConfig``) asks for on ``mesh``, in its stored dtype
+    (``ecfg.cache_dtype``: what ``--kv-memory`` buys); a clear error when its size, block
+    size or dtype cannot be."""
     settings = PoolSettings(ecfg.kv_blocks, ecfg.kv_memory, ecfg.block_size)
     return _pool(cfg, mesh, strategy, ecfg.max_batch, ecfg.max_len, settings,
-                 ecfg.microbatches, itemsize)
+                 ecfg.microbatches, ecfg.cache_dtype)
 
 
 def _pool(cfg, mesh, strategy, slots, max_len, settings: PoolSettings, microbatches,
-          itemsize) -> KVPool:
+          dtype) -> KVPool:
     P, C = settings.block_size, mesh_sizes(mesh)["context"]
     ctx = split_context(mesh, strategy)
+    if dtype == "int8" and ctx is not None:
+        raise InferenceError(f"--kv-dtype int8 with context={C}: a block's scale would span "
+                             f"the context ranks' stripes; use --kv-dtype bfloat16 there")
     if P < 1 or (ctx is not None and P % ctx.size):
         raise InferenceError(f"--kv-block-size {P}: choose a positive multiple of "
                              f"context={C} (a block's positions stripe over context)")
@@ -162,7 +215,7 @@ def _pool(cfg, mesh, strategy, slots, max_len, settings: PoolSettings, microbatc
         total = settings.kv_blocks
     elif settings.kv_memory:
         # A device holds its groups' blocks: n per group cost n × one block of each of them.
-        one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P), itemsize)
+        one = _per_device(*_placed(cfg, mesh, strategy, G, 1, P), dtype)
         if settings.kv_memory < one:
             raise InferenceError(
                 f"--kv-memory {settings.kv_memory} bytes holds no KV block: one block per row "
@@ -172,4 +225,4 @@ def _pool(cfg, mesh, strategy, slots, max_len, settings: PoolSettings, microbatc
     else:   # what slot-reserved caches of max_len positions would take
         total = slots * M
     shape, sh = _placed(cfg, mesh, strategy, G, total // G, P)
-    return KVPool(G, total // G, P, M, shape, sh, itemsize)
+    return KVPool(G, total // G, P, M, shape, sh, dtype)

@@ -18,7 +18,7 @@ padded to the engine's ``max_len``: one shape).
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Optional, Protocol
 
 import jax.numpy as jnp
 import numpy as np
@@ -43,6 +43,12 @@ class TokenConstraint(Protocol):
 
 def _penalized(c) -> bool:
     return c.presence_penalty != 0 or c.frequency_penalty != 0 or c.repetition_penalty != 1
+
+
+def reads_prompt(c) -> bool:
+    """Whether ``c``'s sampling reads every prompt token on device (penalties, echo's
+    logprobs): such a request's prefill never starts from cached prefix blocks."""
+    return _penalized(c) or c.prompt_logprobs
 
 
 def penalty_rows(configs, generated) -> dict:
@@ -111,10 +117,13 @@ class TokenHistory:
         self.length = np.zeros(slots, np.int64)
         self.prompt_len = np.zeros(slots, np.int64)
 
-    def start(self, slot: int, prompt) -> None:
+    def start(self, slot: int, prompt, prompt_len: Optional[int] = None) -> None:
+        """``slot`` begins with ``prompt`` seen, its first ``prompt_len`` (default: all) the
+        request's prompt (a resumed request's rest it generated before)."""
         n = len(prompt)
         self.tokens[slot, :n] = prompt
-        self.length[slot] = self.prompt_len[slot] = n
+        self.length[slot] = n
+        self.prompt_len[slot] = n if prompt_len is None else prompt_len
 
     def feed(self, slots, tokens) -> None:
         """Each slot in ``slots`` was fed ``tokens[slot]`` (a generated token)."""

@@ -30,6 +30,8 @@ class Result:
     # second token on.
     logprobs: list[dict] = field(default_factory=list)
     prompt_logprobs: Optional[list[dict]] = None
+    cached_tokens: int = 0                           # prompt tokens read from cached blocks
+    preemptions: int = 0                             # times its blocks were taken back
     finish_reason: str = ""                          # "stop", "length" or "cancelled"
     replica: int = -1
     slot: int = -1
@@ -56,6 +58,17 @@ class _Live:
     sampling: Optional[SamplingConfig] = None      # None: the engine's
     on_token: Optional[Callable[[int, float], None]] = None
     cancelled: bool = False
+    priority: int = 0        # lower runs first and is preempted last (vLLM's convention)
+    passed: int = 0          # admissions that went past it while it did not fit
+    admitted: int = 0        # when it last entered a slot (the server's admission count)
+
+    def rank(self) -> tuple[int, int]:
+        """Queue order: priority, then arrival (a preempted request keeps its place)."""
+        return self.priority, self.result.request_id
+
+    def tokens_to_prefill(self) -> list[int]:
+        """Its prompt, and after a preemption every token it generated (recomputed)."""
+        return self.result.prompt + self.result.tokens
 
 
 class QueueFullError(InferenceError):

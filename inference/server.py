@@ -45,7 +45,7 @@ from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.sampling import SamplingConfig
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
-from triax.choices import SERVE_STRATEGY
+from triax.choices import MAX_BYPASS, SERVE_STRATEGY
 
 
 class Server(Batching):
@@ -56,15 +56,22 @@ class Server(Batching):
     ``stop()`` (or ``with server:``), which serve in a background thread while callers wait
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
-    def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None):
+    def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
+                 max_bypass: int = MAX_BYPASS):
         self.engines = list(engines)
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
+        # a request that does not fit lets this many later ones go first, then they wait
+        self.max_bypass = max_bypass
+        self._admissions = 0
         self.queue: collections.deque[_Live] = collections.deque()
         self.slots: list[list[_Live | None]] = [[None] * e.ecfg.max_batch for e in self.engines]
         self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0, "generated_tokens": 0,
+                      # automatic prefix caching: prompt tokens looked up, and found cached
+                      "prefix_queries": 0, "prefix_hits": 0,
+                      "preemptions": 0,   # sequences whose blocks were taken back
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
@@ -107,7 +114,8 @@ class Server(Batching):
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
                sampling: Optional[SamplingConfig] = None,
-               on_token: Optional[Callable[[int, float], None]] = None) -> int:
+               on_token: Optional[Callable[[int, float], None]] = None,
+               priority: int = 0) -> int:
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
@@ -117,14 +125,10 @@ class Server(Batching):
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
         the serving thread with each generated token as it is sampled (streaming); with
         ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
-        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``)."""
-        prompt = self.engines[0].check_token_ids(prompt)
-        try:
-            max_new_tokens = operator.index(max_new_tokens)
-        except TypeError:
-            raise InferenceError(f"max_new_tokens must be an integer, got "
-                                 f"{max_new_tokens!r}") from None
-        self.engines[0].check_prompt(len(prompt), max_new_tokens)
+        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``).
+        ``priority``: lower is admitted first and preempted last (default 0)."""
+        prompt = self.check_request(prompt, max_new_tokens)
+        max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
             seed = default_seed(prompt)
         fut: Future = Future()
@@ -140,7 +144,8 @@ class Server(Batching):
             self._next_id += 1
             self._futures[rid] = fut
             self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
-                                    max_new_tokens, seed, sampling, on_token))
+                                    max_new_tokens, seed, sampling, on_token,
+                                    priority=int(priority)))
             self._wake.notify()
         return rid
 
@@ -213,6 +218,66 @@ class Server(Batching):
     def kv_blocks_total(self) -> int:
         """KV pool blocks over all replicas."""
         return sum(e.kv.total for e in self.engines)
+
+    # ---- public limits (what serving/ and the CLI read; no engine internals) ----------------
+    @property
+    def max_len(self) -> int:
+        """KV positions one sequence may hold: prompt + max_tokens (the least replica's)."""
+        return min(e.ecfg.max_len for e in self.engines)
+
+    @property
+    def slots_per_replica(self) -> list[int]:
+        """Decode slots of each replica."""
+        return [len(row) for row in self.slots]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engines[0].cfg.vocab_size
+
+    @property
+    def default_sampling(self) -> SamplingConfig:
+        """The sampling a request gets unless it says its own (the engines' default)."""
+        return self.engines[0].sampling
+
+    def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
+        """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
+        ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
+        ``inference.context_length``) that ``submit`` would raise."""
+        prompt = self.engines[0].check_token_ids(prompt)
+        try:
+            max_new_tokens = operator.index(max_new_tokens)
+        except TypeError:
+            raise InferenceError(f"max_new_tokens must be an integer, got "
+                                 f"{max_new_tokens!r}") from None
+        self.engines[0].check_prompt(len(prompt), max_new_tokens)
+        return prompt
+
+    def describe(self) -> str:
+        """Each replica's layout, slots, sequence length and KV pool, in one line."""
+        from triax.mesh import describe
+        pools = ", ".join(f"{e.kv.total} blocks × {e.kv.block_size}" for e in self.engines)
+        lora = self.engines[0].cfg.lora   # adapters served unmerged: say which
+        return (f"{len(self.engines)} replica(s): "
+                + "; ".join(describe(e.mesh) for e in self.engines)
+                + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
+                f"positions; {self.dtype} weights; KV pool ({self.kv_dtype}) {pools}"
+                + (f"; {lora.describe()}" if lora is not None else ""))
+
+    @property
+    def dtype(self) -> str:
+        """The served weights' (and compute) dtype: ``bfloat16`` or ``float32``."""
+        return self.engines[0].ecfg.dtype
+
+    @property
+    def kv_dtype(self) -> str:
+        """What the KV pools store: ``bfloat16``, ``float32`` or ``int8``."""
+        return self.engines[0].pool.dtype
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        """KV pool bytes (k and v, an int8 pool's scales) on each device, the largest over
+        the replicas."""
+        return max(e.pool.bytes_per_device() for e in self.engines)
 
     @property
     def running(self) -> int:

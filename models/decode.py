@@ -110,34 +110,85 @@ def paged_write_read(layer_cache: Cache, k_BTKH, v_BTKH, block_BT, place_BT):
     """``(pool, k_BSKH, v_BSKH)``: the layer's pool ``{"k", "v"}: [G, N, P', K, H]`` with the
     new entries written at ``(block, place)`` of each row's group (``block >= N``: dropped),
     and every row's blocks read back through its table as ``S = M·P'`` positions in table
-    order. P' is the positions of a block held here (all P, or a context rank's share)."""
+    order. P' is the positions of a block held here (all P, or a context rank's share).
+    A quantized pool (``k_scale`` / ``v_scale``: int8 with a scale per block and KV head)
+    is written through ``quantized_write`` and read dequantized, in float32."""
     table_BM = layer_cache["table"]
     G, B = layer_cache["k"].shape[0], table_BM.shape[0]
+    quantized = "k_scale" in layer_cache
 
     def grouped(x):
         return x.reshape(G, B // G, *x.shape[1:])
 
-    def one(pool_NPKH, new_bTKH, block_bT, place_bT, table_bM):
-        pool_NPKH = pool_NPKH.at[block_bT, place_bT].set(new_bTKH.astype(pool_NPKH.dtype),
-                                                          mode="drop")
+    def one(pool_NPKH, scale_NK, new_bTKH, block_bT, place_bT, table_bM):
+        if quantized:
+            pool_NPKH, scale_NK = quantized_write(pool_NPKH, scale_NK, new_bTKH, block_bT,
+                                                  place_bT)
+        else:
+            pool_NPKH = pool_NPKH.at[block_bT, place_bT].set(
+                new_bTKH.astype(pool_NPKH.dtype), mode="drop")
         # Entries past the group's blocks are not read: clip, not fill (a NaN would poison
         # the masked weights' sum); the positions they stand for are hidden anyway.
         view_bMPKH = jnp.take(pool_NPKH, table_bM, axis=0, mode="clip")
-        return pool_NPKH, view_bMPKH.reshape(view_bMPKH.shape[0], -1, *view_bMPKH.shape[3:])
+        if quantized:
+            view_bMPKH = dequantize(view_bMPKH, jnp.take(scale_NK, table_bM, axis=0,
+                                                         mode="clip"))
+        return pool_NPKH, scale_NK, view_bMPKH.reshape(view_bMPKH.shape[0], -1,
+                                                       *view_bMPKH.shape[3:])
 
     out = {}
     for n, new in (("k", k_BTKH), ("v", v_BTKH)):
-        pool, view = jax.vmap(one)(layer_cache[n], grouped(new), grouped(block_BT),
-                                   grouped(place_BT), grouped(table_BM))
+        scale = layer_cache[f"{n}_scale"] if quantized else jnp.zeros((G,), jnp.float32)
+        pool, scale, view = jax.vmap(one)(layer_cache[n], scale, grouped(new),
+                                          grouped(block_BT), grouped(place_BT),
+                                          grouped(table_BM))
         # Both keep the strategy's layout: left free, XLA split the gathered view its own
         # way (KV heads replicated over tensor) and regathered it every layer.
-        out[n] = (constrain(pool, PAGED_AXES[1:]),
-                  constrain(view.reshape(B, *view.shape[2:]), CACHE_AXES[1:]))
-    return {"k": out["k"][0], "v": out["v"][0]}, out["k"][1], out["v"][1]
+        out[n] = constrain(pool, PAGED_AXES[1:])
+        if quantized:
+            out[f"{n}_scale"] = constrain(scale, SCALE_AXES[1:])
+        out[f"{n}_view"] = constrain(view.reshape(B, *view.shape[2:]), CACHE_AXES[1:])
+    return ({n: x for n, x in out.items() if not n.endswith("_view")}, out["k_view"],
+            out["v_view"])
+
+
+# ---- int8 pools: a float32 scale per block and KV head -------------------------------------
+INT8_MAX = 127.0
+SCALE_AXES = ("layers", "batch", "kv_blocks", "act_kv_heads")   # a pool's, less P and H
+
+
+def dequantize(q_NPKH, scale_NK):
+    """Int8 values times their block's per-head scale, in float32 (any leading dims)."""
+    return q_NPKH.astype(jnp.float32) * scale_NK[..., None, :, None]
+
+
+def quantize(x_NPKH, scale_NK):
+    safe = jnp.where(scale_NK > 0, scale_NK, 1.0)[..., None, :, None]
+    return jnp.clip(jnp.round(x_NPKH.astype(jnp.float32) / safe), -INT8_MAX,
+                    INT8_MAX).astype(jnp.int8)
+
+
+def quantized_write(pool_NPKH, scale_NK, new_bTKH, block_bT, place_bT):
+    """An int8 pool of one group with new entries written at ``(block, place)``: each
+    touched block's scale grows to cover them (a block entered at place 0 starts afresh:
+    its old scale was a finished sequence's) and its entries are requantized to it."""
+    N = pool_NPKH.shape[0]
+    fresh_N = jnp.zeros(N, bool).at[block_bT].max(place_bT == 0, mode="drop")
+    base_NK = jnp.where(fresh_N[:, None], 0.0, scale_NK)
+    amax_bTK = jnp.max(jnp.abs(new_bTKH.astype(jnp.float32)), axis=-1) / INT8_MAX
+    new_NK = base_NK.at[block_bT].max(amax_bTK, mode="drop")
+    # Requantize only the blocks written (a whole-pool pass would read it all every step).
+    old_bTPKH = dequantize(jnp.take(pool_NPKH, block_bT, axis=0, mode="clip"),
+                           jnp.take(base_NK, block_bT, axis=0, mode="clip"))
+    new_bTK = jnp.take(new_NK, block_bT, axis=0, mode="clip")
+    pool_NPKH = pool_NPKH.at[block_bT].set(quantize(old_bTPKH, new_bTK), mode="drop")
+    pool_NPKH = pool_NPKH.at[block_bT, place_bT].set(
+        quantize(new_bTKH[..., None, :, :], new_bTK)[..., 0, :, :], mode="drop")
+    return pool_NPKH, new_NK
 
 
 def write_scratch(pool: Cache, scratch: Cache, table_bM, group_b,
-                  stripes: int = 1) -> Cache:
+                  stripes: int = 1, lengths_b=None) -> Cache:
     """The pool ``{"k", "v"}: [L, G, N, P, K, H]`` with each prefill row's scratch cache
     ``[L, b, T, K, H]`` written through its block table: position ``t`` to block
     ``table[t // P]``, place ``t % P``, of the row's group (a padding row's group ``>= G`` and
@@ -147,8 +198,15 @@ def write_scratch(pool: Cache, scratch: Cache, table_bM, group_b,
     ``triax.sharding.context_cache``): seen as ``[L, b, C, T/C, K, H]``, stripe c's j-th
     position ``j·C + c`` goes to table entry ``j // (P/C)``, place ``j % (P/C)`` of the
     block's stripe ``[..., C, P/C, ...]``; neither depends on c, so a pool split over the
-    stripes is written with no communication."""
+    stripes is written with no communication.
+
+    An int8 pool (``k_scale`` in it) takes each block's scale from the row's first
+    ``lengths_b`` positions (padding would only coarsen it), unstriped."""
     C = stripes
+    if "k_scale" in pool:
+        return {**pool, **{n: x for k in ("k", "v") for n, x in zip(
+            (k, f"{k}_scale"), _write_scratch_int8(pool[k], pool[f"{k}_scale"], scratch[k],
+                                                   table_bM, group_b, lengths_b))}}
 
     def write(p_LGNPKH, s_LbTKH):
         L, G, N, Pb = p_LGNPKH.shape[:4]
@@ -163,7 +221,50 @@ def write_scratch(pool: Cache, scratch: Cache, table_bM, group_b,
         p = p.at[:, group_bJ, block_bJ, :, place_bJ].set(
             s.transpose(1, 3, 0, 2, 4, 5).astype(p.dtype), mode="drop")
         return p.reshape(p_LGNPKH.shape)
-    return {n: write(pool[n], scratch[n]) for n in ("k", "v")}
+    return {**pool, **{n: write(pool[n], scratch[n]) for n in ("k", "v")}}
+
+
+def _write_scratch_int8(p_LGNPKH, scale_LGNK, s_LbTKH, table_bM, group_b, lengths_b):
+    L, G, N, P = p_LGNPKH.shape[:4]
+    b, T = s_LbTKH.shape[1:3]
+    J = -(-T // P)   # the prompt's blocks (the bucket padded to whole blocks)
+    s = jnp.pad(s_LbTKH.astype(jnp.float32), ((0, 0), (0, 0), (0, J * P - T), (0, 0), (0, 0)))
+    if lengths_b is not None:
+        s = jnp.where((jnp.arange(J * P)[None, :] < lengths_b[:, None])[None, :, :, None, None],
+                      s, 0.0)
+    s_LbJPKH = s.reshape(L, b, J, P, *s.shape[3:])
+    scale_LbJK = jnp.max(jnp.abs(s_LbJPKH), axis=(3, 5)) / INT8_MAX
+    q_LbJPKH = quantize(s_LbJPKH, scale_LbJK)
+    block_bJ = jnp.take(table_bM, jnp.arange(J), axis=1, mode="fill", fill_value=N)
+    group_bJ = jnp.broadcast_to(group_b[:, None], block_bJ.shape)
+    # Adjacent indices stay in place (numpy's rule): the updates are [L, b, J, ...].
+    p = p_LGNPKH.at[:, group_bJ, block_bJ].set(q_LbJPKH, mode="drop")
+    scale = scale_LGNK.at[:, group_bJ, block_bJ].set(scale_LbJK, mode="drop")
+    return p, scale
+
+
+def read_prefix(pool: Cache, scratch: Cache, table_bM, group_b, start_b) -> Cache:
+    """``scratch`` (``[L, b, S, K, H]``) with each row's first ``start_b`` positions read from
+    the pool through its block table (dequantized from an int8 pool): a prompt whose first
+    blocks are cached (``inference.prefix_cache``) attends to them and computes the rest.
+    The rest of the scratch stays zero. Unstriped (no context split)."""
+    G = pool["k"].shape[1]
+    S = scratch["k"].shape[2]
+    g_b = jnp.clip(group_b, 0, G - 1)   # padding rows: any group, all masked below
+    keep_bS = jnp.arange(S)[None, :] < start_b[:, None]
+    block_bM = jnp.clip(table_bM, 0, pool["k"].shape[2] - 1)   # no block: masked below
+    out = {}
+    for n in ("k", "v"):
+        view = pool[n][:, g_b[:, None], block_bM]   # adjacent indices stay: [L, b, M, P, K, H]
+        if f"{n}_scale" in pool:
+            view = dequantize(view, pool[f"{n}_scale"][:, g_b[:, None], block_bM])
+        L, b, M, P = view.shape[:4]
+        view = view.reshape(L, b, M * P, *view.shape[4:])
+        view = view[:, :, :S] if M * P >= S else jnp.pad(
+            view, ((0, 0), (0, 0), (0, S - M * P), (0, 0), (0, 0)))
+        out[n] = jnp.where(keep_bS[None, :, :, None, None], view.astype(scratch[n].dtype),
+                           scratch[n])
+    return out
 
 
 def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation):

@@ -112,7 +112,8 @@ def choose_serving(cfg, *, longest: int, max_new_tokens: int, slots: int = SLOTS
                    budget: Optional[Budget] = None, max_compiles: int = 6,
                    pool: Optional[Mapping] = None) -> ServeChoice:
     """The serving layout for ``cfg`` on the devices present (see the module doc).
-    ``pool``: the KV pool's size (``engine_config_for``'s kv_blocks, kv_memory, block_size);
+    ``pool``: the KV pool's size and the dtypes (``engine_config_for``'s kv_blocks,
+    kv_memory, block_size, dtype, kv_dtype);
     the KV term counts each candidate's pool (``inference.kv_pool``)."""
     from triax.inference.engine import Engine      # inference sits below; built here only
     from triax.inference.generate import engine_config_for

@@ -69,7 +69,8 @@ def sampling_for(st, req, logprobs: bool, prompt_logprobs: bool = False) -> Samp
 
 def start_runs(st, prompts: list[list[int]], count: int, n: int, sampling, max_new: int,
                seed, stop, endpoint: str, timeout: float, keep: bool = True,
-               per_run: Optional[Callable[[], SamplingConfig]] = None) -> list[Run]:
+               per_run: Optional[Callable[[], SamplingConfig]] = None,
+               priority: int = 0) -> list[Run]:
     """``count`` runs per prompt (choice ``i·n + j``); all or none are submitted.
     ``per_run``: each run's own sampling (a grammar's state is per choice)."""
     runs: list[Run] = []
@@ -78,7 +79,7 @@ def start_runs(st, prompts: list[list[int]], count: int, n: int, sampling, max_n
             for j in range(count):
                 runs.append(Run(st, p, per_run() if per_run else sampling, max_new,
                                 choice_seed(seed, p, j), stop, endpoint, timeout,
-                                index=i * n + j, keep=keep))
+                                index=i * n + j, keep=keep, priority=priority))
     except BaseException:
         for r in runs:
             r.cancel()
@@ -95,7 +96,10 @@ def _head(st, chat: bool) -> dict:
 def _usage(prompts, runs) -> dict:
     p = sum(len(x) for x in prompts)
     c = sum(len(r.detok.tokens) for r in runs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    # OpenAI's cached_tokens: each prompt's positions read from cached blocks (its first run's)
+    cached = sum(r.cached_tokens() for r in runs[::max(len(runs) // max(len(prompts), 1), 1)])
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 async def _collect(runs: list[Run]) -> list[str]:
@@ -146,7 +150,8 @@ async def complete(st, req: CompletionRequest, prompts: list[list[int]], texts: 
     sampling = sampling_for(st, req, logprobs=k is not None or count > req.n,
                             prompt_logprobs=req.echo and k is not None)
     runs = start_runs(st, prompts, count, req.n, sampling, max(max_tokens, 1), req.seed,
-                      req.stop_strings(), "completions", timeout, keep=max_tokens > 0)
+                      req.stop_strings(), "completions", timeout, keep=max_tokens > 0,
+                      priority=req.priority)
     which = {id(r): i // count for i, r in enumerate(runs)}
     writer = {id(r): LogprobWriter(st.tokenizer, prompts[which[id(r)]], k or 0, req.echo)
               for r in runs}
@@ -227,7 +232,8 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
     per_run = grammar and (lambda: dataclasses.replace(sampling,
                                                        constraint=st.grammars.state(grammar)))
     runs = start_runs(st, [prompt], req.n, req.n, sampling, max_tokens or DEFAULT_MAX_TOKENS,
-                      req.seed, req.stop_strings(), "chat", timeout, per_run=per_run)
+                      req.seed, req.stop_strings(), "chat", timeout, per_run=per_run,
+                      priority=req.priority)
     writer = {id(r): LogprobWriter(st.tokenizer, prompt, req.top_logprobs or 0) for r in runs}
     head = _head(st, chat=True)
 

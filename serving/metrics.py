@@ -5,7 +5,7 @@ as histograms (seconds)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class _CoreCounters:
@@ -15,8 +15,21 @@ class _CoreCounters:
         self.server = server
 
     def collect(self):
+        stats = self.server.stats
         yield CounterMetricFamily("triax_generated_tokens", "tokens generated",
-                                  value=self.server.stats["generated_tokens"])
+                                  value=stats["generated_tokens"])
+        yield CounterMetricFamily("triax_preemptions", "running sequences preempted (by "
+                                  "recompute) for want of KV blocks",
+                                  value=stats["preemptions"])
+        yield CounterMetricFamily("triax_prefix_cache_queries", "prompt tokens looked up in "
+                                  "the prefix cache", value=stats["prefix_queries"])
+        yield CounterMetricFamily("triax_prefix_cache_hits", "prompt tokens found in the "
+                                  "prefix cache (not prefilled)", value=stats["prefix_hits"])
+        pool = GaugeMetricFamily("triax_kv_pool_bytes", "KV pool bytes per device (k, v and "
+                                 "an int8 pool's scales), labelled with what it stores and "
+                                 "the served weights' dtype", labels=["kv_dtype", "dtype"])
+        pool.add_metric([self.server.kv_dtype, self.server.dtype], self.server.kv_pool_bytes)
+        yield pool
 
 _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 

@@ -42,6 +42,7 @@ class _Sampled(_Strict):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)            # 0: no top-k filter (vLLM's extension field)
+    priority: int = 0                      # lower first, preempted last (vLLM's extension)
     seed: Optional[int] = Field(None, ge=0, lt=2 ** 31)
     stop: Optional[Union[str, list[Union[str, int]]]] = None  # strings and token ids
     stream: bool = False

@@ -25,7 +25,7 @@ class Run:
 
     def __init__(self, st, prompt: list[int], sampling: SamplingConfig, max_new: int,
                  seed: Optional[int], stop: list[str], endpoint: str, timeout: float,
-                 index: int = 0, keep: bool = True):
+                 index: int = 0, keep: bool = True, priority: int = 0):
         self.st, self.prompt, self.endpoint, self.index, self.keep = (st, prompt, endpoint,
                                                                         index, keep)
         self.detok = Detokenizer(st.tokenizer, stop)
@@ -39,7 +39,8 @@ class Run:
         put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
         try:
             self.rid = st.server.submit(prompt, max_new, seed=seed, sampling=sampling,
-                                        on_token=lambda t, s, e=None: put((t, s, e)))
+                                        on_token=lambda t, s, e=None: put((t, s, e)),
+                                        priority=priority)
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
@@ -51,6 +52,11 @@ class Run:
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         st.server.future(self.rid).add_done_callback(lambda f: put(None))
+
+    def cached_tokens(self) -> int:
+        """Its prompt's positions read from cached prefix blocks (``Result.cached_tokens``)."""
+        res = self.st.server.results.get(self.rid)
+        return res.cached_tokens if res else 0
 
     @property
     def logprob(self) -> float:

@@ -46,6 +46,10 @@ def test_shared_flags_have_the_same_choices_everywhere(flags):
         given = {c: ch for c, ch in by_cmd.items() if ch is not None}
         if len(given) < 1 or len(by_cmd) < 2:
             continue
+        if flag == "--dtype":   # plan: --precision's alias (fp16 too); serving: the weights'
+            assert by_cmd.pop("plan") == tuple(choices.PRECISIONS)
+            assert set(by_cmd.values()) == {choices.SERVE_DTYPES}, by_cmd
+            continue
         if flag == "--schedule":  # a plan may be for inference: forward-only too
             assert by_cmd.pop("plan") == tuple(k.value for k in ScheduleKind)
             assert set(by_cmd.values()) == {TRAIN_SCHEDULES}, by_cmd

@@ -21,7 +21,7 @@ def test_cli_generate_model_dir_on_tensor2(capsys, devices):
     g = golden("llama")
     prompts = [str(p) for p in g["prompts"]]
     argv = ["generate", "--model-dir", fixture("llama"), "--max-new-tokens", "8", "--json",
-            "--mesh", "data=4,tensor=2", "--slots", "4"]  # one engine on the CLI's 8 devices;
+            "--mesh", "data=4,tensor=2", "--slots", "4", "--dtype", "float32"]  # one engine on the CLI's 8 devices;
     # 4 slots = one row per data shard, so prefill compiles one batch bucket, not two
     for p in prompts:
         argv += ["--prompt", p]
@@ -37,7 +37,8 @@ def test_generate_model_dir_on_two_replicas(devices):
     prompts = [str(p) for p in g["prompts"]]
     tok = load_tokenizer(fixture("mixtral"))
     # slots=1: one prefill batch bucket, fewer compiles per replica
-    server = build_server(ServeConfig.of(model_dir=fixture("mixtral"), replicas=2, slots=1),
+    server = build_server(ServeConfig.of(model_dir=fixture("mixtral"), replicas=2, slots=1,
+                                         dtype="float32"),
                           longest=max(len(tok.encode(p)) for p in prompts), max_new_tokens=8,
                           devices=devices[:2])
     out = generate(server, prompts, 8, tokenizer=tok)

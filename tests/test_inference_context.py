@@ -185,7 +185,8 @@ def test_cli_generate_context2_tensor4_gives_the_reference_tokens(capsys, monkey
     prompt = "A prompt long enough to split over the context ranks."
     assert main(["generate", "--model", "tiny", "--num-layers", "1", "--seed", "0",
                  "--slots", "1", "--prompt", prompt, "--max-new-tokens", "4", "--json",
-                 "--mesh", "context=2,tensor=4", "--context-attention", "ring"]) == 0
+                 "--mesh", "context=2,tensor=4", "--context-attention", "ring",
+                 "--dtype", "float32"]) == 0
     got = [r["tokens"] for r in json.loads(capsys.readouterr().out)["results"]]
     assert got == greedy_reference(CFG, params, [gen.TOKENIZER.encode(prompt)], 4)[0]
     eng = servers[-1].engines[0]

@@ -158,8 +158,8 @@ def test_a_mixed_workload_runs_more_sequences_at_once_than_slot_reserved_caches(
 def test_a_request_waits_for_blocks_and_cancel_gives_them_back(params, reference, devices):
     ecfg = EngineConfig(max_batch=4, max_len=32, min_bucket=32, kv_blocks=4, block_size=8)
     server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ecfg)
-    long = server.submit(PROMPTS[1], 16)     # 32 positions: the whole pool
-    short = server.submit(PROMPTS[0], 4)     # waits, though 3 slots are free
+    long = server.submit(PROMPTS[1], 16)     # 3 blocks now, the whole pool at 32 positions
+    short = server.submit(PROMPTS[3], 4)     # 2 blocks: waits, though 3 slots are free
     server._step()
     assert server.running == 1 and server.queued == 1 and server.kv_blocks_in_use == 3
     assert server.cancel(long)
@@ -167,7 +167,7 @@ def test_a_request_waits_for_blocks_and_cancel_gives_them_back(params, reference
     assert server.result(long).finish_reason == "cancelled"
     for _ in range(8):                       # bounded: without the blocks back it would wait
         server._step()
-    assert server.future(short).done() and server.result(short).tokens == reference[0][:4]
+    assert server.future(short).done() and server.result(short).tokens == reference[3][:4]
     assert server.kv_blocks_in_use == 0 and server.engines[0].kv.committed == 0
 
 

@@ -27,7 +27,7 @@ R, ALPHA = 4, 8.0
 PROMPTS = ["hello world", "the cat"]
 NEW = 8
 # one engine on the CLI's 8 devices; 4 slots = one row per data shard (one prefill bucket)
-LAYOUT = ["--mesh", "data=4,tensor=2", "--slots", "4"]
+LAYOUT = ["--mesh", "data=4,tensor=2", "--slots", "4", "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")

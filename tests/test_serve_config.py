@@ -22,6 +22,7 @@ def test_every_flag_is_a_field(command, own):
     """No hand-written flag restates a field: every flag but the command's own inputs is a
     ServeConfig leaf, and each leaf the command uses is a flag."""
     fields = {"--" + n.replace("_", "-") for n in leaves(ServeConfig)}
+    fields |= {"--no-" + f[2:] for f in fields}   # a switch on by default: --no-<name>
     flags = _flags(command) - {"-h", "--help"} - own
     assert flags <= fields, flags - fields
     assert {"--slots", "--kv-blocks", "--stop-token", "--mesh", "--plan"} <= flags
@@ -61,3 +62,31 @@ def test_flags_reach_the_sections():
         (2, 8, (5, 7))
     assert (cfg.sampling.max_new_tokens, cfg.sampling.top_k) == (3, 4)
     assert cfg.replace(kv_block_size=32).engine.pool.kv_block_size == 32
+
+
+def test_the_compile_cache_dir_follows_the_flag_the_env_and_the_user_cache(monkeypatch,
+                                                                          tmp_path):
+    import jax
+    from triax.cli.serve_cmd import use_compile_cache
+    monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert ServeConfig().http.compile_cache_dir() == str(tmp_path / "triax" / "xla")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "/env")
+    assert ServeConfig().http.compile_cache_dir() == "/env"
+    assert ServeConfig.of(compile_cache="/d").http.compile_cache_dir() == "/d"
+    assert ServeConfig.of(compile_cache="off").http.compile_cache_dir() is None
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        use_compile_cache(str(tmp_path / "x"))
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "x")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_the_engine_switches_parse():
+    parse = build_parser().parse_args
+    on = serve_config(parse(["serve", "--model", "tiny"])).engine
+    off = serve_config(parse(["serve", "--model", "tiny", "--no-prefix-cache", "--dtype",
+                              "float32", "--kv-dtype", "int8"])).engine
+    assert (on.prefix_cache, on.dtype, on.pool.kv_dtype) == (True, "bfloat16", "auto")
+    assert (off.prefix_cache, off.dtype, off.pool.kv_dtype) == (False, "float32", "int8")

@@ -2,7 +2,11 @@
 compile): an engine error fails only the requests it touched (500 over HTTP) and the server
 serves on; ``cancel`` frees a slot; a model without a chat template gets a 400, and so does a
 request beyond the context (naming the most ``max_tokens`` that fits, or that the prompt
-alone is too long); the chat template renders as Hugging Face renders it."""
+alone is too long); the chat template renders as Hugging Face renders it; ``priority``
+reaches the scheduler, ``usage`` reports cached prompt tokens, ``/metrics`` counts
+preemptions and prefix-cache queries and hits and the pool's bytes in its dtype."""
+
+from types import SimpleNamespace
 
 import numpy as np
 from fastapi.testclient import TestClient
@@ -28,6 +32,8 @@ class FakeEngine:
         self.lengths = np.zeros(slots, np.int64)
         self.kv = KVBlocks(groups=1, blocks=4 * slots, block_size=16, slots=slots, max_blocks=4)
         self.recovered = 0
+        self.prefix_cache = False
+        self.pool = SimpleNamespace(dtype="float32", bytes_per_device=lambda: 0)
 
     def release(self, slot):
         self.kv.release(slot)
@@ -40,7 +46,7 @@ class FakeEngine:
             raise InferenceError("empty prompt")
         check_context(n, max_new, self.ecfg.max_len, model_len=256)
 
-    def prefill(self, slots, prompts, seeds, settings=None):
+    def prefill(self, slots, prompts, seeds, settings=None, cached=None):
         for s, p in zip(slots, prompts):
             self.kv.grow(s, len(p))
         self.lengths[list(slots)] = [len(p) for p in prompts]
@@ -115,7 +121,7 @@ def test_cancel_frees_queued_and_live_requests():
     server = Server([FakeEngine()])
     live, queued = server.submit([1], 50), server.submit([2], 50)
     server._step()                           # `live` takes the only slot
-    assert server.engines[0].kv.committed == 4   # 50 positions: 4 blocks set aside
+    assert server.engines[0].kv.committed == 1   # its prompt's block: no more set aside
     assert server.cancel(queued) and server.result(queued).finish_reason == "cancelled"
     assert server.cancel(live)
     server._step()
@@ -136,3 +142,19 @@ def test_chat_template_renders_as_hugging_face_does():
     assert out == "<s>\n[S]be brief\n[user]hi\n[assistant]"  # (no block-line indents)
     assert t.render([{"role": "user", "content": "x"}], add_generation_prompt=False) == \
         "<s>\n[user]x\n"
+
+
+def test_priority_usage_and_metrics_reach_http():
+    server = Server([FakeEngine(slots=1)])
+    with TestClient(create_app(server, ByteTokenizer(), "fake")) as http:
+        body = {"model": "fake", "max_tokens": 2, "temperature": 0, "prompt": [60]}
+        r = http.post("/v1/completions", json={**body, "priority": 3})
+        assert r.status_code == 200
+        assert r.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert http.post("/v1/completions", json={**body, "priority": "x"}).status_code == 400
+        server.stats.update(preemptions=2, prefix_queries=40, prefix_hits=32)
+        scrape = http.get("/metrics").text
+    for line in ("triax_preemptions_total 2.0", "triax_prefix_cache_queries_total 40.0",
+                 "triax_prefix_cache_hits_total 32.0",
+                 'triax_kv_pool_bytes{dtype="float32",kv_dtype="float32"} 0.0'):
+        assert line in scrape, line

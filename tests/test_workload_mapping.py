@@ -9,7 +9,6 @@ import pytest
 from triax.costs.memory import estimate
 from triax.costs.workload import Layout, Workload
 from triax.inference.engine import EngineConfig
-from triax.inference.kv_pool import CACHE_DTYPE, CACHE_PRECISION
 from triax.inference.pool_settings import PoolSettings
 from triax.models import config
 from triax.training.config import RunConfig
@@ -40,25 +39,36 @@ def test_each_setting_reaches_the_memory_estimate(field, a, b):
     assert other.activations < one.activations
 
 
-def test_of_engine_plans_the_engines_pool_in_its_precision():
-    ecfg = EngineConfig(max_batch=4, max_len=64, kv_blocks=8, block_size=16)
+# (served dtype, --kv-dtype) -> (planned precision, bytes per KV value, scale bytes per
+# block, layer and KV head)
+DTYPES = {("float32", "auto"): ("fp32", 4, 0), ("bfloat16", "auto"): ("bf16", 2, 0),
+          ("float32", "bfloat16"): ("fp32", 2, 0), ("bfloat16", "int8"): ("bf16", 1, 4)}
+
+
+@pytest.mark.parametrize("dtype, kv_dtype", list(DTYPES))
+def test_of_engine_plans_the_engines_pool_in_its_dtype(dtype, kv_dtype):
+    ecfg = EngineConfig(max_batch=4, max_len=64, kv_blocks=8, block_size=16, dtype=dtype,
+                        kv_dtype=kv_dtype)
     w = Workload.of_engine(CFG, ecfg)
     assert (w.train, w.batch, w.seq, w.kv_blocks, w.kv_block_size) == (False, 4, 64, 8, 16)
-    assert w.dtype == CACHE_PRECISION and w.dtype_bytes == CACHE_DTYPE.itemsize
+    precision, nbytes, scale = DTYPES[dtype, kv_dtype]
+    assert (w.dtype, w.kv_dtype) == (precision, kv_dtype)
     # the KV term is that pool: 8 blocks of 16 positions, k and v, every layer and head
+    # (tensor=2 splits the heads), and an int8 pool's scale per block, layer and head
     kv = estimate(w, Layout(tensor=2, strategy="tp")).kv_cache
-    assert kv == 2 * CFG.num_layers * 8 * 16 * CFG.num_kv_heads // 2 * CFG.head_dim * 4
+    heads = CFG.num_kv_heads // 2
+    assert kv == 2 * CFG.num_layers * 8 * heads * (16 * CFG.head_dim * nbytes + scale)
 
 
 def test_the_pool_settings_are_checked_by_the_flags_one_home():
     from triax.config_fields import KVPool
-    assert PoolSettings.of_flags(kv_memory="2KiB") == PoolSettings(0, 2048, 16)
+    assert PoolSettings.of_flags(kv_memory="2KiB") == PoolSettings(0, 2048, 16, "auto")
     for bad in (dict(kv_blocks=0), dict(kv_block_size=0), dict(kv_memory="-1"),
-                dict(kv_blocks=4, kv_memory="1MiB")):
+                dict(kv_blocks=4, kv_memory="1MiB"), dict(kv_dtype="fp8")):
         with pytest.raises(ValueError, match="--kv-") as from_settings:
             PoolSettings.of_flags(**bad)
         with pytest.raises(ValueError) as from_flags:
             KVPool(**bad)
         assert str(from_flags.value) == str(from_settings.value)
     assert dataclasses.asdict(PoolSettings()) == {"kv_blocks": 0, "kv_memory": 0,
-                                                  "block_size": 16}
+                                                  "block_size": 16, "kv_dtype": "auto"}

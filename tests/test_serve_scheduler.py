@@ -1,0 +1,85 @@
+"""The scheduler that never reserves up front (``inference.batching``): sequences take KV
+blocks as they grow; when a group has none left the lowest-priority, newest running request
+is preempted by recompute and resumed exactly (greedy tokens equal the reference); the
+``priority`` field orders admission and preemption; a small request that fits goes past a
+large one that does not, at most ``max_bypass`` times; the preemptions are counted."""
+import numpy as np
+import pytest
+
+from triax.inference import EngineConfig, Server
+from triax.inference.reference import greedy_reference
+from triax.mesh import make_mesh
+from triax.models import config
+from inference_helpers import host_params
+
+CFG = config.TINY.replace(num_layers=2)
+PROMPTS = [[5, 6, 7], list(range(30, 47)), [200, 1], list(range(60, 69))]
+NEW = 12
+# 4 slots over 8 blocks of 4 positions: the four requests need 4, 7, 4 and 5 blocks by their
+# ends, so they cannot all run to the end at once (but each fits alone).
+ECFG = EngineConfig(max_batch=4, max_len=32, min_bucket=32, block_size=4, kv_blocks=8)
+
+
+@pytest.fixture(scope="module")
+def params(devices):
+    return host_params(CFG, devices)
+
+
+@pytest.fixture(scope="module")
+def reference(params):
+    return greedy_reference(CFG, params, PROMPTS, NEW)[0]
+
+
+def _server(params, devices, max_bypass=None):
+    server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ECFG)
+    if max_bypass is not None:
+        server.max_bypass = max_bypass
+    return server
+
+
+def _done(server):
+    kv = server.engines[0].kv
+    return server.kv_blocks_in_use == 0 and not kv.refs.any() and server.queued == 0
+
+
+def test_preempted_requests_resume_exactly(params, reference, devices):
+    server = _server(params, devices)
+    ids = [server.submit(p, NEW) for p in PROMPTS]
+    results = server.run()
+    assert [results[i].tokens for i in ids] == reference
+    assert server.stats["preemptions"] == sum(results[i].preemptions for i in ids) > 0
+    assert _done(server)
+
+
+def test_priority_orders_admission_and_preemption(params, reference, devices):
+    server = _server(params, devices)
+    low = server.submit(PROMPTS[1], NEW, priority=9)      # 5 blocks now, 7 at its end
+    server._step()
+    mid = server.submit(PROMPTS[3], NEW)                  # 3 blocks: arrives first ...
+    high = server.submit(PROMPTS[0], NEW, priority=-1)    # ... this one (1 block) goes first
+    server._step()
+    running = {x.result.request_id for x in server.slots[0] if x is not None}
+    assert running == {low, high} and [x.result.request_id for x in server.queue] == [mid]
+    results = server.run()
+    assert [results[i].tokens for i in (low, mid, high)] == [reference[1], reference[3],
+                                                             reference[0]]
+    # out of blocks, the lowest priority is preempted, though high is the newest
+    assert results[low].preemptions >= 1 and results[high].preemptions == 0
+    assert _done(server)
+
+
+def test_a_small_request_goes_past_a_large_one_at_most_max_bypass_times(params, reference,
+                                                                         devices):
+    server = _server(params, devices, max_bypass=1)
+    running = server.submit(PROMPTS[1], NEW)              # 5 blocks at once
+    server._step()
+    big = server.submit(PROMPTS[1], NEW)                  # 5 blocks: does not fit the 3 left
+    small = [server.submit(PROMPTS[2], 4), server.submit(PROMPTS[0], 4)]   # 1 block each
+    server._step()
+    live = {x.result.request_id for x in server.slots[0] if x is not None}
+    assert live == {running, small[0]}                    # one went past big; then it waits
+    assert [x.result.request_id for x in server.queue] == [big, small[1]]
+    results = server.run()
+    assert results[big].tokens == reference[1]
+    assert [results[i].tokens for i in small] == [reference[2][:4], reference[0][:4]]
+    assert _done(server)
