@@ -32,8 +32,8 @@ def default_replicas(mesh_sizes: Mapping[str, int], n_devices: int) -> int:
     >>> default_replicas({"tensor": 2}, 8), default_replicas({}, 8)
     (4, 1)
     """
-    per = math.prod(mesh_sizes.values())
-    return n_devices // per if per > 0 and n_devices % per == 0 else 1
+    per = math.prod(mesh_sizes.values())   # {}: tensor over every device, one replica
+    return n_devices // per if mesh_sizes and per > 0 and n_devices % per == 0 else 1
 
 
 def replica_meshes(mesh_sizes: Mapping[str, int] | Sequence[Mapping[str, int]],
