@@ -12,7 +12,7 @@ step places it (:mod:`.param_layout`); the activations are :mod:`.activations`'.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from triax.costs.activations import activation_bytes
@@ -57,10 +57,11 @@ class Memory:
     kv_cache: float
     overhead: float
     block_weights: float = 0.0  # one block's weights made ready for compute (see estimate)
+    host: float = 0.0   # host-offloaded state (``costs.offload``): in the host's memory, not here
 
     @property
     def modelled(self) -> float:
-        """Everything but the overhead: what XLA's memory_analysis sees."""
+        """Everything on the device but the overhead: what XLA's memory_analysis sees."""
         return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
                 + self.block_weights)
 
@@ -91,7 +92,8 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
 # ---- the whole picture ---------------------------------------------------------------------
 def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> Memory:
     """Per-device memory for the workload on the layout (raises ShardingError if the
-    strategy's rules cannot split the model over the mesh)."""
+    strategy's rules cannot split the model over the mesh); a layout with host offload
+    (``lay.offload``) has its offloaded state moved to ``host`` (``costs.offload``)."""
     assume = assume or Assumptions()
     p_local = local_param_elements(w, lay)
     if w.train and w.lora is not None:
@@ -121,9 +123,11 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     kv = kv_cache_bytes(w, lay)
     block = _block_weights(w, lay, p_local) + _stage_copy_elements(w, lay) * (
         FP32 if w.train else w.dtype_bytes)
-    modelled = params + grads + optimizer + acts + kv + block
-    overhead = assume.overhead_bytes + assume.overhead_frac * modelled
-    return Memory(params, grads, optimizer, acts, kv, overhead, block)
+    mem = Memory(params, grads, optimizer, acts, kv, 0.0, block)
+    if lay.offload:   # offload's price is built on these terms: imported where it applies
+        from triax.costs.offload import device_memory
+        mem = device_memory(mem, w, lay)
+    return replace(mem, overhead=assume.overhead_bytes + assume.overhead_frac * mem.modelled)
 
 
 def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:
