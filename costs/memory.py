@@ -21,12 +21,11 @@ from triax.inference.kv_pool import planned_pool   # the pool's one home (no eng
 from triax.inference.pool_settings import PoolSettings
 from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elements,
                                         local_param_elements, param_leaves)
-from triax.costs.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.offload import planned_cost
+from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
 from triax.sharding.rules import ShardingError
 from triax.units import decimal_bytes
-
-ADAM_MOMENTS = 2        # mu and nu, fp32
 
 
 @dataclass(frozen=True)
@@ -124,10 +123,19 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     block = _block_weights(w, lay, p_local) + _stage_copy_elements(w, lay) * (
         FP32 if w.train else w.dtype_bytes)
     mem = Memory(params, grads, optimizer, acts, kv, 0.0, block)
-    if lay.offload:   # offload's price is built on these terms: imported where it applies
-        from triax.costs.offload import device_memory
+    if lay.offload:
         mem = device_memory(mem, w, lay)
     return replace(mem, overhead=assume.overhead_bytes + assume.overhead_frac * mem.modelled)
+
+
+def device_memory(mem: Memory, w: Workload, lay: Layout) -> Memory:
+    """``mem`` (the terms of ``w`` on ``lay``) with the state ``lay.offload`` names moved off
+    the device (``training.offload``): ``host`` is the offloaded state's bytes
+    (``costs.offload``'s ``host_bytes``)."""
+    targets = lay.offload
+    return replace(mem, params=0.0 if "params" in targets else mem.params,
+                   optimizer=0.0 if "optimizer" in targets else mem.optimizer,
+                   host=planned_cost(w, lay).host_bytes if targets else 0.0)
 
 
 def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:

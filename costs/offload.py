@@ -28,19 +28,18 @@ link is much slower than host memory (host bandwidth above ``7 × link``).
     'stream'
 
 The planner's memory (``costs.memory.estimate``) moves the state a layout offloads
-(``Layout.offload``) to its ``host`` term here (``device_memory``), and its step time adds
+(``Layout.offload``) to its ``host`` term, ``host_bytes`` here, and its step time adds
 ``planned_cost``'s seconds on the device's host link (``planner.evaluate``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from triax.choices import OFFLOAD_UPDATES
 from triax.costs.hardware import LINKS, Device, Link
-from triax.costs.memory import ADAM_MOMENTS, Memory
 from triax.costs.param_layout import local_param_elements
-from triax.costs.workload import FP32, Layout, Workload
+from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload
 from triax.units import GB
 
 # Stated: the host memory bandwidth an elementwise optimizer update achieves on a GPU node's
@@ -129,12 +128,3 @@ def planned_cost(w: Workload, lay: Layout, link: Optional[Link] = None) -> Offlo
     if why:
         raise ValueError(f"--offload {','.join(lay.offload)}: {why}")
     return offload_cost(w, lay, lay.offload, cheaper_update(w, lay, lay.offload, link), link)
-
-
-def device_memory(mem: Memory, w: Workload, lay: Layout) -> Memory:
-    """``mem`` (``costs.memory.estimate``'s terms for ``w`` on ``lay``) with the state
-    ``lay.offload`` names moved off the device: its ``host`` the offloaded state's bytes."""
-    targets = lay.offload
-    return replace(mem, params=0.0 if "params" in targets else mem.params,
-                   optimizer=0.0 if "optimizer" in targets else mem.optimizer,
-                   host=planned_cost(w, lay).host_bytes if targets else 0.0)

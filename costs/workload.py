@@ -39,6 +39,7 @@ if TYPE_CHECKING:   # above this layer: taken as they come, never imported
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
+ADAM_MOMENTS = 2        # AdamW's mu and nu per trained parameter, fp32
 
 
 @dataclass(frozen=True)
