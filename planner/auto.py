@@ -255,8 +255,9 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
         offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS)
                      if matches(p, run, given, n)]
         over += _prove(choice, offloaded, cfg, speeds,
-                       f"none of the {len(ranked)} plans that keep the state on the device "
-                       f"compiled within the budget, so host offload was searched; ")
+                       f"no plan of the {len(ranked)} that keep the state on the device fits "
+                       f"the budget (by its compile, or within {MODEL_SLACK:.0%} by the "
+                       f"model), so host offload was searched; ")
     if choice.plan is not None:
         return choice
     raise NoPlanFits(_nothing_fits(cfg.name, devices, budget, choice.refused, over, given, run))
