@@ -191,6 +191,9 @@ def _mixed(args, inp: Inputs, w, cat) -> int:
     if "mesh" in inp.layout:
         raise ValueError("--mesh does not go with mixed --gpu groups: the stages are the "
                          "groups (each stage's devices its data axis)")
+    if inp.run.offload:
+        raise ValueError("--offload is not planned for mixed --gpu groups (pipelined "
+                         "stages); plan it with one --gpu kind")
     m = plan_mixed(w, parse_gpu(pc.gpu, cat), inp.layout.get("strategy") or "fsdp",
                    ScheduleKind.parse(pc.schedule or "1f1b"), pc.microbatches, cat)
     print(json.dumps(m.to_json(), indent=2) if args.json else m.describe())
