@@ -32,7 +32,7 @@ from triax.training.inert import inert_flags
 # layout, which a plan searches unless given.
 RUN_FLAGS = ("batch_size", "seq_len", "precision", "num_layers", "max_seq_len", "mesh",
              "strategy", "remat", "loss_chunks", "context_attention", "attention", "lora_rank",
-             "lora_alpha", "lora_targets", "base_dtype", "device_memory")
+             "lora_alpha", "lora_targets", "base_dtype", "device_memory", "offload")
 SEARCHED = ("mesh", "strategy", "context_attention")
 PLAN_NOTES = {
     "mesh": "here the mesh to evaluate, axes left out are 1 and no -1 (default: search)",
@@ -44,6 +44,8 @@ PLAN_NOTES = {
                      "$TRIAX_DEVICE_MEMORY, or host memory ÷ simulated devices)",
     "kv_blocks": "with --inference: the pool the KV term counts (default: --kv-memory's, else "
                  "--batch-size slots × --seq-len's blocks)",
+    "offload": "every plan keeps these parts on the host: its host bytes and host-link time "
+               "per step are shown (the search then offers unpipelined plans only)",
 }
 
 
@@ -171,7 +173,8 @@ def run(args) -> int:
         cluster, notes = present_devices(cat, run_cfg.device_memory)
     ctx = inp.layout.get("context_attention")
     rec = plan(w, cluster, top=pc.top, layout=_layout(inp),
-               schemes=(ctx,) if ctx else choices.CONTEXT_SCHEMES)
+               schemes=(ctx,) if ctx else choices.CONTEXT_SCHEMES,
+               offload=run_cfg.offload_targets())
     out = rec.to_json()
     if pc.verify:
         from triax.planner.verify import verify
@@ -188,6 +191,9 @@ def _mixed(args, inp: Inputs, w, cat) -> int:
     if "mesh" in inp.layout:
         raise ValueError("--mesh does not go with mixed --gpu groups: the stages are the "
                          "groups (each stage's devices its data axis)")
+    if inp.run.offload:
+        raise ValueError("--offload is not planned for mixed --gpu groups (pipelined "
+                         "stages); plan it with one --gpu kind")
     m = plan_mixed(w, parse_gpu(pc.gpu, cat), inp.layout.get("strategy") or "fsdp",
                    ScheduleKind.parse(pc.schedule or "1f1b"), pc.microbatches, cat)
     print(json.dumps(m.to_json(), indent=2) if args.json else m.describe())

@@ -12,7 +12,7 @@ step places it (:mod:`.param_layout`); the activations are :mod:`.activations`'.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 from triax.costs.activations import activation_bytes
@@ -21,12 +21,11 @@ from triax.inference.kv_pool import planned_pool   # the pool's one home (no eng
 from triax.inference.pool_settings import PoolSettings
 from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elements,
                                         local_param_elements, param_leaves)
-from triax.costs.workload import FP32, Layout, Workload, ceil_div
+from triax.costs.offload import planned_cost
+from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
 from triax.sharding.rules import ShardingError
 from triax.units import decimal_bytes
-
-ADAM_MOMENTS = 2        # mu and nu, fp32
 
 
 @dataclass(frozen=True)
@@ -57,10 +56,11 @@ class Memory:
     kv_cache: float
     overhead: float
     block_weights: float = 0.0  # one block's weights made ready for compute (see estimate)
+    host: float = 0.0   # host-offloaded state (``costs.offload``): in the host's memory, not here
 
     @property
     def modelled(self) -> float:
-        """Everything but the overhead: what XLA's memory_analysis sees."""
+        """Everything on the device but the overhead: what XLA's memory_analysis sees."""
         return (self.params + self.grads + self.optimizer + self.activations + self.kv_cache
                 + self.block_weights)
 
@@ -91,7 +91,8 @@ def kv_cache_bytes(w: Workload, lay: Layout) -> float:
 # ---- the whole picture ---------------------------------------------------------------------
 def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> Memory:
     """Per-device memory for the workload on the layout (raises ShardingError if the
-    strategy's rules cannot split the model over the mesh)."""
+    strategy's rules cannot split the model over the mesh); a layout with host offload
+    (``lay.offload``) has its offloaded state moved to ``host`` (``costs.offload``)."""
     assume = assume or Assumptions()
     p_local = local_param_elements(w, lay)
     if w.train and w.lora is not None:
@@ -121,9 +122,20 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
     kv = kv_cache_bytes(w, lay)
     block = _block_weights(w, lay, p_local) + _stage_copy_elements(w, lay) * (
         FP32 if w.train else w.dtype_bytes)
-    modelled = params + grads + optimizer + acts + kv + block
-    overhead = assume.overhead_bytes + assume.overhead_frac * modelled
-    return Memory(params, grads, optimizer, acts, kv, overhead, block)
+    mem = Memory(params, grads, optimizer, acts, kv, 0.0, block)
+    if lay.offload:
+        mem = device_memory(mem, w, lay)
+    return replace(mem, overhead=assume.overhead_bytes + assume.overhead_frac * mem.modelled)
+
+
+def device_memory(mem: Memory, w: Workload, lay: Layout) -> Memory:
+    """``mem`` (the terms of ``w`` on ``lay``) with the state ``lay.offload`` names moved off
+    the device (``training.offload``): ``host`` is the offloaded state's bytes
+    (``costs.offload``'s ``host_bytes``)."""
+    targets = lay.offload
+    return replace(mem, params=0.0 if "params" in targets else mem.params,
+                   optimizer=0.0 if "optimizer" in targets else mem.optimizer,
+                   host=planned_cost(w, lay).host_bytes if targets else 0.0)
 
 
 def _block_weights(w: Workload, lay: Layout, p_local: int) -> float:

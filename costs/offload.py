@@ -26,17 +26,20 @@ link is much slower than host memory (host bandwidth above ``7 × link``).
     True
     >>> cheaper_update(w, Layout(data=8), ("optimizer",))
     'stream'
+
+The planner's memory (``costs.memory.estimate``) moves the state a layout offloads
+(``Layout.offload``) to its ``host`` term, ``host_bytes`` here, and its step time adds
+``planned_cost``'s seconds on the device's host link (``planner.evaluate``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 from triax.choices import OFFLOAD_UPDATES
-from triax.costs.hardware import LINKS, Link
-from triax.costs.memory import ADAM_MOMENTS, Memory
+from triax.costs.hardware import LINKS, Device, Link
 from triax.costs.param_layout import local_param_elements
-from triax.costs.workload import FP32, Layout, Workload
+from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload
 from triax.units import GB
 
 # Stated: the host memory bandwidth an elementwise optimizer update achieves on a GPU node's
@@ -101,7 +104,27 @@ def cheaper_update(w: Workload, lay: Layout, targets: tuple[str, ...],
     return min(OFFLOAD_UPDATES, key=lambda u: (costs[u], OFFLOAD_UPDATES.index(u)))
 
 
-def device_memory(mem: Memory, targets: tuple[str, ...]) -> Memory:
-    """``mem`` (``costs.memory.estimate``) with the offloaded terms moved off the device."""
-    return replace(mem, params=0.0 if "params" in targets else mem.params,
-                   optimizer=0.0 if "optimizer" in targets else mem.optimizer)
+def offload_reason(w: Workload) -> Optional[str]:
+    """Why the planner does not price host offload for ``w`` (None: it does): the prices
+    above are full fine-tuning's train state."""
+    if not w.train:
+        return "host offload is of the train state: plan it with --train"
+    if w.lora is not None:
+        return ("host offload is priced for full fine-tuning's state, not LoRA's (a frozen "
+                "base and the adapters' moments)")
+    return None
+
+
+def host_link(device: Device) -> Link:
+    """The link between ``device`` and its host: the catalogue's ``Device.pcie`` (a link a
+    ``--hardware`` file adds that is not built in: ``HOST_LINK``)."""
+    return LINKS.get(device.pcie, LINKS[HOST_LINK])
+
+
+def planned_cost(w: Workload, lay: Layout, link: Optional[Link] = None) -> OffloadCost:
+    """The price of ``lay.offload`` with the update ``cheaper_update`` picks on ``link``
+    (what ``training.setup`` runs; the catalogue's host link by default)."""
+    why = offload_reason(w)
+    if why:
+        raise ValueError(f"--offload {','.join(lay.offload)}: {why}")
+    return offload_cost(w, lay, lay.offload, cheaper_update(w, lay, lay.offload, link), link)

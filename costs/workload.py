@@ -12,6 +12,8 @@ unpipelined one has none.
     'data=2,pipe=4 dp, 1f1b M=8'
     >>> Layout(data=8, context=4, context_attention="ring").describe()
     'data=8,context=4 dp, ring'
+    >>> Layout(data=8, strategy="fsdp", offload=("optimizer",)).describe()
+    'data=8 fsdp, offload optimizer'
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ if TYPE_CHECKING:   # above this layer: taken as they come, never imported
 
 DTYPE_BYTES = PRECISION_BYTES   # the precisions' bytes, from their home (choices)
 FP32 = PRECISION_BYTES["fp32"]   # master weights, gradients, Adam moments and logits
+ADAM_MOMENTS = 2        # AdamW's mu and nu per trained parameter, fp32
 
 
 @dataclass(frozen=True)
@@ -164,9 +167,11 @@ class Layout:
     stage_layers: Optional[tuple[int, ...]] = None   # uneven stages (pipeline.stage_counts)
     replica: int = 1    # HSDP: replica groups, each holding one FSDP-sharded copy
     tp_overlap: bool = False   # SP's gathers/scatters as collective matmuls (permute rings)
+    offload: tuple[str, ...] = ()   # state parts in the host's memory (training.offload)
 
     def __post_init__(self):
         object.__setattr__(self, "strategy", get_strategy(self.strategy))
+        object.__setattr__(self, "offload", choices.parse_offload(",".join(self.offload)))
 
     @property
     def devices(self) -> int:
@@ -204,7 +209,9 @@ class Layout:
         uneven = "" if self.stage_layers is None else \
             f", stage layers {','.join(map(str, self.stage_layers))}"
         overlap = ", tp-overlap" if self.tp_overlap else ""
-        return f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}{overlap}"
+        off = f", offload {','.join(self.offload)}" if self.offload else ""
+        return (f"{self.mesh_str} {self.strategy.name}{sched}{ctx}{by_layer}{uneven}{overlap}"
+                f"{off}")
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -33,6 +33,8 @@ from triax.planner.evaluate import PlanResult
 from triax.costs.fits import device_capacity
 from triax.costs.hardware import Catalog, Cluster, load_catalog
 from triax.costs.memory import Assumptions
+from triax.costs.offload import offload_reason
+from triax.planner.recommend import offload_reasoning
 from triax.planner.search import search
 from triax.planner.verify import LAYOUT_FIELDS, layout_fields
 from triax.costs.workload import Workload
@@ -113,11 +115,17 @@ def present_cluster(catalog: Optional[Catalog] = None) -> tuple[Cluster, str]:
     return cluster, speeds
 
 
+# Host offload the search offers when no plan keeps the state on the device: the optimizer
+# state (its moments cross the link), then the parameters too.
+OFFLOADS = (("optimizer",), ("optimizer", "params"))
+
+
 @functools.lru_cache(maxsize=16)
-def _searched(w: Workload, cluster: Cluster, remats: tuple[str, ...]) -> tuple[PlanResult, ...]:
+def _searched(w: Workload, cluster: Cluster, remats: tuple[str, ...],
+              offloads: tuple[tuple[str, ...], ...] = ((),)) -> tuple[PlanResult, ...]:
     # One search per workload and devices: each budget only draws its line through it.
     # The budget is what the allocator gives, so the planner's fixed overhead is paid.
-    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats)
+    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats, offloads=offloads)
     return tuple(res.fitting)
 
 
@@ -151,7 +159,10 @@ class AutoChoice:
                 "virtual": r.virtual if _pipe(r) > 1 else None,
                 "remat": r.remat, "loss_chunks": r.loss_chunks,
                 "context_attention": r.context_attention if _axis(r, "context") > 1 else None,
-                "tp_overlap": r.tp_overlap,
+                "tp_overlap": r.tp_overlap, "offload": r.offload or None,
+                "predicted_host_bytes": int(p.memory.host) if p else None,
+                "compiled_host_bytes": self.compiled.host_argument_bytes
+                if self.compiled else None,
                 "predicted_peak_bytes": int(p.memory.total) if p else None,
                 "predicted_step_s": p.step_time_s if p else None,
                 "compiled_peak_bytes": self.compiled.peak_bytes if self.compiled else None,
@@ -205,7 +216,8 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
               "virtual": not piped or lay.virtual == run.virtual,
               "context_attention": lay.context == 1
               or lay.context_attention == run.context_attention,
-              "tp_overlap": lay.tp_overlap == run.tp_overlap}
+              "tp_overlap": lay.tp_overlap == run.tp_overlap,
+              "offload": lay.offload == run.offload_targets()}
     return all(ok for name, ok in checks.items() if name in given)
 
 
@@ -213,7 +225,6 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
                  budget: Optional[Budget] = None) -> AutoChoice:
     """The training run ``--plan auto`` runs: the flags in ``given`` stay as given, the
     search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc."""
-    from triax.training.setup import build_run   # builds steps: imported where it compiles
     if run.objective != "throughput":
         raise ValueError(f"--objective {run.objective}: training ranks by throughput (tokens "
                          f"per second); --objective latency is for generate and serve")
@@ -228,20 +239,41 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     cluster, speeds = present_cluster()
     w = Workload.of_run(run, cfg, backend=jax.devices()[0].platform)
     remats = (run.remat,) if "remat" in given else ("none", "full")
-    ranked = [p for p in _searched(w, cluster, remats) if matches(p, run, given, n)]
+    kept_off = ((run.offload_targets(),) if "offload" in given else ((),))
+    ranked = [p for p in _searched(w, cluster, remats, kept_off) if matches(p, run, given, n)]
     if not ranked:
         fixed = ", ".join(f"--{f.replace('_', '-')} {getattr(run, f)}"
                           for f in LAYOUT_FIELDS if f in given)
         raise NoPlanFits(f"--plan auto: no layout of {cfg.name} on {devices} keeps the flags "
                          f"you fixed ({fixed or 'none'}) and splits the batch of "
                          f"{run.batch_size}; drop a fixed flag or change --batch-size")
-    # The model's fits first (its ranking), then the rest smallest first: the compile has
-    # the last word, so a plan the model overrates is still tried.
+    choice = AutoChoice(run, budget, devices, run.objective)
+    over = _prove(choice, ranked, cfg, speeds)
+    # Offload costs host-link time every step: offered only when no plan keeps the state on
+    # the device (by compile), and only when --offload was not given.
+    if choice.plan is None and "offload" not in given and offload_reason(w) is None:
+        offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS)
+                     if matches(p, run, given, n)]
+        over += _prove(choice, offloaded, cfg, speeds,
+                       f"no plan of the {len(ranked)} that keep the state on the device fits "
+                       f"the budget (by its compile, or within {MODEL_SLACK:.0%} by the "
+                       f"model), so host offload was searched; ")
+    if choice.plan is not None:
+        return choice
+    raise NoPlanFits(_nothing_fits(cfg.name, devices, budget, choice.refused, over, given, run))
+
+
+def _prove(choice: AutoChoice, ranked: list, cfg, speeds: str, why: str = "") -> list:
+    """Compile ``ranked``'s candidates in turn until one's peak fits ``choice.budget``: the
+    model's fits first (its ranking), then the rest smallest first (the compile has the last
+    word, so a plan the model overrates is still tried). Sets the choice on ``choice``;
+    returns the plans over the model's budget (for the nothing-fits message)."""
+    from triax.training.setup import build_run   # builds steps: imported where it compiles
+    budget, run = choice.budget, choice.run
     fit = [p for p in ranked if p.memory.total <= budget.usable]
     over = sorted((p for p in ranked if p.memory.total > budget.usable),
                   key=lambda p: p.memory.total)
     near = [p for p in over if p.memory.total <= budget.usable * (1 + MODEL_SLACK)]
-    choice = AutoChoice(run, budget, devices, run.objective)
     for p in (fit + near)[:MAX_COMPILES]:
         candidate = run.replace(**layout_fields(p.workload, p.layout))
         try:
@@ -255,9 +287,9 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
             continue
         choice.run, choice.plan, choice.compiled = candidate, p, mem
         choice.runner_up = _runner_up(p, fit)
-        choice.reasons = _reasons(choice, speeds, len(ranked), len(fit), p in fit)
-        return choice
-    raise NoPlanFits(_nothing_fits(cfg.name, devices, budget, choice.refused, over, given, run))
+        choice.reasons = _reasons(choice, speeds, len(ranked), len(fit), p in fit, why)
+        return over
+    return over
 
 
 def _runner_up(p: PlanResult, fit: list) -> Optional[PlanResult]:
@@ -267,17 +299,19 @@ def _runner_up(p: PlanResult, fit: list) -> Optional[PlanResult]:
     return next((q for q in after if q.layout != p.layout), after[0] if after else None)
 
 
-def _reasons(c: AutoChoice, speeds: str, searched: int, fit: int, predicted: bool) -> list[str]:
+def _reasons(c: AutoChoice, speeds: str, searched: int, fit: int, predicted: bool,
+             why: str = "") -> list[str]:
     p, b = c.plan, c.budget
     out = [f"{label(p)} on {c.devices}.",
            f"Budget: {b.describe()}.",
-           f"Why: of {searched} plans the flags leave open, {fit} fit by the planner's model; "
+           f"Why: {why}of {searched} plans the flags leave open, {fit} fit by the planner's model; "
            + (f"this is the fastest of them by {c.objective} ({p.step_time_s * 1e3:.3g} ms per "
               f"step modelled with {speeds})" if predicted else
               "none compiled within the budget, and this one, over by the model, does")
            + f", and its compiled peak is {human_bytes(c.compiled.peak_bytes)} per device "
              f"(predicted {human_bytes(p.memory.total)}), within the usable "
              f"{human_bytes(b.usable)}."]
+    out.extend(offload_reasoning(p))
     if c.runner_up is not None:
         q = c.runner_up
         out.append(f"Runner-up: {label(q)}, {q.step_time_s * 1e3:.3g} ms per step modelled, "

@@ -17,6 +17,7 @@ from triax.models.loss import chunk_recompute_flops
 from triax.costs import comm
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions, Memory, estimate
+from triax.costs.offload import OffloadCost, host_link, planned_cost
 from triax.planner.op_costs import measured_bubble, work_factor
 from triax.costs.workload import Layout, Workload, ceil_div
 from triax.units import decimal_bytes
@@ -37,6 +38,7 @@ class PlanResult:
     tokens_per_s: float
     fits: bool
     device_memory: float
+    offload: Optional[OffloadCost] = None   # host offload's price (``lay.offload``)
 
     @property
     def overflow(self) -> str:
@@ -44,7 +46,7 @@ class PlanResult:
         if self.fits:
             return ""
         m, cap = self.memory, self.device_memory
-        terms = {k: v for k, v in m.as_dict().items() if k != "total"}
+        terms = {k: v for k, v in m.as_dict().items() if k not in ("total", "host")}
         big = max(terms, key=terms.get)
         return (f"needs {decimal_bytes(m.total)} per device but a device has "
                 f"{decimal_bytes(cap)} (over by {decimal_bytes(m.total - cap)}; largest term: "
@@ -66,7 +68,12 @@ class PlanResult:
                 "comm_time_s": self.comm_time_s, "compute_time_s": self.compute_time_s,
                 "bubble": self.bubble, "step_time_s": self.step_time_s, "mfu": self.mfu,
                 "tokens_per_s": self.tokens_per_s, "fits": self.fits,
-                "overflow": self.overflow or None}
+                "overflow": self.overflow or None,
+                "offload": None if self.offload is None else {
+                    "targets": list(self.offload.targets), "update": self.offload.update,
+                    "host_bytes_per_device": int(self.offload.host_bytes),
+                    "link_bytes_per_device": int(self.offload.link_bytes),
+                    "link_s": self.offload.link_s, "host_update_s": self.offload.host_s}}
 
 
 def step_flops(w: Workload) -> float:
@@ -162,10 +169,12 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
         + max(0.0, overlapped - assume.data_overlap * compute) \
         + max(0.0, ctx_ring - attention_seconds(w, lay, cluster, assume)) \
         + max(0.0, tp_ring - RING_HIDES * (compute - attention_seconds(w, lay, cluster, assume)))
-    step = busy + exposed
+    # Host offload's transfers (and a host update) are not overlapped with the step.
+    off = planned_cost(w, lay, host_link(cluster.device)) if lay.offload else None
+    step = busy + exposed + (off.seconds if off else 0.0)
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)
     tokens = w.batch * (w.seq if w.train else 1)
     return PlanResult(w, lay, mem, traffic, seconds, compute, sum(seconds.values()), bubble,
                       step, mfu, tokens / step, mem.total <= cluster.device.memory,
-                      cluster.device.memory)
+                      cluster.device.memory, off)

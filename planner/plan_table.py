@@ -39,6 +39,12 @@ def text_report(rec: Recommendation, verified: Optional[list] = None,
         comm = ", ".join(f"{a} {human_bytes(t.wire)} ({p.comm_time_by_axis[a] * 1e3:.2f} ms)"
                          for a, t in p.traffic.items()) or "none"
         lines.append(f"   comm per device per step: {comm}")
+        if p.offload is not None:
+            c = p.offload
+            lines.append(f"   host offload ({','.join(c.targets)}, {c.update}): host "
+                         f"{human_bytes(c.host_bytes)} per device; host link "
+                         f"{human_bytes(c.link_bytes)} per step ({c.link_s * 1e3:.3g} ms"
+                         + (f", host update {c.host_s * 1e3:.3g} ms" if c.host_s else "") + ")")
         if not p.fits:
             lines.append(f"   does not fit: {p.overflow}")
     if verified is not None:
@@ -47,7 +53,9 @@ def text_report(rec: Recommendation, verified: Optional[list] = None,
             m = v["memory"]
             lines.append(f"  {v['plan']}: memory predicted {human_bytes(m['predicted'])} vs "
                          f"compiled {human_bytes(m['compiled'])}; state predicted "
-                         f"{human_bytes(m['predicted_state'])} vs {human_bytes(m['compiled_state'])}")
+                         f"{human_bytes(m['predicted_state'])} vs {human_bytes(m['compiled_state'])}"
+                         + (f"; host predicted {human_bytes(m['predicted_host'])} vs compiled "
+                            f"{human_bytes(m['compiled_host'])}" if m["predicted_host"] else ""))
             for a, c in v["comm"].items():
                 lines.append(f"    {a}: predicted {human_bytes(c['predicted'])} vs HLO "
                              f"{human_bytes(c['compiled'])}")

@@ -154,19 +154,21 @@ def _opening(w: Workload, cluster: Cluster, min_dev: int) -> list[str]:
 
 def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] = None,
          assume: Optional[Assumptions] = None,
-         schemes: tuple[str, ...] = SCHEMES) -> Recommendation:
+         schemes: tuple[str, ...] = SCHEMES, offload: tuple[str, ...] = ()) -> Recommendation:
     """Search (or evaluate the given ``layout``) and explain the choice; context layouts are
-    searched with each of ``schemes``."""
+    searched with each of ``schemes``; ``offload``: the state parts every plan keeps in the
+    host's memory (``--offload``; the search then offers unpipelined plans only)."""
     min_dev = min_devices_for_weights(w, cluster.device.memory)
     why = _opening(w, cluster, min_dev)
     if layout is not None:
-        return _explicit(w, cluster, layout, min_dev, why, assume)
+        return _explicit(w, cluster, dataclasses.replace(layout, offload=offload), min_dev,
+                         why, assume)
     if cluster.devices < min_dev:
         raise ValueError(f"{w.name} needs at least {min_dev} {cluster.device.name} devices "
                          f"just for its weights ({decimal_bytes(w.weight_bytes)}), but the "
                          f"cluster has {cluster.devices}; use --nodes/--gpus-per-node for "
                          f"≥ {min_dev} devices")
-    res = search(w, cluster, assume, schemes=schemes)
+    res = search(w, cluster, assume, schemes=schemes, offloads=(offload,))
     if not res.fitting:
         raise ValueError(_nothing_fits(w, cluster, res)
                          + lora_would_fit(w, cluster, assume, schemes))
@@ -185,6 +187,7 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
                f"{decimal_bytes(best.memory.total)} per device.")
     if best.bubble > 0:
         why.append(f"Its pipeline bubble is {best.bubble:.1%} of the step.")
+    why.extend(offload_reasoning(best))
     if any(best.comm_time_by_axis.values()):
         axis = max(best.comm_time_by_axis, key=best.comm_time_by_axis.get)
         why.append(f"Most communication time is on '{axis}' "
@@ -194,6 +197,19 @@ def plan(w: Workload, cluster: Cluster, top: int = 3, layout: Optional[Layout] =
     why.extend(lora_reasoning(w, cluster, assume, schemes))
     used = _op_costs(w, res.fitting, why)
     return Recommendation(w, cluster, min_dev, ranked[:top], why, assume or Assumptions(), used)
+
+
+def offload_reasoning(p: PlanResult) -> list[str]:
+    """What a plan's host offload moves and costs (``costs.offload``; nothing without)."""
+    c = p.offload
+    if c is None:
+        return []
+    return [f"Offloaded to the host ({', '.join(c.targets)}, update {c.update}): "
+            f"{decimal_bytes(c.host_bytes, None)} per device in host memory; "
+            f"{decimal_bytes(c.link_bytes, None)} per device cross the host link each step, "
+            f"{c.link_s * 1e3:.3g} ms" + (f", and the host update takes {c.host_s * 1e3:.3g} ms"
+                                          if c.host_s else "")
+            + ", added to the step unhidden."]
 
 
 def loss_chunk_reasoning(res, best: PlanResult) -> list[str]:
@@ -270,6 +286,7 @@ def _explicit(w, cluster, layout, min_dev, why, assume) -> Recommendation:
     r = evaluate(w, layout, cluster, assume)
     why.append(f"Evaluated the given plan {layout.describe()}: "
                + ("it fits." if r.fits else f"it does not fit: {r.overflow}."))
+    why.extend(offload_reasoning(r))
     used = _op_costs(w, [r], why)
     return Recommendation(w, cluster, min_dev, [r], why, assume or Assumptions(), used)
 

@@ -21,6 +21,7 @@ from triax.pipeline.pipelined import unpipelinable_mesh_reason
 from triax.planner.evaluate import PlanResult, evaluate
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions
+from triax.costs.offload import offload_reason
 from triax.costs.pipeline_math import microbatch_constraint
 from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.collective_matmul import overlap_reason
@@ -200,17 +201,35 @@ def loss_chunks_keep_the_split(w: Workload, lay: Layout) -> bool:
                for name in ("seq", "res_seq"))
 
 
+def offload_variants(w: Workload, lay: Layout,
+                     offloads: tuple[tuple[str, ...], ...]) -> Iterator[Layout]:
+    """``lay`` with each of ``offloads`` (state parts kept on the host; ``()``: none). The
+    planner prices offload for an unpipelined full fine-tuning step (``costs.offload``);
+    a pipelined layout is not offered it."""
+    for targets in offloads:
+        if not targets:
+            yield lay
+        elif offload_reason(w) is None and lay.pipe == 1:
+            yield dataclasses.replace(lay, offload=targets)
+
+
 def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
            remats: tuple[str, ...] = ("none", "full"),
-           schemes: tuple[str, ...] = SCHEMES) -> SearchResult:
+           schemes: tuple[str, ...] = SCHEMES,
+           offloads: tuple[tuple[str, ...], ...] = ((),)) -> SearchResult:
     """Evaluate every layout (training also tries full remat; context layouts each of
-    ``schemes``) and sort the outcomes."""
+    ``schemes``; each with every host offload of ``offloads``, ``offload_variants``) and
+    sort the outcomes."""
+    why = next((offload_reason(w) for t in offloads if t), None)
+    if why:
+        raise ValueError(f"--offload: {why}")
     res = SearchResult()
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     chunks = sorted({w.loss_chunks, long_sequence_loss_chunks(w.seq)})
     workloads = [dataclasses.replace(w, remat=r, loss_chunks=c) for r in remats
                  for c in chunks] if w.train and w.cfg is not None else [w]
-    for lay in layouts(w, cluster, res.not_runnable, res.not_searched, schemes):
+    for lay in (v for base in layouts(w, cluster, res.not_runnable, res.not_searched, schemes)
+                for v in offload_variants(w, base, offloads)):
         for wr in workloads:
             if not loss_chunks_keep_the_split(wr, lay):
                 continue

@@ -39,9 +39,9 @@ from triax.units import human_bytes
 
 def layout_fields(w: Workload, lay: Layout) -> dict:
     """The ``RunConfig`` fields that say how a plan is laid out and run (mesh, strategy,
-    schedule, micro-batches, chunks, remat, loss chunks, context scheme): what ``--plan
-    auto`` fills in and ``run_config`` builds with."""
-    return dict(mesh=lay.mesh_str,
+    schedule, micro-batches, chunks, remat, loss chunks, context scheme, host offload): what
+    ``--plan auto`` fills in and ``run_config`` builds with."""
+    return dict(mesh=lay.mesh_str, offload=",".join(lay.offload),
                 strategy=lay.strategy.name, remat=w.remat, loss_chunks=w.loss_chunks,
                 context_attention=lay.context_attention, tp_overlap=lay.tp_overlap,
                 schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
@@ -99,7 +99,7 @@ def _subprocess(w: Workload, lay: Layout, timeout: float) -> dict:
                       "batch": w.batch, "seq": w.seq, "remat": w.remat,
                       "loss_chunks": w.loss_chunks,
                       "sizes": lay.sizes, "strategy": lay.strategy.name,
-                      "tp_overlap": lay.tp_overlap,
+                      "tp_overlap": lay.tp_overlap, "offload": lay.offload,
                       "schedule": lay.schedule and lay.schedule.value, "microbatches": lay.microbatches,
                       "virtual": lay.virtual, "attention": w.attention,
                       "context_attention": lay.context_attention,
@@ -133,6 +133,8 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
             "memory": {"predicted": mem.modelled, "compiled": got["memory"]["peak_bytes"],
                        "predicted_state": mem.params + mem.optimizer,
                        "compiled_state": state,
+                       "predicted_host": mem.host,
+                       "compiled_host": got["memory"]["host_argument_bytes"],
                        "compiled_temp": got["memory"]["temp_bytes"]},
             "comm": {a: {"predicted": predicted_comm.get(a, 0.0),
                          "compiled": got["collectives"].get(a, 0)} for a in axes}}
@@ -184,7 +186,7 @@ def _main(arg: str) -> None:
                     attention=a["attention"], backend="cpu")
     lay = Layout(**a["sizes"], strategy=a["strategy"], schedule=a["schedule"] and ScheduleKind(a["schedule"]),
                  microbatches=a["microbatches"], virtual=a["virtual"],
-                 tp_overlap=a["tp_overlap"],
+                 tp_overlap=a["tp_overlap"], offload=tuple(a["offload"]),
                  context_attention=a["context_attention"], pipeline_fsdp=a["pipeline_fsdp"])
     print(json.dumps(compile_figures(w, lay)))
 
