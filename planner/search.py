@@ -78,8 +78,11 @@ def _schedules(w: Workload, pipe: int, local_batch: int
         if w.cfg is not None and pipe * v > w.cfg.num_layers:
             yield kind, counts[0], v, PADDED
             continue
-        for m in counts:
-            yield kind, m, v, microbatch_constraint(kind, pipe, m, v)
+        why = {m: microbatch_constraint(kind, pipe, m, v) for m in counts}
+        # Counts the search picked itself that this schedule refuses (DualPipeV's M < 2S)
+        # are not listed: one refusal only when no count runs.
+        for m in [m for m in counts if why[m] is None] or counts[:1]:
+            yield kind, m, v, why[m]
 
 
 def context_reason(w: Workload, context: int, pipe: int = 1) -> Optional[str]:

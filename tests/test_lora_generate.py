@@ -72,7 +72,7 @@ def _serve_completions(monkeypatch, argv):
     import uvicorn
     texts = []
 
-    def run(self):
+    def run(self, sockets=None):   # serve binds its socket first
         with TestClient(self.config.app) as client:
             for p in PROMPTS:
                 r = client.post("/v1/completions", json={"model": "m", "prompt": p,

@@ -49,4 +49,7 @@ def test_search_proposes_dualpipev_where_it_runs():
     from triax.planner.search import _schedules
     w = Workload.of(config.get("tiny", num_layers=8), train=True, batch=32, seq=16)
     got = {(m, why is None) for kind, m, v, why in _schedules(w, 4, 32) if kind is DPV}
-    assert got == {(4, False), (8, True), (16, True), (32, True)}, got
+    assert got == {(8, True), (16, True), (32, True)}, got   # M = S < 2S is not proposed
+    # With no count it can run, its one refusal is listed (the search never hides a schedule).
+    got = {(m, why is None) for kind, m, v, why in _schedules(w, 4, 4) if kind is DPV}
+    assert got == {(4, False)}, got

@@ -46,7 +46,7 @@ class FakeEngine:
             raise InferenceError("empty prompt")
         check_context(n, max_new, self.ecfg.max_len, model_len=256)
 
-    def prefill(self, slots, prompts, seeds, settings=None, cached=None):
+    def prefill(self, slots, prompts, seeds, settings=None, cached=None, prompt_lens=None):
         for s, p in zip(slots, prompts):
             self.kv.grow(s, len(p))
         self.lengths[list(slots)] = [len(p) for p in prompts]

@@ -50,7 +50,8 @@ def test_resharded_resume_on_another_mesh_and_strategy(runs, tmp_path):
     assert res.summary["pipeline"] == {"schedule": "1f1b", "stages": 2, "microbatches": 4,
                                        "virtual": 1}  # the pipelined step, restored
     meta = Checkpointer(str(tmp_path / "c"), read_only=True).read_meta(6)
-    assert meta["mesh_sizes"] == {"data": 2, "pipe": 2, "expert": 1, "context": 1, "tensor": 2}
+    assert meta["mesh_sizes"] == {"replica": 1, "data": 2, "pipe": 2, "expert": 1, "context": 1,
+                                  "tensor": 2}
     assert (meta["strategy"], meta["data_position"]) == ("fsdp_tp", 6)
 
 

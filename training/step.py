@@ -349,7 +349,7 @@ class Trainer(StoredForm):
 
     def grads(self, params, batch):
         """Loss and gradients only (for equivalence checks), sharded like the step; both
-        in the model's own form (:meth:`to_model`), whatever the stages."""
+        in the model's own form (``to_model``), whatever the stages."""
         return self.jitted_grads(params, self.shard_batch(batch))
 
     def example_batch(self, batch_size: int, seq_len: int, seed: int = 0) -> Batch:
