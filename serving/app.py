@@ -54,9 +54,9 @@ class Serving:
     def grammars(self) -> Grammars:
         """Structured output's grammars over this model's tokenizer (built on first use)."""
         if self._grammars is None:
-            eng = self.server.engines[0]
-            self._grammars = Grammars(self.tokenizer, eng.cfg.vocab_size,
-                                      eng.sampling.stop_tokens)
+            srv = self.server
+            self._grammars = Grammars(self.tokenizer, srv.vocab_size,
+                                      srv.default_sampling.stop_tokens)
         return self._grammars
 
     @property

@@ -33,7 +33,7 @@ def choice_seed(seed: Optional[int], prompt: list[int], j: int) -> int:
     return base if j == 0 else (base + j * 0x9E3779B1) & 0x7FFFFFFF
 
 
-def _logit_bias(req, engine) -> tuple:
+def _logit_bias(req, server) -> tuple:
     out = []
     for key, bias in (req.logit_bias or {}).items():
         try:
@@ -42,9 +42,9 @@ def _logit_bias(req, engine) -> tuple:
             raise APIError(400, f"logit_bias key {key!r} is not a token id; give ids as "
                                 f"strings, e.g. {{\"50256\": -100}}", param="logit_bias",
                            code="invalid_value") from None
-        if not 0 <= tid < engine.cfg.vocab_size:
+        if not 0 <= tid < server.vocab_size:
             raise APIError(400, f"logit_bias token id {tid} is outside the vocabulary "
-                                f"[0, {engine.cfg.vocab_size})", param="logit_bias",
+                                f"[0, {server.vocab_size})", param="logit_bias",
                            code="invalid_value")
         out.append((tid, bias))
     return tuple(out)
@@ -53,15 +53,15 @@ def _logit_bias(req, engine) -> tuple:
 def sampling_for(st, req, logprobs: bool, prompt_logprobs: bool = False) -> SamplingConfig:
     """The request's ``SamplingConfig`` (the server's seed and stop tokens, unless
     ``ignore_eos``, plus its own)."""
-    eng = st.server.engines[0]
-    eos = () if req.ignore_eos else eng.sampling.stop_tokens
+    default = st.server.default_sampling
+    eos = () if req.ignore_eos else default.stop_tokens
     try:
         return SamplingConfig(
             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-            seed=eng.sampling.seed, stop_tokens=eos + req.stop_ids(),
+            seed=default.seed, stop_tokens=eos + req.stop_ids(),
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty,
-            logit_bias=_logit_bias(req, eng), min_tokens=req.min_tokens,
+            logit_bias=_logit_bias(req, st.server), min_tokens=req.min_tokens,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
     except SamplingError as e:
         raise APIError(400, str(e), code="invalid_value") from None
