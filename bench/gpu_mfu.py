@@ -72,9 +72,9 @@ def measure(args, row: str, precision: str, offload: tuple) -> None:
     cfg = mc.get(args.model, args.num_layers)
     n = jax.device_count()
     strategy = args.strategy if n > 1 else "dp"
-    run = RunConfig(model=args.model, num_layers=args.num_layers, precision=precision,
-                    remat=args.remat, batch_size=args.batch_size, seq_len=args.seq_len,
-                    strategy=strategy)
+    run = RunConfig.of(model=args.model, num_layers=args.num_layers, precision=precision,
+                       remat=args.remat, batch_size=args.batch_size, seq_len=args.seq_len,
+                       strategy=strategy)
     exe = run.exec_config()
     off = Offload(offload, cheaper_update(Workload.of_run(run, cfg),
                                           Layout(data=n, strategy=strategy), offload))

@@ -98,9 +98,9 @@ def loss_curves(steps: int) -> dict[str, list[float]]:
     for precision in ("bf16", "fp8"):
         with tempfile.TemporaryDirectory() as d:
             log = os.path.join(d, "log.jsonl")
-            run = RunConfig(model="tiny", mesh="data=8", strategy="fsdp", precision=precision,
-                            steps=steps, batch_size=16, seq_len=128, data="pydoc",
-                            eval_batches=0, no_save=True, progress=False, log_json=log)
+            run = RunConfig.of(model="tiny", mesh="data=8", strategy="fsdp", precision=precision,
+                               steps=steps, batch_size=16, seq_len=128, data="pydoc",
+                               eval_batches=0, no_save=True, progress=False, log_json=log)
             train(run, note=lambda *_: None)
             with open(log) as f:
                 curves[precision] = [json.loads(line)["loss"] for line in f]

@@ -177,9 +177,9 @@ def run(args) -> list[dict]:
     cfg = config.get(args.model, args.layers)
 
     def trainer(mesh: str, **pipeline) -> Trainer:
-        return build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
-                                   strategy="dp", batch_size=args.batch, seq_len=args.seq,
-                                   **pipeline), cfg).trainer
+        return build_run(RunConfig.of(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
+                                      strategy="dp", batch_size=args.batch, seq_len=args.seq,
+                                      **pipeline), cfg).trainer
     ref = trainer("data=8")
     batch = ref.example_batch(args.batch, args.seq)
     base = measure(ref, batch, args.steps)
@@ -245,9 +245,9 @@ def run_uneven(args) -> list[dict]:
     mesh = f"data={8 // STAGES},pipe={STAGES}"
 
     def trainer(**kw) -> Trainer:
-        return build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
-                                   strategy="dp", batch_size=args.batch, seq_len=args.seq,
-                                   **kw), cfg).trainer
+        return build_run(RunConfig.of(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh,
+                                      strategy="dp", batch_size=args.batch, seq_len=args.seq,
+                                      **kw), cfg).trainer
     rows = []
     for M in args.ms:
         for layers in (None, counts):

@@ -128,7 +128,7 @@ def auto_rows():
           "(ratio) | refused by the compile |")
     print("|---|---|---|---|---|---|")
     for name, layers, B, T, mb in AUTO:
-        run = RunConfig(model=name, num_layers=layers, batch_size=B, seq_len=T, plan="auto")
+        run = RunConfig.of(model=name, num_layers=layers, batch_size=B, seq_len=T, plan="auto")
         budget = auto.Budget(int(mb * (1 << 20)), "bench")
         try:
             c = auto.choose_train(run, frozenset({"model", "num_layers", "batch_size",

@@ -108,9 +108,9 @@ def time_against(single: Stepper, compiled, trainer, args) -> tuple[float, float
 
 def run_case(cfg, strategy: str, mesh_kw: dict, args, single: Stepper | None) -> Result:
     mesh_text = ",".join(f"{a}={s}" for a, s in mesh_kw.items())
-    run = build_run(RunConfig(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh_text,
-                              strategy=strategy, batch_size=args.batch_size,
-                              seq_len=args.seq_len), cfg)
+    run = build_run(RunConfig.of(model=cfg.name, num_layers=cfg.num_layers, mesh=mesh_text,
+                                 strategy=strategy, batch_size=args.batch_size,
+                                 seq_len=args.seq_len), cfg)
     mesh, trainer, compiled = run.mesh, run.trainer, run.compiled.step
     measured = summarize(collectives_from_compiled(compiled, mesh))
     secs = ratio = None

@@ -54,9 +54,9 @@ def main(argv=None) -> int:
     peak = host_matmul_flops()
     rows = []
     for strategy, mesh in CASES:
-        run = RunConfig(model=args.model, num_layers=args.num_layers, mesh=mesh,
-                        strategy=strategy, steps=args.steps, batch_size=args.batch_size,
-                        seq_len=args.seq_len, eval_batches=0, progress=False)
+        run = RunConfig.of(model=args.model, num_layers=args.num_layers, mesh=mesh,
+                           strategy=strategy, steps=args.steps, batch_size=args.batch_size,
+                           seq_len=args.seq_len, eval_batches=0, progress=False)
         s = train(run, note=lambda *_: None).summary
         flops = run.model_config().flops_per_token(args.seq_len) * s["tokens_per_s"]
         rows.append((strategy, mesh, s["mean_step_s"], s["tokens_per_s"], flops / peak,

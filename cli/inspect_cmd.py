@@ -45,9 +45,10 @@ def run(args) -> int:
     from triax.training.setup import build_run
 
     values = {**(load_config_file(args.config) if args.config else {}), **run_values(args)}
-    run_cfg = RunConfig(**{**DEFAULTS, **values})
+    run_cfg = RunConfig.of(**{**DEFAULTS, **values})
     warn_inert(inert_flags(run_cfg, values), RunConfigWarning)
     built = build_run(run_cfg)
-    report = inspect_trainer(built.trainer, run_cfg.batch_size, run_cfg.seq_len)
+    data = run_cfg.dataset
+    report = inspect_trainer(built.trainer, data.batch_size, data.seq_len)
     print(report.dumps() if args.json else report.to_text())
     return 0

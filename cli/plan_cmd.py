@@ -82,7 +82,7 @@ def plan_inputs(args) -> Inputs:
     if not pc.inference and pool.given():
         raise ValueError(f"{pool.given()[0]} sizes serving's KV pool: plan it with "
                          f"--inference, or drop it for --train")
-    run = RunConfig(**run_given)
+    run = RunConfig.of(**run_given)
     warn_inert(inert_flags(run, run_given), RunConfigWarning)
     return Inputs(run, pc, pool, layout, model)
 
@@ -115,17 +115,18 @@ def _model_config(inp: Inputs):
     """The model planned for (None with ``--params``), adapters as a run builds them."""
     from triax.models import config
     run = inp.run
-    cfg = config.get(inp.model, run.num_layers) if inp.model else None
+    cfg = config.get(inp.model, run.source.num_layers) if inp.model else None
     if inp.plan.model_dir:
         from triax.hf.load import read_model_config
         cfg = read_model_config(inp.plan.model_dir)
-        cfg = cfg if run.num_layers is None else cfg.replace(num_layers=run.num_layers)
-    if cfg is not None and run.max_seq_len is not None:
-        cfg = cfg.replace(max_seq_len=run.max_seq_len)
-    if run.lora_rank:   # adapters as a run would build them (RunConfig.lora_config)
+        cfg = cfg if run.source.num_layers is None else cfg.replace(
+            num_layers=run.source.num_layers)
+    if cfg is not None and run.source.max_seq_len is not None:
+        cfg = cfg.replace(max_seq_len=run.source.max_seq_len)
+    if run.lora.lora_rank:   # adapters as a run would build them (Lora.lora_config)
         if cfg is None:
             raise ValueError("--lora-rank needs a model (--model or --model-dir), not --params")
-        cfg = cfg.replace(lora=run.lora_config())
+        cfg = cfg.replace(lora=run.lora.lora_config())
     return cfg
 
 
@@ -170,11 +171,11 @@ def run(args) -> int:
     if pc.gpu:
         cluster, notes = cat.cluster(pc.gpu, pc.gpus_per_node, pc.nodes), ()
     else:
-        cluster, notes = present_devices(cat, run_cfg.device_memory)
+        cluster, notes = present_devices(cat, run_cfg.planner.device_memory)
     ctx = inp.layout.get("context_attention")
     rec = plan(w, cluster, top=pc.top, layout=_layout(inp),
                schemes=(ctx,) if ctx else choices.CONTEXT_SCHEMES,
-               offload=run_cfg.offload_targets())
+               offload=run_cfg.layout.offload_targets())
     out = rec.to_json()
     if pc.verify:
         from triax.planner.verify import verify
@@ -191,7 +192,7 @@ def _mixed(args, inp: Inputs, w, cat) -> int:
     if "mesh" in inp.layout:
         raise ValueError("--mesh does not go with mixed --gpu groups: the stages are the "
                          "groups (each stage's devices its data axis)")
-    if inp.run.offload:
+    if inp.run.layout.offload:
         raise ValueError("--offload is not planned for mixed --gpu groups (pipelined "
                          "stages); plan it with one --gpu kind")
     m = plan_mixed(w, parse_gpu(pc.gpu, cat), inp.layout.get("strategy") or "fsdp",

@@ -1,5 +1,6 @@
 """``RunConfig``'s fields as flags (``triax.cli.flags`` for the one config every run
-command shares): ``triax train`` has them all, ``inspect`` and ``plan`` the ones they use.
+command shares): ``triax train`` has them all, ``inspect`` and ``plan`` the ones they use;
+their help is grouped by ``RunConfig``'s sections.
 
     >>> import argparse
     >>> p = argparse.ArgumentParser()
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from triax.cli.flags import add_flags, given
-from triax.configs import leaves
+from triax.configs import leaves, sections
 # JAX-free (see training/config.py): the parser is built before the device count is set.
 from triax.training.config import RunConfig
 
@@ -21,8 +22,18 @@ FIELDS = {name: leaf.field for name, leaf in leaves(RunConfig).items()}
 
 def add_run_flags(p, names=None, defaults=None, notes=None, fill: bool = False,
                   aliases=None) -> None:
-    """``add_flags`` for ``RunConfig``."""
-    add_flags(p, RunConfig, names, defaults, notes, fill, aliases)
+    """``add_flags`` for ``RunConfig``, the help grouped by its sections (on a parser; into
+    a group, such as a mutually exclusive one, they go as they are)."""
+    wanted = list(FIELDS if names is None else names)
+    if not isinstance(p, argparse.ArgumentParser):
+        add_flags(p, RunConfig, wanted, defaults, notes, fill, aliases)
+        return
+    for section, cls in sections(RunConfig).items():
+        mine = [n for n in wanted if n in leaves(cls)]
+        if mine:
+            doc = (cls.__doc__ or "").split("\n\n")[0].replace("``", "")
+            g = p.add_argument_group(f"{section}", " ".join(doc.split()))
+            add_flags(g, RunConfig, mine, defaults, notes, fill, aliases)
 
 
 def run_values(args: argparse.Namespace) -> dict:

@@ -54,7 +54,7 @@ def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
         raise ValueError(f"--model {values['model']!r} conflicts with --init-from "
                          f"{values['init_from']!r}: the model comes from its config.json; "
                          f"drop --model")
-    run = RunConfig(**values)
+    run = RunConfig.of(**values)
     warn_inert(inert_flags(run, values), RunConfigWarning)
     return run, frozenset(values)
 
@@ -62,7 +62,7 @@ def run_config_and_given(args) -> tuple[RunConfig, frozenset]:
 def run(args) -> int:
     start_devices()  # before JAX starts its backend
     run_cfg, given = run_config_and_given(args)
-    if (args.dry_run or args.json) and run_cfg.plan != "auto":
+    if (args.dry_run or args.json) and run_cfg.planner.plan != "auto":
         raise ValueError("--dry-run and --json report --plan auto's choice; add --plan auto")
     # Loaded only now: these modules start JAX.
     from triax.training import distributed
@@ -73,7 +73,7 @@ def run(args) -> int:
     main = distributed.is_main_process()
     if main and how != "single process":
         print(f"triax train: multi-process ({how})", file=sys.stderr)
-    if run_cfg.plan == "auto":
+    if run_cfg.planner.plan == "auto":
         from triax.planner.auto import choose_train
         choice = choose_train(run_cfg, given)
         if main:

@@ -94,9 +94,10 @@ class Workload:
         if cfg is None and not params:
             cfg = run.model_config()
         pool = pool or PoolSettings()
-        return cls.of(cfg, params, train=train, dtype=run.precision, batch=run.batch_size,
-                      seq=run.seq_len, remat=run.remat, loss_chunks=run.loss_chunks,
-                      attention=run.attention, backend=backend, kv_blocks=pool.kv_blocks,
+        c = run.compute
+        return cls.of(cfg, params, train=train, dtype=c.precision, batch=run.dataset.batch_size,
+                      seq=run.dataset.seq_len, remat=c.remat, loss_chunks=c.loss_chunks,
+                      attention=c.attention, backend=backend, kv_blocks=pool.kv_blocks,
                       kv_memory=pool.kv_memory, kv_block_size=pool.block_size,
                       kv_dtype=pool.kv_dtype)
 

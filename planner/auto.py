@@ -11,8 +11,9 @@ The budget is ``--device-memory`` when given, else what a device has
 (``costs.fits.device_capacity``: the allocator's limit, or on simulated CPU
 devices the host's available memory divided among them); the report says which.
 
-    >>> from triax.training.config import RunConfig
-    >>> run = RunConfig(model="tiny", num_layers=2, batch_size=8, seq_len=16, plan="auto",
+    >>> from triax import configs
+from triax.training.config import RunConfig, saved_values
+    >>> run = RunConfig.of(model="tiny", num_layers=2, batch_size=8, seq_len=16, plan="auto",
     ...                 device_memory="64MiB")
     >>> choice = choose_train(run, given=frozenset({"model", "num_layers"}))  # doctest: +SKIP
     >>> choice.compiled.peak_bytes <= choice.budget.usable                      # doctest: +SKIP
@@ -40,7 +41,8 @@ from triax.planner.verify import LAYOUT_FIELDS, layout_fields
 from triax.costs.workload import Workload
 from triax.sharding.introspect import MemoryReport, memory_from_compiled
 from triax.sharding.rules import ShardingError
-from triax.training.config import RunConfig
+from triax import configs
+from triax.training.config import RunConfig, saved_values
 from triax.units import human_bytes
 
 # Headroom kept below the budget: the allocator's fragmentation and the runtime's own
@@ -151,15 +153,15 @@ class AutoChoice:
     reasons: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        r = self.run
-        p = self.plan
-        return {"mesh": r.mesh, "strategy": r.strategy,
-                "schedule": r.schedule if _pipe(r) > 1 else None,
-                "microbatches": r.microbatches if _pipe(r) > 1 else None,
-                "virtual": r.virtual if _pipe(r) > 1 else None,
-                "remat": r.remat, "loss_chunks": r.loss_chunks,
-                "context_attention": r.context_attention if _axis(r, "context") > 1 else None,
-                "tp_overlap": r.tp_overlap, "offload": r.offload or None,
+        r, p = self.run, self.plan
+        lay, pp, piped = r.layout, r.pipeline, _pipe(r) > 1
+        return {"mesh": lay.mesh, "strategy": lay.strategy,
+                "schedule": pp.schedule if piped else None,
+                "microbatches": pp.microbatches if piped else None,
+                "virtual": pp.virtual if piped else None,
+                "remat": r.compute.remat, "loss_chunks": r.compute.loss_chunks,
+                "context_attention": lay.context_attention if _axis(r, "context") > 1 else None,
+                "tp_overlap": lay.tp_overlap, "offload": lay.offload or None,
                 "predicted_host_bytes": int(p.memory.host) if p else None,
                 "compiled_host_bytes": self.compiled.host_argument_bytes
                 if self.compiled else None,
@@ -180,7 +182,7 @@ class AutoChoice:
 
 
 def _axis(run: RunConfig, name: str) -> int:
-    return parse_mesh(run.mesh).get(name, 1) if run.mesh else 1
+    return parse_mesh(run.layout.mesh).get(name, 1) if run.layout.mesh else 1
 
 
 def _pipe(run: RunConfig) -> int:
@@ -200,8 +202,8 @@ def label(p: PlanResult) -> str:
 def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bool:
     """Whether plan ``p`` keeps every layout flag the user gave (``given``) as given."""
     lay, w = p.layout, p.workload
-    if "mesh" in given and run.mesh:
-        want = parse_mesh(run.mesh)
+    if "mesh" in given and run.layout.mesh:
+        want = parse_mesh(run.layout.mesh)
         if -1 in want.values():   # one axis takes the remaining devices
             rest = devices // max(1, -math.prod(want.values()))
             want = {a: (rest if n == -1 else n) for a, n in want.items()}
@@ -209,15 +211,16 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
                                                         if n > 1}:
             return False
     piped = lay.pipe > 1
-    checks = {"strategy": lay.strategy.name == run.strategy, "remat": w.remat == run.remat,
-              "loss_chunks": w.loss_chunks == run.loss_chunks,
-              "schedule": not piped or lay.schedule.value == run.schedule,
-              "microbatches": not piped or run.microbatches in (0, lay.microbatches),
-              "virtual": not piped or lay.virtual == run.virtual,
+    rl, pp = run.layout, run.pipeline
+    checks = {"strategy": lay.strategy.name == rl.strategy, "remat": w.remat == run.compute.remat,
+              "loss_chunks": w.loss_chunks == run.compute.loss_chunks,
+              "schedule": not piped or lay.schedule.value == pp.schedule,
+              "microbatches": not piped or pp.microbatches in (0, lay.microbatches),
+              "virtual": not piped or lay.virtual == pp.virtual,
               "context_attention": lay.context == 1
-              or lay.context_attention == run.context_attention,
-              "tp_overlap": lay.tp_overlap == run.tp_overlap,
-              "offload": lay.offload == run.offload_targets()}
+              or lay.context_attention == rl.context_attention,
+              "tp_overlap": lay.tp_overlap == rl.tp_overlap,
+              "offload": lay.offload == rl.offload_targets()}
     return all(ok for name, ok in checks.items() if name in given)
 
 
@@ -225,29 +228,30 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
                  budget: Optional[Budget] = None) -> AutoChoice:
     """The training run ``--plan auto`` runs: the flags in ``given`` stay as given, the
     search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc."""
-    if run.objective != "throughput":
-        raise ValueError(f"--objective {run.objective}: training ranks by throughput (tokens "
+    if run.planner.objective != "throughput":
+        raise ValueError(f"--objective {run.planner.objective}: training ranks by throughput "
+                         f"(tokens "
                          f"per second); --objective latency is for generate and serve")
     cfg = run.model_config() if cfg is None else cfg
-    budget = budget or budget_for(run.device_memory)
+    budget = budget or budget_for(run.planner.device_memory)
     n = jax.device_count()
     devices = f"{n} × {jax.devices()[0].device_kind}"
     kept = kept_plan(run)
     if kept is not None:
         saved, why = kept
-        return AutoChoice(saved, budget, devices, run.objective, reasons=[why])
+        return AutoChoice(saved, budget, devices, run.planner.objective, reasons=[why])
     cluster, speeds = present_cluster()
     w = Workload.of_run(run, cfg, backend=jax.devices()[0].platform)
-    remats = (run.remat,) if "remat" in given else ("none", "full")
-    kept_off = ((run.offload_targets(),) if "offload" in given else ((),))
+    remats = (run.compute.remat,) if "remat" in given else ("none", "full")
+    kept_off = ((run.layout.offload_targets(),) if "offload" in given else ((),))
     ranked = [p for p in _searched(w, cluster, remats, kept_off) if matches(p, run, given, n)]
     if not ranked:
-        fixed = ", ".join(f"--{f.replace('_', '-')} {getattr(run, f)}"
+        fixed = ", ".join(f"--{f.replace('_', '-')} {configs.get(run, f)}"
                           for f in LAYOUT_FIELDS if f in given)
         raise NoPlanFits(f"--plan auto: no layout of {cfg.name} on {devices} keeps the flags "
                          f"you fixed ({fixed or 'none'}) and splits the batch of "
-                         f"{run.batch_size}; drop a fixed flag or change --batch-size")
-    choice = AutoChoice(run, budget, devices, run.objective)
+                         f"{run.dataset.batch_size}; drop a fixed flag or change --batch-size")
+    choice = AutoChoice(run, budget, devices, run.planner.objective)
     over = _prove(choice, ranked, cfg, speeds)
     # Offload costs host-link time every step: offered only when no plan keeps the state on
     # the device (by compile), and only when --offload was not given.
@@ -331,12 +335,12 @@ def _nothing_fits(name: str, devices: str, b: Budget, refused: list, over: list,
         return f"--plan auto: no candidate layout of {name} on {devices} builds ({whys})"
     need, how, p = min(needs, key=lambda t: t[0])
     fixes = [f"more devices (about {-(-need // b.usable)}× this memory in all)",
-             f"a shorter --seq-len (now {run.seq_len})",
+             f"a shorter --seq-len (now {run.dataset.seq_len})",
              "LoRA (only the adapters train: the optimizer state shrinks to theirs)"]
     if p.workload.remat != "full":   # never the setting the smallest plan already has
-        fixes.append("--remat full" + (" (you fixed --remat " + run.remat + ")"
+        fixes.append("--remat full" + (" (you fixed --remat " + run.compute.remat + ")"
                                         if "remat" in given else ""))
-    fixes.append(f"a smaller --batch-size (now {run.batch_size})")
+    fixes.append(f"a smaller --batch-size (now {run.dataset.batch_size})")
     tried = "; ".join(f"{label(x.plan)}: {x.why}" for x in refused)
     return (f"--plan auto: nothing fits: the smallest plan of {name} on {devices}, {label(p)}, "
             f"needs {human_bytes(need)} per device ({how}) against {human_bytes(b.usable)} "
@@ -348,19 +352,21 @@ def kept_plan(run: RunConfig) -> Optional[tuple[RunConfig, str]]:
     """On ``--resume`` into a checkpoint: the run with the layout saved there (the plan is
     kept, not searched again), and a sentence saying so; None when there is none."""
     import os
-    if not (run.resume or run.resume_from is not None) or not run.checkpoint_dir \
-            or not os.path.isdir(run.checkpoint_dir):
+    ck = run.checkpoint
+    if not (ck.resume or ck.resume_from is not None) or not ck.checkpoint_dir \
+            or not os.path.isdir(ck.checkpoint_dir):
         return None
     from triax.checkpoint.checkpointer import Checkpointer   # Orbax: only when resuming
-    with Checkpointer.existing(run.checkpoint_dir) as ckpt:
-        step = run.resume_from if run.resume_from is not None else ckpt.latest_step()
+    with Checkpointer.existing(ck.checkpoint_dir) as ckpt:
+        step = ck.resume_from if ck.resume_from is not None else ckpt.latest_step()
         if step is None:
             return None
-        saved = ckpt.read_meta(step).get("run") or {}
+        saved = saved_values(ckpt.read_meta(step).get("run") or {})   # flat or in sections
     fields = {f: saved[f] for f in LAYOUT_FIELDS if f in saved}
     kept = run.replace(**fields)
-    return kept, (f"kept the plan saved with checkpoint step {step} in {run.checkpoint_dir}: "
-                  f"--mesh {kept.mesh} --strategy {kept.strategy} --remat {kept.remat}"
-                  + (f" --schedule {kept.schedule} --microbatches {kept.microbatches}"
+    lay, pp, comp = kept.layout, kept.pipeline, kept.compute
+    return kept, (f"kept the plan saved with checkpoint step {step} in {ck.checkpoint_dir}: "
+                  f"--mesh {lay.mesh} --strategy {lay.strategy} --remat {comp.remat}"
+                  + (f" --schedule {pp.schedule} --microbatches {pp.microbatches}"
                      if _pipe(kept) > 1 else "")
-                  + (f" --loss-chunks {kept.loss_chunks}" if kept.loss_chunks > 1 else ""))
+                  + (f" --loss-chunks {comp.loss_chunks}" if comp.loss_chunks > 1 else ""))

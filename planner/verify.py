@@ -55,11 +55,11 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
     """The plan as a training run (what ``compile_figures`` builds through ``build_run``)."""
     if w.dtype not in PRECISIONS:
         raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
-    return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
-                     seq_len=w.seq, precision=w.dtype, attention=w.attention,
-                     pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay),
-                     stage_layers=lay.stage_layers and ",".join(map(str, lay.stage_layers)),
-                     **_lora_fields(w))
+    return RunConfig.of(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
+                        seq_len=w.seq, precision=w.dtype, attention=w.attention,
+                        pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay),
+                        stage_layers=lay.stage_layers and ",".join(map(str, lay.stage_layers)),
+                        **_lora_fields(w))
 
 
 def _lora_fields(w: Workload) -> dict:
@@ -179,7 +179,7 @@ def _main(arg: str) -> None:
     a = json.loads(arg)
     cfg = config.get(a["model"], num_layers=a["layers"]).replace(max_seq_len=a["max_seq_len"])
     if a["lora"]:
-        cfg = cfg.replace(lora=RunConfig(**a["lora"]).lora_config())
+        cfg = cfg.replace(lora=RunConfig.of(**a["lora"]).lora.lora_config())
     w = Workload.of(cfg, train=True,
                     dtype=a["dtype"], batch=a["batch"], seq=a["seq"], remat=a["remat"],
                     loss_chunks=a["loss_chunks"],

@@ -104,8 +104,8 @@ def test_auto_resolves_per_backend_and_names_are_checked():
     assert A.resolve("blockwise") == "blockwise"
     assert A.kernel("auto") is A.IMPLEMENTATIONS[A.AUTO[jax.default_backend()]]
     with pytest.raises(ValueError, match="'flash'.*auto, reference, blockwise, dot_product"):
-        RunConfig(attention="flash").exec_config()
-    assert RunConfig(attention="blockwise").exec_config().attention == "blockwise"
+        RunConfig.of(attention="flash").exec_config()
+    assert RunConfig.of(attention="blockwise").exec_config().attention == "blockwise"
 
 
 def test_attention_choices_are_the_named_kernels():

@@ -11,9 +11,9 @@ from triax.cli.main import main
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
-BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                 mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
-                 lr_decay_steps=6, seed=4, eval_batches=0, progress=False, checkpoint_every=3)
+BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                    mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
+                    lr_decay_steps=6, seed=4, eval_batches=0, progress=False, checkpoint_every=3)
 
 
 @pytest.fixture(scope="module")

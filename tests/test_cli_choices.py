@@ -105,8 +105,9 @@ def test_command_defaults():
     p = build_parser()
     plan = plan_inputs(p.parse_args(PLAN_ARGS))   # train's defaults; the layout searched
     run = plan.run
-    assert (run.batch_size, run.seq_len, run.precision, run.remat, run.attention,
-            run.loss_chunks, run.num_layers, run.max_seq_len, plan.layout) == \
+    ds, comp, src = run.dataset, run.compute, run.source
+    assert (ds.batch_size, ds.seq_len, comp.precision, comp.remat, comp.attention,
+            comp.loss_chunks, src.num_layers, src.max_seq_len, plan.layout) == \
         (16, 128, "fp32", "none", "auto", 1, None, None, {})
     gen = serve_config(p.parse_args(["generate", "--model", "tiny", "--prompt", "hi",
                                      "--max-new-tokens", "1"]))

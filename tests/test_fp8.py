@@ -100,6 +100,6 @@ def test_fsdp_fp8_loss_matches_single_device(devices, fsdp_steps, compiled):
 
 
 def test_precision_flag_turns_fp8_on():
-    assert RunConfig(precision="fp8").exec_config().fp8
-    assert RunConfig(precision="fp8").exec_config().compute_dtype == "bfloat16"
-    assert not RunConfig(precision="bf16").exec_config().fp8
+    assert RunConfig.of(precision="fp8").exec_config().fp8
+    assert RunConfig.of(precision="fp8").exec_config().compute_dtype == "bfloat16"
+    assert not RunConfig.of(precision="bf16").exec_config().fp8

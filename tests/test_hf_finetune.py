@@ -50,10 +50,10 @@ def test_init_from_past_its_context_warns_and_lengthens_it():
     d = fixture("llama")
     trained = read_model_config(d)
     with pytest.warns(RunConfigWarning) as got:
-        cfg = init_from_config(RunConfig(init_from=d, seq_len=2 * trained.max_seq_len))
+        cfg = init_from_config(RunConfig.of(init_from=d, seq_len=2 * trained.max_seq_len))
     msg = str(got[0].message)
     for part in (f"--seq-len {2 * trained.max_seq_len}", trained.name, repr(d),
                  f"max_seq_len {trained.max_seq_len}"):
         assert part in msg, (part, msg)
     assert cfg.max_seq_len == 2 * trained.max_seq_len
-    RunConfig(init_from=d, seq_len=2 * trained.max_seq_len).check_model(cfg)   # not refused
+    RunConfig.of(init_from=d, seq_len=2 * trained.max_seq_len).check_model(cfg)   # not refused

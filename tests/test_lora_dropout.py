@@ -105,9 +105,9 @@ def test_decode_ignores_dropout(reference):
 
 def test_bad_dropout_settings_are_refused(devices):
     with pytest.raises(ValueError, match=r"--lora-dropout 1: must be in \[0, 1\)"):
-        RunConfig(lora_rank=4, lora_dropout=1.0)
+        RunConfig.of(lora_rank=4, lora_dropout=1.0)
     with pytest.raises(ValueError, match="--lora-dropout needs LoRA: give --lora-rank"):
-        RunConfig(lora_dropout=0.1)
+        RunConfig.of(lora_dropout=0.1)
     with pytest.raises(ValueError, match=r"--lora-dropout -0.1: must be in \[0, 1\)"):
         LoraConfig(rank=4, dropout=-0.1)
-    assert RunConfig(lora_rank=4, lora_dropout=0.1).model_config().lora.dropout == 0.1
+    assert RunConfig.of(lora_rank=4, lora_dropout=0.1).model_config().lora.dropout == 0.1

@@ -116,8 +116,8 @@ def test_adapter_continues_training(exported, devices):
     from triax.training.init_from import lora_params
     from triax.training.setup import build_run
     _, adapter, *_ = exported
-    run = RunConfig(init_from=fixture("llama"), lora_rank=R, lora_alpha=ALPHA, adapter=adapter,
-                    mesh="data=4,tensor=2", strategy="fsdp_tp", batch_size=8, seq_len=16)
+    run = RunConfig.of(init_from=fixture("llama"), lora_rank=R, lora_alpha=ALPHA, adapter=adapter,
+                       mesh="data=4,tensor=2", strategy="fsdp_tp", batch_size=8, seq_len=16)
     built = build_run(run)
     params = jax.device_get(lora_params(built.trainer, built.model, run.init_from, adapter))
     want = read_adapters(adapter, built.model)
@@ -199,9 +199,9 @@ def test_bad_run_settings_are_refused():
         config.TINY_MOE.replace(lora=LoraConfig(rank=4))
     with pytest.raises(ValueError, match="--adapter 'x' continues a PEFT adapter over its base "
                                          "model: give --init-from"):
-        RunConfig(lora_rank=4, adapter="x")
+        RunConfig.of(lora_rank=4, adapter="x")
     with pytest.raises(ValueError, match="--base-dtype needs LoRA: give --lora-rank"):
-        RunConfig(base_dtype="bfloat16")
+        RunConfig.of(base_dtype="bfloat16")
     with pytest.raises(ValueError, match=r"--lora-targets q_proj,qkv: unknown module\(s\) "
                                          r"\['qkv'\]"):
-        RunConfig(lora_rank=4, lora_targets="q_proj,qkv").model_config()
+        RunConfig.of(lora_rank=4, lora_targets="q_proj,qkv").model_config()

@@ -88,4 +88,4 @@ def test_chunked_loss_holds_one_slice_of_logits():
 def test_loss_chunks_must_divide_the_sequence():
     with pytest.raises(ValueError, match=r"--loss-chunks 3: must be ≥ 1 and divide the "
                                          r"sequence length 32"):
-        RunConfig(seq_len=32, loss_chunks=3).exec_config()
+        RunConfig.of(seq_len=32, loss_chunks=3).exec_config()

@@ -97,10 +97,10 @@ def test_pipeline_carries_segment_ids_and_positions(single, devices):
 def test_grain_resume_is_bit_identical(tmp_path, devices):
     """jsonl + an HF tokenizer: 4 steps straight == 2 steps, saved, resumed for 2 more."""
     data = write_jsonl(tmp_path / "sft.jsonl", sft_records(40))
-    base = RunConfig(model="tiny", num_layers=1, data=data, tokenizer=make_tokenizer(tmp_path),
-                     batch_size=8, seq_len=T, mesh="data=8", strategy="dp", steps=4, lr=1e-2,
-                     lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0,
-                     progress=False)
+    base = RunConfig.of(model="tiny", num_layers=1, data=data, tokenizer=make_tokenizer(tmp_path),
+                        batch_size=8, seq_len=T, mesh="data=8", strategy="dp", steps=4, lr=1e-2,
+                        lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0,
+                        progress=False)
     quiet = dict(note=lambda *_: None)
     straight = train(base, **quiet).losses
     ck = str(tmp_path / "ck")

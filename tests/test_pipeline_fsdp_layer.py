@@ -173,8 +173,8 @@ def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
         return Need()
     monkeypatch.setattr(triax.training.setup, "estimate", estimate)
     mesh = make_mesh(**SIZES)
-    run = RunConfig(model="tiny", num_layers=4, mesh="data=2,pipe=2,tensor=2",
-                    strategy="fsdp_tp", batch_size=B, seq_len=T, microbatches=M)
+    run = RunConfig.of(model="tiny", num_layers=4, mesh="data=2,pipe=2,tensor=2",
+                       strategy="fsdp_tp", batch_size=B, seq_len=T, microbatches=M)
     assert run.pipeline_fsdp == "auto"
     monkeypatch.setenv(MEMORY_ENV, "1000B")
     assert pipeline_fsdp_for(run, CFG, mesh) == "stage"

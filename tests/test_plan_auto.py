@@ -19,8 +19,8 @@ from triax.training.config import RunConfig
 from triax.training.setup import build_run
 from triax.training.step import Trainer
 
-RUN = RunConfig(model="tiny", num_layers=1, batch_size=8, seq_len=16, steps=3, plan="auto",
-                data="markov", progress=False, eval_batches=0)
+RUN = RunConfig.of(model="tiny", num_layers=1, batch_size=8, seq_len=16, steps=3, plan="auto",
+                   data="markov", progress=False, eval_batches=0)
 GIVEN = frozenset({"model", "num_layers", "batch_size", "seq_len", "steps", "plan"})
 MIB = 1 << 20
 
@@ -58,7 +58,7 @@ def test_big_budget_takes_the_models_fastest_and_equals_one_device(big, devices)
     assert big.compiled.peak_bytes <= big.budget.usable
     assert build_run(big.run).mesh.devices.size == 8
     one = Trainer(RUN.model_config(), make_mesh(devices=devices[:1]), "dp",
-                  optim=RUN.optim_config(), exe=RUN.exec_config(), total_steps=RUN.steps)
+                  optim=RUN.optim_config(), exe=RUN.exec_config(), total_steps=RUN.loop.steps)
     np.testing.assert_allclose(_losses(build_run(big.run).trainer), _losses(one), rtol=1e-5)
 
 
@@ -125,8 +125,8 @@ def test_resume_keeps_the_plan(big, tmp_path):
     # A smaller budget would choose another plan; the checkpoint's is kept.
     again = _choose(0.6, run=RUN.replace(checkpoint_dir=str(tmp_path), resume=True),
                     given=GIVEN | {"checkpoint_dir", "resume"})
-    assert (again.run.mesh, again.run.strategy, again.run.remat) == \
-        (big.run.mesh, big.run.strategy, big.run.remat)
+    assert (again.run.layout.mesh, again.run.layout.strategy, again.run.compute.remat) == \
+        (big.run.layout.mesh, big.run.layout.strategy, big.run.compute.remat)
     assert "kept the plan saved with checkpoint step 1" in again.describe()
 
 

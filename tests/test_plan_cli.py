@@ -10,8 +10,10 @@ from triax.training.config import RunConfig
 def test_no_flags_means_train_defaults():
     inp = plan_inputs(build_parser().parse_args(["plan"]))
     d = RunConfig()
-    assert (inp.model, inp.run.batch_size, inp.run.seq_len, inp.run.precision) == \
-        (d.model, d.batch_size, d.seq_len, d.precision) == ("tiny", 16, 128, "fp32")
+    got, want = inp.run.flat(), d.flat()
+    keys = ("batch_size", "seq_len", "precision")
+    assert (inp.model, *map(got.get, keys)) == (want["model"], *map(want.get, keys)) == \
+        ("tiny", 16, 128, "fp32")
     assert not inp.plan.inference and inp.plan.gpu is None and inp.layout == {}
 
 
@@ -45,7 +47,7 @@ def test_one_kind_defaults_to_one_node_of_eight(capsys):
 
 
 def test_dtype_is_precision():
-    assert plan_inputs(build_parser().parse_args(["plan", "--dtype", "bf16"])).run.precision \
+    assert plan_inputs(build_parser().parse_args(["plan", "--dtype", "bf16"])).run.compute.precision \
         == "bf16"
 
 

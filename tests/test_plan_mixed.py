@@ -48,10 +48,10 @@ def test_the_slower_group_gets_fewer_layers_and_a_faster_step(small_plan):
 def test_the_chosen_split_compiles_within_each_groups_memory(small_plan):
     m = small_plan
     lay = m.layout
-    run = RunConfig(model="tiny", num_layers=4, mesh=lay.mesh_str, strategy=lay.strategy.name,
-                    batch_size=16, seq_len=16, schedule=lay.schedule.value,
-                    microbatches=lay.microbatches,
-                    stage_layers=",".join(map(str, m.uneven)))
+    run = RunConfig.of(model="tiny", num_layers=4, mesh=lay.mesh_str, strategy=lay.strategy.name,
+                       batch_size=16, seq_len=16, schedule=lay.schedule.value,
+                       microbatches=lay.microbatches,
+                       stage_layers=",".join(map(str, m.uneven)))
     built = build_run(run)
     assert built.trainer.pipeline.layout.counts == (3, 1)
     peak = memory_from_compiled(built.compiled.step).peak_bytes

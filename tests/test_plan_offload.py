@@ -64,8 +64,8 @@ def test_plan_prints_host_bytes_and_link_time(capsys):
         in line, out
 
 
-RUN = RunConfig(model="tiny", num_layers=1, batch_size=8, seq_len=16, steps=3, plan="auto",
-                data="markov", progress=False, eval_batches=0)
+RUN = RunConfig.of(model="tiny", num_layers=1, batch_size=8, seq_len=16, steps=3, plan="auto",
+                   data="markov", progress=False, eval_batches=0)
 GIVEN = frozenset({"model", "num_layers", "batch_size", "seq_len", "steps", "plan"})
 
 
@@ -77,13 +77,13 @@ def test_auto_offloads_only_when_nothing_on_the_device_fits():
     """0.35 MiB: no plan keeping the state on the device fits (by the model, or refused by
     its compile), an offloaded one does, proved by its compile."""
     c = _choose(0.35)
-    assert c.run.offload and c.plan.layout.offload, auto.label(c.plan)
+    assert c.run.layout.offload and c.plan.layout.offload, auto.label(c.plan)
     assert c.compiled.peak_bytes <= c.budget.usable
     assert c.compiled.host_argument_bytes == c.plan.memory.host > 0
     assert all(x.plan.layout.offload or x.compiled_peak > c.budget.usable for x in c.refused)
     assert "host offload was searched" in c.describe() and "Offloaded to the host" in \
         c.describe()
-    assert c.to_json()["offload"] == c.run.offload
+    assert c.to_json()["offload"] == c.run.layout.offload
 
 
 def test_auto_keeps_the_state_on_the_device_when_a_plan_fits():
@@ -91,5 +91,5 @@ def test_auto_keeps_the_state_on_the_device_when_a_plan_fits():
     optimizer state beats the fsdp_tp_sp that fits), but a plan keeping the state on the
     device compiles within the budget, so it is chosen."""
     c = _choose(0.6)
-    assert not c.run.offload and not c.plan.layout.offload, auto.label(c.plan)
+    assert not c.run.layout.offload and not c.plan.layout.offload, auto.label(c.plan)
     assert c.compiled.peak_bytes <= c.budget.usable and c.compiled.host_argument_bytes == 0

@@ -51,10 +51,10 @@ def test_a_config_file_gets_the_same_checks(tmp_path, capsys):
 def test_warmup_longer_than_the_run_warns():
     with pytest.warns(RunConfigWarning, match=r"--lr-warmup-steps 20 is longer than the run "
                                               r"\(--steps 10\)"):
-        RunConfig(steps=10, lr_warmup_steps=20)
+        RunConfig.of(steps=10, lr_warmup_steps=20)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        RunConfig(steps=20, lr_warmup_steps=20)   # warmup ending on the last step: legal
+        RunConfig.of(steps=20, lr_warmup_steps=20)   # warmup ending on the last step: legal
 
 
 def test_a_sequence_past_the_context_is_refused_up_front(capsys):
@@ -74,12 +74,12 @@ def test_max_seq_len_lengthens_a_presets_context(capsys):
     assert main(long) == 2
     assert "--max-seq-len 512" in capsys.readouterr().err
     assert main([*long, "--max-seq-len", "512"]) == 0
-    assert RunConfig(max_seq_len=512).model_config().max_seq_len == 512
+    assert RunConfig.of(max_seq_len=512).model_config().max_seq_len == 512
 
 
 @pytest.fixture(scope="module")
 def small_run():
-    return build_run(RunConfig(**SMALL))
+    return build_run(RunConfig.of(**SMALL))
 
 
 def test_a_step_that_does_not_fit_stops_before_allocating(small_run, tmp_path, monkeypatch,

@@ -37,8 +37,8 @@ def test_each_pipe_rank_holds_only_its_stage_on_small():
     """``--stage-layers 5,3`` on small (8 layers, pipe=2, dp): a device's parameter bytes are
     the larger stage's share (its 5 layers and the replicated embedding and head), not the
     whole stack's 8 layers (1.60× that share, as the stack was kept before)."""
-    run = RunConfig(model="small", num_layers=8, mesh="data=4,pipe=2", strategy="dp",
-                    batch_size=16, seq_len=16, stage_layers="5,3")
+    run = RunConfig.of(model="small", num_layers=8, mesh="data=4,pipe=2", strategy="dp",
+                       batch_size=16, seq_len=16, stage_layers="5,3")
     tr = build_run(run).trainer
     model = tr.abstract.shapes
     layer = _bytes(model["blocks"]) // 8

@@ -104,18 +104,18 @@ def test_bad_counts_are_refused(counts, kind, v, match):
 
 
 def test_the_flag_reaches_the_pipeline_and_the_saved_config():
-    run = RunConfig(model="tiny", num_layers=4, mesh="data=4,pipe=2", strategy="dp",
-                    batch_size=16, seq_len=16, stage_layers="3,1")
+    run = RunConfig.of(model="tiny", num_layers=4, mesh="data=4,pipe=2", strategy="dp",
+                       batch_size=16, seq_len=16, stage_layers="3,1")
     built = build_run(run)
     assert built.pipeline.stage_layers == (3, 1)
     assert built.trainer.pipeline.layout.counts == (3, 1)
-    assert RunConfig(**run.to_json()).stage_counts() == (3, 1)   # what a checkpoint keeps
+    assert RunConfig.from_json(run.to_json()).pipeline.stage_counts() == (3, 1)   # what a checkpoint keeps
     with pytest.raises(ValueError, match=r"--stage-layers: .*add up to 5, but the model has "
                                          r"4 layers"):
-        RunConfig(num_layers=4, stage_layers="3,2")
+        RunConfig.of(num_layers=4, stage_layers="3,2")
     with pytest.raises(ValueError, match=r"--stage-layers: stage_layers '3;1': give one layer "
                                          r"count per pipeline stage, comma-separated"):
-        RunConfig(stage_layers="3;1")
+        RunConfig.of(stage_layers="3;1")
     with pytest.raises(ValueError, match=r"--stage-layers fixes uneven stages, which --plan "
                                          r"auto does not search: use --plan flags"):
         run.replace(plan="auto")

@@ -87,21 +87,21 @@ def test_overlap_refuses_what_it_cannot_run(devices):
     assert "sequence-parallel strategy" in overlap_reason(sizes, get_strategy("tp").rules)
     assert "tensor > 1" in overlap_reason({"data": 8}, get_strategy("tp_sp").rules)
     with pytest.raises(ValueError, match="pipeline stages"):
-        build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,pipe=2,tensor=2",
-                            strategy="tp_sp", tp_overlap=True, batch_size=8, seq_len=16))
+        build_run(RunConfig.of(model="tiny", num_layers=2, mesh="data=2,pipe=2,tensor=2",
+                               strategy="tp_sp", tp_overlap=True, batch_size=8, seq_len=16))
 
 
 def test_plan_auto_knows_the_overlap_and_takes_it_as_compiled(devices):
     """--plan auto: on tiny the model ranks plain SP first (24 permutes' latency per block
     outweigh what they hide), so it is chosen; with --tp-overlap given, the overlapped
     layout is chosen, compiled through build_run (its peak measured)."""
-    run = RunConfig(model="tiny", num_layers=1, batch_size=8, seq_len=16, plan="auto",
-                    mesh="data=2,tensor=4", strategy="tp_sp", data="markov")
+    run = RunConfig.of(model="tiny", num_layers=1, batch_size=8, seq_len=16, plan="auto",
+                       mesh="data=2,tensor=4", strategy="tp_sp", data="markov")
     given = frozenset({"model", "num_layers", "batch_size", "seq_len", "plan", "mesh",
                        "strategy", "remat"})
     budget = auto.Budget(64 << 20, "a test budget")
     plain = auto.choose_train(run, given, budget=budget)
-    assert not plain.run.tp_overlap and plain.runner_up.layout.tp_overlap
+    assert not plain.run.layout.tp_overlap and plain.runner_up.layout.tp_overlap
     on = auto.choose_train(run.replace(tp_overlap=True), given | {"tp_overlap"}, budget=budget)
-    assert on.run.tp_overlap and on.plan.layout.tp_overlap
+    assert on.run.layout.tp_overlap and on.plan.layout.tp_overlap
     assert on.compiled.peak_bytes <= budget.usable

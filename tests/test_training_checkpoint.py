@@ -15,9 +15,9 @@ from triax.checkpoint import CheckpointError, Checkpointer
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
-BASE = RunConfig(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
-                 mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
-                 lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
+BASE = RunConfig.of(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
+                    mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
+                    lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
 QUIET = dict(note=lambda *_: None)
 # The directory that holds the `triax` package (the repo root is the package itself).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

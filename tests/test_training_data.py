@@ -114,13 +114,13 @@ def test_batch_not_divisible_names_numbers_and_a_valid_size(devices):
     mesh = make_mesh(data=4, tensor=2)
     with pytest.raises(ValueError, match=r"--batch-size 10 is not divisible by data \(4\) × "
                                          r"micro-batches \(2\) = 8; use e.g. --batch-size 8"):
-        check_batch(RunConfig(batch_size=10, grad_accum=2), mesh)
-    check_batch(RunConfig(batch_size=16, grad_accum=2), mesh)
+        check_batch(RunConfig.of(batch_size=10, grad_accum=2), mesh)
+    check_batch(RunConfig.of(batch_size=16, grad_accum=2), mesh)
 
 
 def test_mesh_needing_more_devices_than_exist(devices):
     with pytest.raises(ValueError, match="needs 16 devices but only 8 exist"):
-        build_mesh(RunConfig(mesh="data=4,tensor=4"), mc.TINY)
+        build_mesh(RunConfig.of(mesh="data=4,tensor=4"), mc.TINY)
 
 
 def test_default_mesh_is_3d_on_8_devices():
@@ -137,7 +137,7 @@ def test_config_file_toml_and_yaml_and_flags_override(tmp_path):
     yml.write_text("steps: 9\nlr: 0.01\n")
     args = build_parser().parse_args(["train", "--config", str(toml), "--steps", "3"])
     run, given = run_config_and_given(args)
-    assert (run.steps, run.batch_size, run.mesh) == (3, 8, "data=4,tensor=2")
+    assert (run.loop.steps, run.dataset.batch_size, run.layout.mesh) == (3, 8, "data=4,tensor=2")
     assert given == {"model", "steps", "batch_size", "mesh"}
     assert load_config_file(str(yml)) == {"steps": 9, "lr": 0.01}
     bad = tmp_path / "bad.yaml"

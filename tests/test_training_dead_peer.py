@@ -19,10 +19,10 @@ from triax.training.config import RunConfig
 from triax.training.loop import train
 
 # The schedule is pinned (warmup, decay), so losses depend on the step only, not on --steps.
-BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                 mesh="data=4,tensor=2", strategy="fsdp_tp", steps=100_000, lr=1e-2,
-                 lr_warmup_steps=1, lr_decay_steps=40, seed=5, eval_batches=0, progress=False,
-                 checkpoint_every=3)
+BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                    mesh="data=4,tensor=2", strategy="fsdp_tp", steps=100_000, lr=1e-2,
+                    lr_warmup_steps=1, lr_decay_steps=40, seed=5, eval_batches=0, progress=False,
+                    checkpoint_every=3)
 HEARTBEAT_S = 5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -58,9 +58,9 @@ def test_tensorboard_events_written(cli_run):
 
 def test_same_losses_on_another_mesh_and_strategy(cli_run):
     _, recs = cli_run
-    run = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=16, seq_len=32,
-                    lr=0.01, seed=0, steps=STEPS, mesh="data=2,tensor=4",
-                    strategy="fsdp_tp", progress=False)
+    run = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=16, seq_len=32,
+                       lr=0.01, seed=0, steps=STEPS, mesh="data=2,tensor=4",
+                       strategy="fsdp_tp", progress=False)
     res = train(run, note=lambda *_: None)
     other, ref = res.losses, [r["loss"] for r in recs]
     kinds = {(c["kind"], tuple(c["axes"])) for c in res.summary["collectives"]}
@@ -96,10 +96,10 @@ def test_gradient_accumulation_matches_one_big_batch(devices):
 
 def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
     ckdir = tmp_path / "ck"
-    run = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="dp", steps=8, lr=1e30, clip_norm=1e30,
-                    lr_warmup_steps=1, checkpoint_dir=str(ckdir), checkpoint_every=1,
-                    progress=False)
+    run = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                       mesh="data=8", strategy="dp", steps=8, lr=1e30, clip_norm=1e30,
+                       lr_warmup_steps=1, checkpoint_dir=str(ckdir), checkpoint_every=1,
+                       progress=False)
     with pytest.raises(NonFiniteLoss, match=r"at step (\d+) \(batch \d+\); stopped without "
                                             r"saving; the last "
                                             r"good checkpoint \(step (\d+)\)") as e:

@@ -12,9 +12,9 @@ import numpy as np
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
-BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                 mesh="data=4,tensor=2", strategy="fsdp_tp", steps=4, lr=1e-2,
-                 lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0, progress=False)
+BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                    mesh="data=4,tensor=2", strategy="fsdp_tp", steps=4, lr=1e-2,
+                    lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0, progress=False)
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -24,7 +24,7 @@ WORKER = textwrap.dedent("""
     import jax
     from triax.training.config import RunConfig
     from triax.training.loop import train
-    base = RunConfig(**json.loads(base))
+    base = RunConfig.from_json(json.loads(base))
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     first = train(base.replace(steps=2, checkpoint_dir=ckdir), note=lambda *_: None)
     rest = train(base.replace(checkpoint_dir=ckdir, resume=True), note=lambda *_: None)

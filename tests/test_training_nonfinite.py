@@ -14,10 +14,10 @@ from triax.training.data import Batches
 from triax.training.loop import NonFiniteLoss, train
 
 BAD = 4   # the batch index that carries the NaN: consumed by step 5
-BASE = RunConfig(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                 mesh="data=8", strategy="dp", steps=8, lr=1e-2, lr_warmup_steps=1,
-                 lr_decay_steps=8, seed=6, eval_batches=0, progress=False, checkpoint_every=1,
-                 keep_checkpoints=20)
+BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
+                    mesh="data=8", strategy="dp", steps=8, lr=1e-2, lr_warmup_steps=1,
+                    lr_decay_steps=8, seed=6, eval_batches=0, progress=False, checkpoint_every=1,
+                    keep_checkpoints=20)
 QUIET = dict(note=lambda *_: None)
 _clean_batch = Batches.numpy_batch
 

@@ -14,7 +14,7 @@ from triax.models import config
 from triax.training.config import RunConfig
 
 CFG = config.get("tiny", num_layers=2)
-RUN = RunConfig(model="tiny", num_layers=2, batch_size=8, seq_len=256)
+RUN = RunConfig.of(model="tiny", num_layers=2, batch_size=8, seq_len=256)
 
 
 def test_of_run_carries_every_setting_that_shapes_the_workload():

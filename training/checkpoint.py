@@ -14,7 +14,7 @@ The data position is read from a step's meta by ``data_position`` only, so a cha
 what the position is (a data-loader state) touches one function.
 
     >>> from triax.training.config import RunConfig
-    >>> open_checkpoints(RunConfig(resume=True), None, None, print)
+    >>> open_checkpoints(RunConfig.of(resume=True), None, None, print)
     Traceback (most recent call last):
     ...
     ValueError: --resume needs --checkpoint-dir DIR
@@ -45,19 +45,20 @@ class Resumed:
 
 def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) -> Resumed:
     """Apply the resume policy above; ``trainer`` gives the restore target's shardings."""
-    resume = run.resume or run.resume_from is not None
-    if not run.checkpoint_dir:
+    ck = run.checkpoint
+    resume = ck.resume or ck.resume_from is not None
+    if not ck.checkpoint_dir:
         if resume:
-            raise ValueError(f"{'--resume' if run.resume else '--resume-from'} needs "
+            raise ValueError(f"{'--resume' if ck.resume else '--resume-from'} needs "
                              f"--checkpoint-dir DIR")
-        if run.on_nonfinite == "rollback":
+        if run.loop.on_nonfinite == "rollback":
             raise ValueError("--on-nonfinite rollback needs --checkpoint-dir DIR (it restores "
                              "the last checkpoint)")
         return Resumed()
-    ckpt = Checkpointer(run.checkpoint_dir, keep=run.keep_checkpoints, read_only=run.no_save)
+    ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
     steps = ckpt.steps()
-    if run.resume_from is not None and run.resume_from not in steps:
-        raise CheckpointError(f"--resume-from {run.resume_from}: {ckpt.directory!r} holds "
+    if ck.resume_from is not None and ck.resume_from not in steps:
+        raise CheckpointError(f"--resume-from {ck.resume_from}: {ckpt.directory!r} holds "
                               f"no such step (steps {steps})")
     if not steps:
         if resume:
@@ -67,14 +68,14 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) 
         raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
                               f"{steps}); pass --resume to continue from step {steps[-1]}, "
                               f"or choose another --checkpoint-dir")
-    if run.resume_from is not None:
-        step = run.resume_from
+    if ck.resume_from is not None:
+        step = ck.resume_from
         state, meta = restore_step(ckpt, step, cfg, trainer)   # an explicit pick: no fallback
-        for newer in (s for s in steps if s > step and not run.no_save):
+        for newer in (s for s in steps if s > step and not ck.no_save):
             note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
                  f"{ckpt.set_aside(newer, 'superseded')}")
     else:
-        state, meta, step = _newest_intact(ckpt, steps, cfg, trainer, run.no_save, note)
+        state, meta, step = _newest_intact(ckpt, steps, cfg, trainer, ck.no_save, note)
     note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
          f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
          f"{trainer.strategy.name})")

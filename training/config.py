@@ -1,21 +1,29 @@
-"""Run configuration: one frozen dataclass that the CLI, config files and the loop share.
+"""Run configuration: one frozen dataclass of frozen sections that the CLI, config files
+and the loop share.
 
-Every field carries its help text in ``metadata`` and the CLI generates ``triax train``'s
-(and ``triax inspect``'s) flags from the fields (``triax.cli.run_flags``). ``--config FILE``
-(TOML or YAML, loaded safely) supplies the same keys as the flags (with ``-`` or ``_``), and
-explicit flags override it.
+The sections (``triax.training.run_sections``) are ``source`` (the model), ``layout`` (mesh,
+strategy, offload), ``compute`` (precision, remat, attention, loss slices), ``optim``,
+``lora``, ``pipeline``, ``dataset`` (data, tokenizer, batch shape, validation),
+``checkpoint``, ``planner`` (``--plan`` and the memory it must fit) and ``loop`` (steps,
+seed, non-finite losses, logging). Every field carries its help text in ``metadata``, and
+its name is its flag's wherever its section is: the CLI generates ``triax train``'s (and
+``triax inspect``'s) flags from the fields (``triax.cli.run_flags``). ``--config FILE``
+(TOML or YAML, loaded safely) supplies the same flat keys as the flags (with ``-`` or
+``_``), or ``[section]`` tables of them, and explicit flags override it.
 
-    >>> run = RunConfig(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
-    >>> run.replace(steps=100).steps
-    100
-    >>> RunConfig(precision="fp4")
+    >>> run = RunConfig.of(model="tiny", mesh="data=2,tensor=2,pipe=2", steps=50)
+    >>> run.replace(steps=100).loop.steps, run.layout.mesh
+    (100, 'data=2,tensor=2,pipe=2')
+    >>> RunConfig.of(precision="fp4")
     Traceback (most recent call last):
     ...
     ValueError: --precision 'fp4': choose one of fp32, bf16, fp16, fp8
-    >>> RunConfig(lr=-1)
+    >>> RunConfig.of(lr=-1)
     Traceback (most recent call last):
     ...
     ValueError: --lr -1: must be > 0; give a positive peak learning rate, e.g. --lr 3e-3
+    >>> RunConfig.from_json({"lr": 0.1, "steps": 3}) == RunConfig.of(lr=0.1, steps=3)  # old flat
+    True
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ import dataclasses
 import os
 import tomllib
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import yaml
@@ -31,257 +39,137 @@ import yaml
 # JAX-free on purpose: the CLI builds its parser from these fields before it may load JAX
 # (the simulated device count must be set first), so the model, optimizer and execution
 # configs, whose packages import JAX, are imported where they are built.
-from triax import choices
-from triax.config_fields import shared, spec
-from triax.configs import GE0, GE1, GT0, check_fields
+from triax import choices, configs
 from triax.choices import NONFINITE_MODES, PRECISIONS  # re-exported: importers use these
 from triax.training.config_warning import RunConfigWarning  # re-exported: importers use it
-from triax.pipeline.schedules import ScheduleKind
-from triax.pipeline.stage_counts import check_counts, parse_counts
-from triax.units import parse_bytes
+from triax.training.run_sections import (TRAIN_SCHEDULES, Checkpoint, Compute,  # noqa: F401
+                                         Dataset, Layout, Lora, Loop, Optim, Pipeline,
+                                         Planner, Source)
 
 if TYPE_CHECKING:
     from triax.models.config import ModelConfig
     from triax.models.layers import ExecConfig
     from triax.training.optim import OptimConfig
 
-# Schedules a training step can run (forward-only is for evaluation and inference).
-TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
-
-
-_f = spec   # a field with its CLI help (and optional ``choices``) in metadata
-
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything that defines a training run (saved as JSON in every checkpoint)."""
+    """Everything that defines a training run, in sections (saved as JSON in every
+    checkpoint); build it from flat field names with ``of``."""
 
-    model: str = shared("model", "tiny")
-    num_layers: Optional[int] = shared("num_layers", None)
-    max_seq_len: Optional[int] = _f(None, "override the model's context (its max_seq_len), "
-                                          "e.g. to lengthen a preset's: RoPE needs no table")
-    init_from: Optional[str] = _f(None, "Hugging Face model directory to fine-tune: the model "
-                                        "from its config.json (no --model), the weights from "
-                                        "its safetensors")
-    mesh: str = shared("mesh", "")
-    strategy: str = shared("strategy", "fsdp_tp")
-    context_attention: str = shared("context_attention", "all-gather")
-    tp_overlap: bool = _f(False, "collective matmul under sequence parallelism (tp_sp, "
-                                 "fsdp_tp_sp): each all-gather → matmul and matmul → "
-                                 "reduce-scatter over tensor becomes a ring of permutes "
-                                 "overlapped with partial matmuls")
-    steps: int = _f(200, "optimizer steps to reach (a resumed run continues up to this)")
-    seed: int = shared("seed", 0)
-    batch_size: int = _f(16, "global batch size (sequences per optimizer step)")
-    seq_len: int = _f(128, "tokens per sequence")
-    lr: float = _f(3e-3, "peak learning rate (warmup + cosine)")
-    lr_warmup_steps: int = _f(0, "warmup steps (0: 10% of --steps)")
-    lr_decay_steps: int = _f(0, "cosine decay steps (0: --steps)")
-    weight_decay: float = _f(0.1, "AdamW weight decay")
-    clip_norm: float = _f(1.0, "gradient clipping (global norm)")
-    precision: str = _f("fp32", "compute precision; bf16/fp16 keep fp32 master weights "
-                                "(fp16 without loss scaling); fp8: bf16 with the block's "
-                                "matmuls in float8 (e4m3 forward, e5m2 gradients, per-tensor "
-                                "current scales)", choices=tuple(PRECISIONS))
-    remat: str = _f("none", "activation checkpointing policy", choices=choices.REMAT_POLICIES)
-    offload: str = _f("", "state kept in the host's pinned memory between steps: optimizer, "
-                          "params or optimizer,params (the optimizer update streamed to the "
-                          "device or run on the host, whichever costs.offload prices lower)",
-                      default_help="none")
-    attention: str = _f("auto", "attention implementation (auto: the fastest for the "
-                                "backend)", choices=choices.ATTENTION_CHOICES)
-    loss_chunks: int = _f(1, "compute the loss over this many slices of each sequence, one "
-                             "at a time (long sequences: only a slice's fp32 logits are alive; "
-                             "the backward recomputes them)")
-    lora_rank: int = _f(0, "train LoRA adapters of this rank over a frozen base (0: full "
-                           "fine-tuning)")
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator: adapters add x·A·B·alpha/rank")
-    lora_dropout: float = _f(0.0, "dropout probability on the adapters' input in training "
-                                  "steps (PEFT's lora_dropout; none at eval or decode)")
-    lora_targets: str = _f(",".join(choices.PEFT_TARGETS), "comma-separated PEFT module names "
-                                                            "that get adapters")
-    base_dtype: str = _f("float32", "how the frozen LoRA base is stored (bfloat16: half the "
-                                    "bytes; int8: its projections int8 with per-channel "
-                                    "scales; adapters stay fp32)", choices=choices.BASE_DTYPES)
-    adapter: Optional[str] = shared("adapter", None)
-    grad_accum: int = _f(1, "gradient-accumulation micro-steps per optimizer step")
-    schedule: str = _f("1f1b", "pipeline schedule, used when the mesh has pipe > 1",
-                       choices=TRAIN_SCHEDULES)
-    microbatches: int = _f(0, "pipeline micro-batches per step (0: 2 × pipe)")
-    virtual: int = _f(1, "pipeline chunks per stage (interleaved; zb-v always runs 2)")
-    pipeline_fsdp: str = _f("auto", "FSDP weights in pipeline stages: stage (gathered once "
-                                    "per step, gradients accumulated whole) | layer (each "
-                                    "layer gathered per op, gradients reduce-scattered per "
-                                    "layer) | auto (stage where the planner's memory model "
-                                    "says it fits a device, else layer)",
-                            choices=choices.PIPELINE_FSDP_CHOICES)
-    stage_layers: Optional[str] = _f(None, "layers each pipeline stage runs, e.g. 5,3 (uneven "
-                                           "stages: one count per pipe stage, adding up to the "
-                                           "layers; gpipe or 1f1b; see docs/pipeline.md)",
-                                     default_help="as even as the layer count allows")
-    data: str = _f("pydoc", "pydoc | markov | path to a .txt, .npy (token ids), .jsonl or "
-                            ".parquet file (documents with a text field, or prompt/completion "
-                            "pairs whose prompts get no loss; packed)")
-    tokenizer: Optional[str] = shared("tokenizer", None)
-    val_fraction: float = _f(0.05, "fraction of the data held out for validation")
-    eval_every: int = _f(0, "validation loss every N steps (0: at the end only)")
-    eval_batches: int = _f(4, "batches per validation")
-    checkpoint_dir: Optional[str] = _f(None, "directory for Orbax checkpoints")
-    checkpoint_every: int = _f(0, "save every N steps (0: at the end and on SIGTERM/SIGINT)")
-    keep_checkpoints: int = _f(3, "keep the last N checkpoints")
-    resume: bool = _f(False, "continue from the latest checkpoint in --checkpoint-dir")
-    no_save: bool = _f(False, "do not write checkpoints")
-    resume_from: Optional[int] = _f(None, "resume from this checkpoint step (newer steps are "
-                                          "set aside, never deleted); implies --resume")
-    on_nonfinite: str = _f("stop", "a NaN/inf loss: stop | skip (drop that update) | rollback "
-                                   "(restore the last checkpoint, skip the data since)",
-                           choices=NONFINITE_MODES)
-    skip_memory_check: bool = shared("skip_memory_check", False)
-    # How the layout is chosen is part of the run (saved with it, so `--resume` keeps the
-    # chosen layout and a --config file can ask for a search), as is the memory it must fit.
-    plan: str = shared("plan", "flags")
-    objective: str = shared("objective", "throughput")
-    device_memory: Optional[str] = shared("device_memory", None)
-    log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
-    tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
-    progress: bool = _f(True, "progress bar")
+    source: Source = field(default_factory=Source)
+    layout: Layout = field(default_factory=Layout)
+    compute: Compute = field(default_factory=Compute)
+    optim: Optim = field(default_factory=Optim)
+    lora: Lora = field(default_factory=Lora)
+    pipeline: Pipeline = field(default_factory=Pipeline)
+    dataset: Dataset = field(default_factory=Dataset)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    planner: Planner = field(default_factory=Planner)
+    loop: Loop = field(default_factory=Loop)
 
     def __post_init__(self):
-        # Every choice and every number that cannot train is refused here, so flags and
-        # --config files alike fail before anything is built, naming the flag and the fix
-        # (``--lr -1`` would otherwise ascend the gradient).
-        check_fields(self, _BOUNDS)
-        choices.parse_offload(self.offload)   # a part that is not state fails here
-        if self.device_memory is not None:
-            self.device_memory_bytes()   # a bad size fails here, naming the flag
-        if self.tp_overlap and self.precision == "fp8":   # the rings carry bf16/fp32 weights
+        # Every choice and every number that cannot train is refused as the sections are
+        # built, and what needs two sections here, so flags and --config files alike fail
+        # before anything is built, naming the flag and the fix (``--lr -1`` would
+        # otherwise ascend the gradient).
+        lay, comp, pipe, lora = self.layout, self.compute, self.pipeline, self.lora
+        if lay.tp_overlap and comp.precision == "fp8":   # the rings carry bf16/fp32 weights
             raise ValueError("--tp-overlap runs its collective matmuls in the compute dtype, "
                              "not float8: drop --tp-overlap or use --precision bf16")
-        if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
-            counts = self.stage_counts()    # by check_pipeline, the model's layers there too
-            try:
-                check_counts(counts, self.num_layers or sum(counts), len(counts), self.virtual,
-                             ScheduleKind.parse(self.schedule).split_backward)
-            except ValueError as e:
-                raise ValueError(f"--stage-layers: {e}") from None
-            if self.plan == "auto":   # the search lays out even stages only
+        if pipe.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
+            counts = pipe.stage_counts()    # by check_pipeline, the model's layers there too
+            pipe.check_counts(self.source.num_layers or sum(counts), len(counts))
+            if self.planner.plan == "auto":   # the search lays out even stages only
                 raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
                                  "not search: use --plan flags with --mesh (triax plan --gpu "
                                  "KIND:N,KIND:N proposes a split)")
-        needs_lora = [flag for flag, on in (("adapter", self.adapter),
-                                            ("base-dtype", self.base_dtype != "float32"),
-                                            ("lora-dropout", self.lora_dropout != 0)) if on]
-        if self.lora_rank == 0 and needs_lora:
-            raise ValueError(f"--{needs_lora[0]} needs LoRA: give --lora-rank R (the "
-                             f"adapter's rank)")
-        if self.adapter and not self.init_from:
-            raise ValueError(f"--adapter {self.adapter!r} continues a PEFT adapter over its "
+        if lora.adapter and not self.source.init_from:
+            raise ValueError(f"--adapter {lora.adapter!r} continues a PEFT adapter over its "
                              f"base model: give --init-from BASE_DIR too")
-        if self.steps and self.lr_warmup_steps > self.steps:
-            warnings.warn(f"--lr-warmup-steps {self.lr_warmup_steps} is longer than the run "
-                          f"(--steps {self.steps}): the learning rate never reaches --lr "
-                          f"{self.lr:g}; lower --lr-warmup-steps (0: 10% of --steps)",
-                          RunConfigWarning, stacklevel=3)
+        opt, steps = self.optim, self.loop.steps
+        if steps and opt.lr_warmup_steps > steps:
+            warnings.warn(f"--lr-warmup-steps {opt.lr_warmup_steps} is longer than the run "
+                          f"(--steps {steps}): the learning rate never reaches --lr "
+                          f"{opt.lr:g}; lower --lr-warmup-steps (0: 10% of --steps)",
+                          RunConfigWarning, stacklevel=5)
 
-    def stage_counts(self) -> Optional[tuple[int, ...]]:
-        """``--stage-layers`` as per-stage layer counts (None: not given)."""
-        if self.stage_layers is None:
-            return None
-        try:
-            return parse_counts(self.stage_layers)
-        except ValueError as e:
-            raise ValueError(f"--stage-layers: {e}") from None
+    @classmethod
+    def of(cls, **flat) -> "RunConfig":
+        """From flat field names (as the flags are named), e.g. ``of(model="tiny", lr=1e-3)``."""
+        return configs.from_flat(cls, flat)
+
+    @classmethod
+    def from_json(cls, saved: dict) -> "RunConfig":
+        """The run a checkpoint saved: in sections, or flat as older checkpoints hold it."""
+        return cls.of(**saved_values(saved))
+
+    def replace(self, **flat) -> "RunConfig":
+        """A copy with flat fields changed, e.g. ``replace(steps=100)``; checked again."""
+        return configs.replace_flat(self, **flat)
+
+    def flat(self) -> dict:
+        """Every field by its flat name (the flags' names)."""
+        return configs.flat(self)
 
     def check_pipeline(self, cfg: "ModelConfig", stages: int) -> Optional[tuple[int, ...]]:
         """``--stage-layers`` against the model's layers and the mesh's ``pipe`` (None when
         not given)."""
-        counts = self.stage_counts()
-        if counts is None:
-            return None
-        if stages < 2:
-            raise ValueError(f"--stage-layers {self.stage_layers} needs a pipelined mesh "
-                             f"(pipe >= 2), got pipe={stages}; add pipe={len(counts)} to --mesh")
-        try:
-            return check_counts(counts, cfg.num_layers, stages, self.virtual,
-                                ScheduleKind.parse(self.schedule).split_backward)
-        except ValueError as e:
-            raise ValueError(f"--stage-layers: {e}") from None
-
-    def offload_targets(self) -> tuple[str, ...]:
-        """``--offload`` as the state parts it names (() for none)."""
-        return choices.parse_offload(self.offload)
-
-    def device_memory_bytes(self) -> Optional[int]:
-        """``--device-memory`` in bytes (None: not given)."""
-        if self.device_memory is None:
-            return None
-        try:
-            n = parse_bytes(self.device_memory)
-        except ValueError as e:
-            raise ValueError(f"--device-memory: {e}") from None
-        if n <= 0:
-            raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
-                             f"--device-memory 40GiB")
-        return n
-
-    def replace(self, **kw) -> "RunConfig":
-        return dataclasses.replace(self, **kw)
+        return self.pipeline.check_pipeline(cfg.num_layers, stages)
 
     def model_config(self) -> "ModelConfig":
-        if self.init_from:
+        src = self.source
+        if src.init_from:
             from triax.training.init_from import init_from_config  # loads JAX
             cfg = init_from_config(self)
         else:
             from triax.models import config as model_config  # loads JAX: see the imports
-            cfg = model_config.get(self.model, self.num_layers)
-            if self.max_seq_len is not None:
-                cfg = cfg.replace(max_seq_len=self.max_seq_len)
-        return cfg if self.lora_rank == 0 else cfg.replace(lora=self.lora_config())
-
-    def lora_config(self):
-        """The adapters ``--lora-*`` and ``--base-dtype`` ask for (``--lora-rank`` ≥ 1)."""
-        from triax.models.config import LoraConfig  # loads JAX: see the imports
-        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
-        return LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha, targets=targets,
-                          base_dtype=self.base_dtype, dropout=self.lora_dropout)
+            cfg = model_config.get(src.model, src.num_layers)
+            if src.max_seq_len is not None:
+                cfg = cfg.replace(max_seq_len=src.max_seq_len)
+        return cfg if self.lora.lora_rank == 0 else cfg.replace(lora=self.lora.lora_config())
 
     def optim_config(self) -> "OptimConfig":
         """The optimizer, resolved against ``steps`` (warmup and decay filled in)."""
         from triax.training.optim import OptimConfig  # loads JAX: see the imports
-        return OptimConfig(lr=self.lr, warmup_steps=self.lr_warmup_steps,
-                           decay_steps=self.lr_decay_steps, weight_decay=self.weight_decay,
-                           clip_norm=self.clip_norm).resolved(self.steps)
+        o = self.optim
+        return OptimConfig(lr=o.lr, warmup_steps=o.lr_warmup_steps,
+                           decay_steps=o.lr_decay_steps, weight_decay=o.weight_decay,
+                           clip_norm=o.clip_norm).resolved(self.loop.steps)
 
     def exec_config(self) -> "ExecConfig":
-        # The names were checked in __post_init__; these load JAX: see the imports.
+        # The names were checked as the sections were built; these load JAX: see the imports.
         from triax.models.layers import ExecConfig
         from triax.models.loss import check_loss_chunks
-        check_loss_chunks(self.loss_chunks, self.seq_len)
-        return ExecConfig(compute_dtype=PRECISIONS[self.precision], remat=self.remat,
-                          attention=self.attention, loss_chunks=self.loss_chunks,
-                          fp8=self.precision == choices.FP8)
+        c = self.compute
+        check_loss_chunks(c.loss_chunks, self.dataset.seq_len)
+        return ExecConfig(compute_dtype=PRECISIONS[c.precision], remat=c.remat,
+                          attention=c.attention, loss_chunks=c.loss_chunks,
+                          fp8=c.precision == choices.FP8)
 
     # The checks that need what the fields alone do not say (the model, the mesh): called by
     # ``training.setup.build_run`` before anything compiles, beside ``__post_init__``'s.
     def check_model(self, cfg: "ModelConfig") -> None:
         """A sequence past the model's context is refused (``--init-from`` lengthens a
         pretrained model's with a warning instead: ``training.init_from``)."""
-        if self.seq_len > cfg.max_seq_len:
-            raise ValueError(f"--seq-len {self.seq_len} is longer than {cfg.name}'s context "
+        seq_len = self.dataset.seq_len
+        if seq_len > cfg.max_seq_len:
+            raise ValueError(f"--seq-len {seq_len} is longer than {cfg.name}'s context "
                              f"(max_seq_len {cfg.max_seq_len}); "
-                             f"{context_fix(self.seq_len, cfg.max_seq_len)}")
+                             f"{context_fix(seq_len, cfg.max_seq_len)}")
 
     def check_batch(self, data: int, microbatches: int = 1) -> None:
         """The global batch must split into ``data`` shards × accumulation × pipeline
         ``microbatches``."""
-        micro = self.grad_accum * microbatches
-        unit = data * micro
-        if self.batch_size % unit or self.batch_size <= 0:
-            valid = max(unit, round(self.batch_size / unit) * unit)
-            raise ValueError(f"--batch-size {self.batch_size} is not divisible by data ({data}) "
+        micro = self.optim.grad_accum * microbatches
+        unit, batch = data * micro, self.dataset.batch_size
+        if batch % unit or batch <= 0:
+            valid = max(unit, round(batch / unit) * unit)
+            raise ValueError(f"--batch-size {batch} is not divisible by data ({data}) "
                              f"× micro-batches ({micro}) = {unit}; use e.g. --batch-size {valid}")
 
     def to_json(self) -> dict:
+        """The run as nested plain values, section by section (JSON-ready)."""
         return dataclasses.asdict(self)
 
 
@@ -291,28 +179,41 @@ def context_fix(seq_len: int, max_seq_len: int) -> str:
             f"the context (RoPE needs no table)")
 
 
-# What each numeric setting must be, and the fix an error names.
-_BOUNDS = {
-    "steps": (*GE1, "give the number of optimizer steps to reach, e.g. --steps 200"),
-    "lr": (*GT0, "give a positive peak learning rate, e.g. --lr 3e-3"),
-    "weight_decay": (*GE0, "use 0 for none, or e.g. --weight-decay 0.1"),
-    "clip_norm": (*GT0, "give a positive global norm, e.g. --clip-norm 1.0"),
-    "lr_warmup_steps": (*GE0, "use 0 for 10% of --steps"),
-    "lr_decay_steps": (*GE0, "use 0 for --steps"),
-    "seq_len": (*GE1, "give the tokens per sequence, e.g. --seq-len 128"),
-    "max_seq_len": (*GE1, "give the context in tokens, e.g. --max-seq-len 1024"),
-    "grad_accum": (*GE1, "use 1 for no accumulation"),
-    "lora_rank": (*GE0, "use 0 for full fine-tuning, or e.g. --lora-rank 8"),
-    "lora_alpha": (*GT0, "give the scaling numerator, e.g. --lora-alpha 16"),
-    "lora_dropout": ("in [0, 1)", lambda v: 0 <= v < 1, "give the probability of zeroing "
-                     "an adapter input, e.g. --lora-dropout 0.05 (0: none)"),
-}
+FIELDS = set(configs.leaves(RunConfig))
+SECTIONS = configs.sections(RunConfig)
 
-FIELDS = {f.name for f in dataclasses.fields(RunConfig)}
+
+def saved_values(saved: dict) -> dict:
+    """A saved run's flat values: its sections' fields (``to_json``), or the flat fields
+    older checkpoints hold; fields this version no longer has are left out."""
+    out = {}
+    for key, value in saved.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out.update(value)
+        else:
+            out[key] = value
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in out.items() if k in FIELDS}
+
+
+def _flat_tables(path: str, data: dict) -> dict:
+    """``data`` with each ``[section]`` table (``[optim]`` holding ``lr``) flattened into it."""
+    out = {}
+    for key, value in data.items():
+        if key not in SECTIONS or not isinstance(value, dict):
+            out[key] = value
+            continue
+        for k, v in value.items():
+            k = k.replace("-", "_")
+            if k not in configs.leaves(SECTIONS[key]):
+                raise ValueError(f"config file {path!r}: [{key}] has no key {k!r}; its keys "
+                                 f"are {', '.join(configs.leaves(SECTIONS[key]))}")
+            out[k] = v
+    return out
 
 
 def load_config_file(path: str) -> dict:
-    """Read a TOML or YAML run config into a dict of RunConfig fields (validated names)."""
+    """Read a TOML or YAML run config into a dict of RunConfig fields (validated names):
+    flat keys, as the flags are named, or ``[section]`` tables of them."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file {path!r} does not exist")
     with open(path, "rb") as f:
@@ -330,7 +231,7 @@ def load_config_file(path: str) -> dict:
         raise ValueError(f"config file {path!r} is not valid: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {path!r} must hold a table/mapping of settings")
-    data = {k.replace("-", "_"): v for k, v in data.items()}
+    data = _flat_tables(path, {k.replace("-", "_"): v for k, v in data.items()})
     unknown = sorted(set(data) - FIELDS)
     if unknown:
         raise ValueError(f"config file {path!r}: unknown keys {unknown}; valid keys are "

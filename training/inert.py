@@ -5,7 +5,7 @@ whose effect depends on a layout not chosen yet (``--plan auto`` picks the mesh)
 alone. Settings that cannot work are errors in ``RunConfig`` instead. JAX-free.
 
     >>> from triax.training.config import RunConfig
-    >>> for line in inert_flags(RunConfig(mesh="data=8"), {"mesh", "schedule", "lora_alpha"}):
+    >>> for line in inert_flags(RunConfig.of(mesh="data=8"), {"mesh", "schedule", "lora_alpha"}):
     ...     print(line)
     --schedule has no effect: the mesh data=8 has no pipe axis (add pipe=N to --mesh)
     --lora-alpha has no effect without LoRA (give --lora-rank R)
@@ -38,13 +38,13 @@ def inert_flags(run: "RunConfig", given: Iterable[str]) -> list[str]:
     """A sentence per flag in ``given`` (field names) that has no effect on ``run``."""
     given = set(given)
     out = []
-    pipe = pipe_size(run.mesh)
+    pipe = pipe_size(run.layout.mesh)
     if "mesh" in given and pipe == 1:   # a mesh --plan auto or the devices choose may pipe
-        out += [f"{_flag(f)} has no effect: the mesh {run.mesh} has no pipe axis (add "
+        out += [f"{_flag(f)} has no effect: the mesh {run.layout.mesh} has no pipe axis (add "
                 f"pipe=N to --mesh)" for f in PIPELINE if f in given]
-    if run.lora_rank == 0:
+    if run.lora.lora_rank == 0:
         out += [f"{_flag(f)} has no effect without LoRA (give --lora-rank R)"
                 for f in LORA if f in given]
-    if run.plan != "auto" and "objective" in given:
+    if run.planner.plan != "auto" and "objective" in given:
         out.append("--objective has no effect without --plan auto (it ranks the search)")
     return out

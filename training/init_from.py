@@ -28,23 +28,24 @@ def init_from_config(run: RunConfig) -> ModelConfig:
     """DIR's model; a ``--model`` or ``--num-layers`` that would contradict it is an error.
     ``--seq-len`` past the context it was trained on lengthens it (RoPE needs no table), with
     a warning: the positions past it are untrained, not impossible."""
-    cfg = read_model_config(run.init_from)
+    src, seq_len = run.source, run.dataset.seq_len
+    cfg = read_model_config(src.init_from)
     # RunConfig's own default model: the one value of --model that --init-from may leave set.
-    default_model = next(f.default for f in dataclasses.fields(run) if f.name == "model")
-    if run.model not in (default_model, cfg.name):
-        raise ValueError(f"--model {run.model!r} conflicts with --init-from {run.init_from!r}: "
+    default_model = next(f.default for f in dataclasses.fields(src) if f.name == "model")
+    if src.model not in (default_model, cfg.name):
+        raise ValueError(f"--model {src.model!r} conflicts with --init-from {src.init_from!r}: "
                          f"the model comes from its config.json ({cfg.name}); drop --model")
-    if os.path.isfile(os.path.join(run.init_from, FILE)):  # ids it makes must fit the model
-        load_tokenizer(run.init_from, cfg)
-    if run.num_layers not in (None, cfg.num_layers):
-        raise ValueError(f"--num-layers {run.num_layers} conflicts with --init-from "
-                         f"{run.init_from!r} ({cfg.num_layers} layers); drop --num-layers")
-    if run.seq_len > cfg.max_seq_len:
-        warnings.warn(f"--seq-len {run.seq_len} is longer than the context {cfg.name} was "
-                      f"trained on ({run.init_from!r}, max_seq_len {cfg.max_seq_len}): "
+    if os.path.isfile(os.path.join(src.init_from, FILE)):  # ids it makes must fit the model
+        load_tokenizer(src.init_from, cfg)
+    if src.num_layers not in (None, cfg.num_layers):
+        raise ValueError(f"--num-layers {src.num_layers} conflicts with --init-from "
+                         f"{src.init_from!r} ({cfg.num_layers} layers); drop --num-layers")
+    if seq_len > cfg.max_seq_len:
+        warnings.warn(f"--seq-len {seq_len} is longer than the context {cfg.name} was "
+                      f"trained on ({src.init_from!r}, max_seq_len {cfg.max_seq_len}): "
                       f"training past it, on positions the model has not seen",
                       RunConfigWarning, stacklevel=2)
-    context = run.max_seq_len or max(run.seq_len, cfg.max_seq_len)
+    context = src.max_seq_len or max(seq_len, cfg.max_seq_len)
     return cfg.replace(max_seq_len=context)
 
 

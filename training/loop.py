@@ -8,7 +8,7 @@ signal and final steps read their own loss first, so a NaN is handled (``--on-no
 failed save (checked after every step, as Orbax saves in the background) stops the run.
 
     >>> from triax.training.config import RunConfig
-    >>> result = train(RunConfig(model="tiny", num_layers=1, mesh="data=8", strategy="dp",
+    >>> result = train(RunConfig.of(model="tiny", num_layers=1, mesh="data=8", strategy="dp",
     ...                          steps=4, batch_size=8, seq_len=16, lr=1e-2, data="markov",
     ...                          eval_batches=0, progress=False), note=lambda *_: None)
     >>> len(result.losses), result.losses[-1] < result.losses[0]
@@ -101,27 +101,29 @@ def train(run: RunConfig, note=print) -> TrainResult:
     say = note if main else (lambda *a, **k: None)
     built = build_run(run)
     # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
-    source = open_data(run.data, get_tokenizer(run.tokenizer or run.init_from),
-                       built.model.vocab_size, run.val_fraction)
+    ds = run.dataset
+    source = open_data(ds.data, get_tokenizer(ds.tokenizer or run.source.init_from),
+                       built.model.vocab_size, ds.val_fraction)
     t_compile, was_compiled = time.perf_counter(), built.compiled.is_step_compiled
-    if not run.skip_memory_check:   # before any state exists: compiles the step abstractly
+    if not run.planner.skip_memory_check:   # before any state exists: compiles abstractly
         check_train_memory(built)
     precompile_s = time.perf_counter() - t_compile
     trainer = built.trainer
     resumed = open_checkpoints(run, built.model, trainer, say)
     if resumed.state is not None:
         state = resumed.state
-    elif run.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
-        state = initial_state(trainer, built.model, run.init_from, run.adapter, run.seed)
+    elif run.source.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
+        state = initial_state(trainer, built.model, run.source.init_from, run.lora.adapter,
+                              run.loop.seed)
     else:
-        state = built.compiled.init(run.seed)
+        state = built.compiled.init(run.loop.seed)
     cfg = built.model
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
         f"{jax.process_count()} process(es)], strategy {trainer.strategy.name}, data "
         f"{source.name} ({source.size})"
         + (f"; {cfg.lora.describe()}" if cfg.lora else "")
-        + (f", adapter from {run.adapter}" if run.adapter else ""))
+        + (f", adapter from {run.lora.adapter}" if run.lora.adapter else ""))
     # The memory check's compile is the step's compile: reported as such, not as setup.
     compiled_here = not was_compiled and built.compiled.is_step_compiled
     loop = _Loop(built, source, resumed.ckpt, main, say,
@@ -150,17 +152,17 @@ class _Loop:
         self.rc, self.compiled, self.source, self.ckpt = built.config, built.compiled, source, ckpt
         self.trainer = trainer = built.trainer
         self.main, self.say = main, say
-        run = self.rc
+        run, ds = self.rc, self.rc.dataset
         dev = jax.devices()[0]
         self.stats = RunStats(
-            steps=run.steps, tokens_per_step=run.batch_size * run.seq_len,
-            flops_per_step=trainer.cfg.flops_per_token(run.seq_len) * run.batch_size * run.seq_len,
+            steps=run.loop.steps, tokens_per_step=ds.batch_size * ds.seq_len,
+            flops_per_step=trainer.cfg.flops_per_token(ds.seq_len) * ds.batch_size * ds.seq_len,
             peak_flops=metrics.peak_flops_per_device(dev.device_kind) if dev.platform != "cpu"
             else None, corpus_info=source.info,
             times={"compile_s": 0.0, **times, "first_step_s": 0.0, "steps_s": 0.0,
                    "eval_s": 0.0, "ckpt_s": 0.0})
-        self.sinks = metrics.MetricSinks(run.log_json, run.tensorboard, main,
-                                         append=run.resume, note=say)
+        self.sinks = metrics.MetricSinks(run.loop.log_json, run.loop.tensorboard, main,
+                                         append=run.checkpoint.resume, note=say)
         self.result = TrainResult(trainer=trainer)
         self._last_done = 0.0   # when the previous step's loss was read
         self._saving: Optional[int] = None   # the step of the last save started
@@ -172,9 +174,9 @@ class _Loop:
 
     def loader(self, split: str):
         """A fresh ``split`` loader for this process's rows of the batch."""
-        run, sh = self.rc, self.trainer.batch_sharding()
-        return self.source.loader(split, run.batch_size, run.seq_len, run.seed,
-                                  process_rows(sh, (run.batch_size, run.seq_len)))
+        ds, sh = self.rc.dataset, self.trainer.batch_sharding()
+        return self.source.loader(split, ds.batch_size, ds.seq_len, self.rc.loop.seed,
+                                  process_rows(sh, (ds.batch_size, ds.seq_len)))
 
     def run(self, state, resumed, sig) -> TrainResult:
         run, tr, times = self.rc, self.trainer, self.stats.times
@@ -188,11 +190,11 @@ class _Loop:
         self.say("triax train: reusing the step compiled earlier in this process" if cached else
                  f"triax train: compiled the step in {times['compile_s']:.1f}s "
                  f"(excluded from averages)")
-        self.bar = metrics.progress_bar(run.steps, start, self.main and run.progress)
+        self.bar = metrics.progress_bar(run.loop.steps, start, self.main and run.loop.progress)
         self._first = start + 1
         self._start = start
         step = start
-        while step < run.steps:
+        while step < run.loop.steps:
             try:
                 state, step = self._steps(state, step, data, step_fn, sharding, sig)
             except Rollback as bad:   # only in --on-nonfinite rollback
@@ -202,9 +204,9 @@ class _Loop:
 
     def _steps(self, state, step, data, step_fn, sharding, sig):
         """Run steps from ``step + 1`` to the end (a ``Rollback`` leaves early)."""
-        run = self.rc
+        steps, every, ck = self.rc.loop.steps, self.rc.dataset.eval_every, self.rc.checkpoint
         pending: Optional[_Pending] = None
-        for step in range(step + 1, run.steps + 1):
+        for step in range(step + 1, steps + 1):
             index = data.position
             batch = data.next(sharding)
             t = time.perf_counter()
@@ -213,9 +215,9 @@ class _Loop:
                 self._complete(pending)
             pending = _Pending(step, m, t, index)
             self._check_saves()
-            evaluate = step == run.steps or (run.eval_every and step % run.eval_every == 0)
-            save = (self.ckpt and not run.no_save and run.checkpoint_every and
-                    step % run.checkpoint_every == 0 and step < run.steps)
+            evaluate = step == steps or (every and step % every == 0)
+            save = (self.ckpt and not ck.no_save and ck.checkpoint_every and
+                    step % ck.checkpoint_every == 0 and step < steps)
             signum = stop_requested(sig)
             if evaluate or save or signum is not None:
                 self._complete(pending, state if evaluate else None)
@@ -240,7 +242,7 @@ class _Loop:
         self._guarded(self.ckpt.wait)
         last = self.ckpt.latest_step()
         if last is None or last < self._start:   # nothing saved yet: the run's first state
-            state, step = self.compiled.init(self.rc.seed), 0
+            state, step = self.compiled.init(self.rc.loop.seed), 0
         else:
             state, _ = restore_step(self.ckpt, last, self.trainer.cfg, self.trainer)
             step = last
@@ -267,7 +269,7 @@ class _Loop:
         times = self.stats.times
         times["first_step_s" if p.step == self._first else "steps_s"] += dt
         if not math.isfinite(loss):
-            if self.rc.on_nonfinite != "skip":
+            if self.rc.loop.on_nonfinite != "skip":
                 raise self._nonfinite(p.step, f"loss {loss}", p.index)
             self.result.skipped.append((p.step, p.index))
             self.sinks.write({"step": p.step, "event": "skipped_nonfinite", "batch": p.index})
@@ -295,12 +297,12 @@ class _Loop:
                 "mfu": u, **{k: float(v) for k, v in m.items() if k.startswith("moe_")}}
 
     def evaluate(self, state) -> Optional[float]:
-        if self.rc.eval_batches <= 0:
+        if self.rc.dataset.eval_batches <= 0:
             return None
         t = time.perf_counter()
         val, sh = self.loader("val"), self.trainer.batch_sharding()
         losses = [float(self.compiled.eval_loss(state["params"], val.next(sh)))
-                  for _ in range(self.rc.eval_batches)]
+                  for _ in range(self.rc.dataset.eval_batches)]
         self.stats.times["eval_s"] += time.perf_counter() - t
         return float(np.mean(losses))
 
@@ -310,7 +312,7 @@ class _Loop:
         if not bool(_all_finite(state["params"])):  # never overwrite good with bad
             raise self._nonfinite(step, "non-finite parameters", data.position - 1)
         tr = self.trainer
-        meta = training_meta(step, data.position, self.rc.seed, tr.cfg, self.rc.to_json(),
+        meta = training_meta(step, data.position, self.rc.loop.seed, tr.cfg, self.rc.to_json(),
                              tr.mesh, tr.strategy.name, gather_states(data.get_state()))
         if self._saving is not None:   # Orbax would wait too; this names the failed step
             self._guarded(self.ckpt.wait)
@@ -335,7 +337,7 @@ class _Loop:
                                 self.ckpt.latest_step()) from e
 
     def _nonfinite(self, step, what, index) -> Exception:
-        if self.rc.on_nonfinite == "rollback":
+        if self.rc.loop.on_nonfinite == "rollback":
             return Rollback(step, index, what)
         if self.ckpt:   # the step being saved commits first: name what is on disk
             self._guarded(self.ckpt.wait)
@@ -345,7 +347,7 @@ class _Loop:
 
     def _interrupt(self, signum, step, state, data) -> Interrupted:
         name = signal.Signals(signum).name
-        if self.ckpt is None or self.rc.no_save:
+        if self.ckpt is None or self.rc.checkpoint.no_save:
             return Interrupted(signum, f"received {name} at step {step}; stopped (no checkpoint "
                                        f"directory, nothing saved)")
         self.save(step, state, data, wait=True)
@@ -355,11 +357,11 @@ class _Loop:
 
     def _finish(self, state, data, start) -> TrainResult:
         run, result = self.rc, self.result
-        if run.steps > start and self.ckpt and not run.no_save:
-            self.save(run.steps, state, data, wait=True)
+        if run.loop.steps > start and self.ckpt and not run.checkpoint.no_save:
+            self.save(run.loop.steps, state, data, wait=True)
         result.state = state
         self.stats.losses = result.losses
-        self.stats.val_loss = result.val_losses.get(run.steps)
+        self.stats.val_loss = result.val_losses.get(run.loop.steps)
         result.summary = summary(self.stats, self.compiled, state)
         return result
 

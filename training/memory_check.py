@@ -44,8 +44,8 @@ def check_train_memory(built, capacity=None) -> MemoryReport:
     run, cfg = built.config, built.model
     replan = None if not isinstance(cfg, ModelConfig) else Replan(
         Workload.of_run(run, cfg), mesh_sizes(built.mesh), built.trainer.strategy.name,
-        run.remat)
-    if capacity is None and run.device_memory is not None:
-        capacity = device_capacity(run.device_memory)
+        run.compute.remat)
+    if capacity is None and run.planner.device_memory is not None:
+        capacity = device_capacity(run.planner.device_memory)
     check_fits("the training step", train_terms(built, mem), capacity, replan)
     return mem

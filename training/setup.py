@@ -8,11 +8,11 @@ schedule is built here, so a bad
 schedule / micro-batch combination fails before anything compiles.
 
     >>> from triax.training.config import RunConfig
-    >>> run = build_run(RunConfig(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
+    >>> run = build_run(RunConfig.of(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
     ...                           batch_size=8, seq_len=16))
     >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
     (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage', stage_layers=None), 4)
-    >>> build_run(RunConfig(mesh="data=8", batch_size=12))
+    >>> build_run(RunConfig.of(mesh="data=8", batch_size=12))
     Traceback (most recent call last):
     ...
     ValueError: --batch-size 12 is not divisible by data (8) × micro-batches (1) = 8; use e.g. --batch-size 16
@@ -71,24 +71,26 @@ def build_run(run: RunConfig, cfg: Optional[ModelConfig] = None) -> Run:
     mesh = build_mesh(run, cfg)
     pipeline = pipeline_for(run, cfg, mesh)
     check_batch(run, mesh, pipeline)
-    why = overlap_reason(mesh_sizes(mesh), run_strategy(run).rules) if run.tp_overlap else None
+    lay = run.layout
+    why = overlap_reason(mesh_sizes(mesh), run_strategy(run).rules) if lay.tp_overlap else None
     if why:
-        raise ValueError(f"{why} (mesh {describe(mesh)}, strategy {run.strategy})")
+        raise ValueError(f"{why} (mesh {describe(mesh)}, strategy {lay.strategy})")
     compiled = compiled_for(dict(model=cfg, mesh=mesh, strategy=run_strategy(run), pipeline=pipeline,
                                  optim=run.optim_config(), exe=exe,
-                                 accum_steps=run.grad_accum,
-                                 skip_nonfinite=run.on_nonfinite == "skip",
+                                 accum_steps=run.optim.grad_accum,
+                                 skip_nonfinite=run.loop.on_nonfinite == "skip",
                                  offload=offload_for(run, cfg, mesh)),
-                            run.batch_size, run.seq_len, batch_keys(run.data))
+                            run.dataset.batch_size, run.dataset.seq_len,
+                            batch_keys(run.dataset.data))
     return Run(run, cfg, mesh, pipeline, compiled)
 
 
 def run_strategy(run: RunConfig) -> Strategy:
     """``--strategy`` with ``--context-attention`` (the scheme the context axis runs) and
     ``--tp-overlap`` (collective matmuls for sequence parallelism)."""
-    return dataclasses.replace(get_strategy(run.strategy),
-                               context_attention=check_scheme(run.context_attention),
-                               tp_overlap=run.tp_overlap)
+    return dataclasses.replace(get_strategy(run.layout.strategy),
+                               context_attention=check_scheme(run.layout.context_attention),
+                               tp_overlap=run.layout.tp_overlap)
 
 
 def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:
@@ -101,10 +103,11 @@ def default_mesh(num_devices: int, cfg: ModelConfig) -> dict[str, int]:
 def build_mesh(run: RunConfig, cfg: ModelConfig) -> Mesh:
     """``--mesh`` (one axis may be -1: the rest), or ``default_mesh``; multi-host aware."""
     n = jax.device_count()
-    sizes = parse_mesh(run.mesh) if run.mesh else default_mesh(n, cfg)
+    sizes = parse_mesh(run.layout.mesh) if run.layout.mesh else default_mesh(n, cfg)
     need = math.prod(v for v in sizes.values() if v > 0)
     if need > n:
-        raise ValueError(f"--mesh {run.mesh or sizes} needs {need} devices but only {n} exist "
+        raise ValueError(f"--mesh {run.layout.mesh or sizes} needs {need} devices but only {n} "
+                         f"exist "
                          f"(JAX sees {n} device(s)); choose sizes whose product is {n}")
     maker = make_hybrid_mesh if jax.process_count() > 1 else make_mesh
     return maker(**sizes)
@@ -116,7 +119,8 @@ def pipeline_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Optional[Pipel
     counts = run.check_pipeline(cfg, stages)   # --stage-layers without pipe fails here
     if stages < 2:
         return None
-    pipeline = PipelineConfig(run.schedule, run.microbatches, run.virtual,
+    pp = run.pipeline
+    pipeline = PipelineConfig(pp.schedule, pp.microbatches, pp.virtual,
                               pipeline_fsdp_for(run, cfg, mesh), counts)
     pipeline.build(stages)  # a bad schedule/micro-batch combination fails here, not in a compile
     return pipeline
@@ -127,17 +131,17 @@ def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
     traffic) where the planner's memory model of that run fits one device's memory
     (``costs.fits.device_capacity``; unknown: assumed to fit), else ``layer`` (FSDP's
     memory, a gather per layer per op). Without FSDP over ``data`` the two are one."""
-    if run.pipeline_fsdp != "auto":
-        return run.pipeline_fsdp
+    if run.pipeline.pipeline_fsdp != "auto":
+        return run.pipeline.pipeline_fsdp
     sizes = mesh_sizes(mesh)
-    if not get_strategy(run.strategy).fsdp or sizes.get("data", 1) < 2 \
+    if not get_strategy(run.layout.strategy).fsdp or sizes.get("data", 1) < 2 \
             or not isinstance(cfg, ModelConfig):
         return "stage"
     capacity = device_capacity()
     lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
-                 strategy=run.strategy, schedule=ScheduleKind(run.schedule),
-                 microbatches=run.microbatches or default_microbatches(sizes["pipe"]),
-                 virtual=run.virtual, pipeline_fsdp="stage",
+                 strategy=run.layout.strategy, schedule=ScheduleKind(run.pipeline.schedule),
+                 microbatches=run.pipeline.microbatches or default_microbatches(sizes["pipe"]),
+                 virtual=run.pipeline.virtual, pipeline_fsdp="stage",
                  stage_layers=run.check_pipeline(cfg, sizes["pipe"]))
     w = Workload.of_run(run, cfg)
     fits = capacity is None or estimate(w, lay).modelled <= capacity[0]
@@ -147,12 +151,12 @@ def pipeline_fsdp_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> str:
 def offload_for(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> Offload:
     """``--offload``'s parts, with the optimizer update that ``costs.offload`` prices lower
     on this layout (a user's model: streamed, the planner cannot count its parameters)."""
-    targets = run.offload_targets()
+    targets = run.layout.offload_targets()
     if not targets or not isinstance(cfg, ModelConfig):
         return Offload(targets)
     sizes = mesh_sizes(mesh)
     lay = Layout(**{a: sizes.get(a, 1) for a in ("data", "tensor", "pipe", "expert")},
-                 strategy=run.strategy)
+                 strategy=run.layout.strategy)
     return Offload(targets, cheaper_update(Workload.of_run(run, cfg), lay, targets))
 
 
