@@ -12,6 +12,7 @@ import os
 from typing import Optional
 
 from triax.cli.flags import add_json
+from triax.training.config import saved_values   # JAX-free
 from triax.units import human_bytes
 
 
@@ -39,7 +40,7 @@ def list_checkpoints(directory: str, verify: bool = False) -> list[dict]:
             except CheckpointError as e:
                 row["error"] = str(e)
             else:
-                run = meta.get("run", {})
+                run = saved_values(meta.get("run") or {})   # in sections, or flat (older)
                 row.update(mesh=meta.get("mesh"), strategy=meta.get("strategy"),
                            model=meta.get("model", {}).get("name"),
                            num_layers=meta.get("model", {}).get("num_layers"),

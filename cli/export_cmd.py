@@ -18,6 +18,7 @@ import shutil
 
 from triax.cli.flags import add_json
 from triax.cli.common import start_devices
+from triax.training.config import saved_values   # JAX-free
 
 
 def add_parser(sub) -> None:
@@ -39,7 +40,7 @@ def add_parser(sub) -> None:
 
 def run_tokenizer(meta: dict) -> str | None:
     """Where the run's tokenizer lives: its ``tokenizer`` or ``init_from`` setting."""
-    run = meta.get("run") or {}
+    run = saved_values(meta.get("run") or {})   # in sections, or flat (older)
     for key in ("tokenizer", "init_from"):
         if run.get(key):
             return run[key]
@@ -57,7 +58,7 @@ def export_adapter(params, cfg, out: str, meta: dict, overwrite: bool) -> list[s
     check_target(out, overwrite)
     if os.path.isdir(out):   # --overwrite: replaced whole, as the merged export does
         shutil.rmtree(out)
-    run = meta.get("run") or {}
+    run = saved_values(meta.get("run") or {})   # in sections, or flat (older)
     return write_adapters(params, cfg, out, base_model=run.get("init_from") or cfg.name,
                           dropout=run.get("lora_dropout", 0.0))
 

@@ -76,8 +76,9 @@ def test_command_parses_and_validates(block, command, argv):
         warnings.simplefilter("error")     # a flag the command ignores is a docs bug
         if args.command == "train":
             run, _ = run_config_and_given(args)
-            if run.plan != "auto":
-                _fits(block.where, parse_mesh(run.mesh) if run.mesh else {}, None, devices)
+            if run.planner.plan != "auto":
+                mesh = run.layout.mesh
+                _fits(block.where, parse_mesh(mesh) if mesh else {}, None, devices)
         elif args.command in ("generate", "serve"):
             config = serve_config(args)
             lay = config.layout

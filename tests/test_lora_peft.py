@@ -119,7 +119,7 @@ def test_adapter_continues_training(exported, devices):
     run = RunConfig.of(init_from=fixture("llama"), lora_rank=R, lora_alpha=ALPHA, adapter=adapter,
                        mesh="data=4,tensor=2", strategy="fsdp_tp", batch_size=8, seq_len=16)
     built = build_run(run)
-    params = jax.device_get(lora_params(built.trainer, built.model, run.init_from, adapter))
+    params = jax.device_get(lora_params(built.trainer, built.model, run.source.init_from, adapter))
     want = read_adapters(adapter, built.model)
     got = lora.split(params)[0]
     for (p, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):

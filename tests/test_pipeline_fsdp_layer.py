@@ -175,7 +175,7 @@ def test_auto_is_stage_where_the_planner_fits_it_else_layer(monkeypatch):
     mesh = make_mesh(**SIZES)
     run = RunConfig.of(model="tiny", num_layers=4, mesh="data=2,pipe=2,tensor=2",
                        strategy="fsdp_tp", batch_size=B, seq_len=T, microbatches=M)
-    assert run.pipeline_fsdp == "auto"
+    assert run.pipeline.pipeline_fsdp == "auto"
     monkeypatch.setenv(MEMORY_ENV, "1000B")
     assert pipeline_fsdp_for(run, CFG, mesh) == "stage"
     monkeypatch.setenv(MEMORY_ENV, "999B")

@@ -1,4 +1,5 @@
 """Checkpoints: bit-identical resume, resharded resume, bad checkpoint dirs, SIGTERM, SIGKILL."""
+import json
 import os
 import shutil
 import signal
@@ -62,6 +63,47 @@ def test_checkpoints_command_lists_steps_sizes_mesh(runs, capsys):
     lines = [line.split() for line in out.splitlines()[1:]]
     assert [int(line[0]) for line in lines] == [3, 6]
     assert all("data=8" in line and "dp" in line and "tiny/L2" in line for line in lines)
+
+
+def _meta_file(step_dir) -> str:
+    """The JSON file Orbax keeps a step's meta item in (the one holding "run")."""
+    for root, _, files in os.walk(step_dir / "meta"):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path) as f:
+                try:
+                    if "run" in json.load(f):
+                        return path
+                except ValueError:
+                    continue
+    raise AssertionError(f"no meta JSON under {step_dir}")
+
+
+def test_run_is_saved_in_sections_and_old_flat_runs_still_read(runs, tmp_path):
+    """The run is saved section by section; a checkpoint from before the sections (its run
+    flat) still reads: RunConfig.from_json, ``triax checkpoints``, --plan auto's kept plan."""
+    from triax.cli.checkpoints_cmd import list_checkpoints
+    from triax.configs import sections
+    from triax.planner.auto import kept_plan
+    d, *_ = runs
+    c = shutil.copytree(d / "at3", tmp_path / "c")
+    want = BASE.replace(steps=3, checkpoint_dir=str(d / "run"))
+    saved = Checkpointer(str(c), read_only=True).read_meta(3)["run"]
+    assert set(saved) == set(sections(RunConfig)) and saved["dataset"]["batch_size"] == 8
+    assert RunConfig.from_json(saved) == want
+    path = _meta_file(c / "3")
+    with open(path) as f:
+        meta = json.load(f)
+    meta["run"] = want.flat()                        # as every checkpoint before held it
+    with open(path, "w") as f:
+        json.dump(meta, f)
+    old = Checkpointer(str(c), read_only=True).read_meta(3)["run"]
+    assert "batch_size" in old and "dataset" not in old
+    assert RunConfig.from_json(old) == want
+    listed = list_checkpoints(str(d / "at3")) + list_checkpoints(str(c))   # sectioned, flat
+    assert [(r["data"], r["batch_size"], r["seq_len"]) for r in listed] == [("markov", 8, 16)] * 2
+    kept, why = kept_plan(RunConfig.of(checkpoint_dir=str(c), resume=True, mesh="data=4"))
+    assert (kept.layout.mesh, kept.layout.strategy) == ("data=8", "dp"), why
 
 
 def test_model_config_mismatch_names_the_fields(runs, tmp_path):

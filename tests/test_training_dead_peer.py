@@ -63,7 +63,7 @@ def _logged(tmp_path):
 
 @pytest.mark.slow
 def test_dead_peer_stops_the_survivor_and_resume_matches(tmp_path):
-    procs = _launch(tmp_path, BASE.steps)
+    procs = _launch(tmp_path, BASE.loop.steps)
     deadline = time.time() + 600
     # Past step 6 and its save committed: the save is async, and one in flight when the peer
     # dies never commits, so waiting on the log alone makes the resume step a race.
