@@ -11,10 +11,9 @@ The budget is ``--device-memory`` when given, else what a device has
 (``costs.fits.device_capacity``: the allocator's limit, or on simulated CPU
 devices the host's available memory divided among them); the report says which.
 
-    >>> from triax import configs
-from triax.training.config import RunConfig, saved_values
+    >>> from triax.training.config import RunConfig
     >>> run = RunConfig.of(model="tiny", num_layers=2, batch_size=8, seq_len=16, plan="auto",
-    ...                 device_memory="64MiB")
+    ...                    device_memory="64MiB")
     >>> choice = choose_train(run, given=frozenset({"model", "num_layers"}))  # doctest: +SKIP
     >>> choice.compiled.peak_bytes <= choice.budget.usable                      # doctest: +SKIP
     True

@@ -96,13 +96,14 @@ def test_flags_come_from_run_config_and_the_parser_does_not_load_jax():
     """Every RunConfig field is a `triax train` flag; building the parser leaves JAX unloaded
     (the simulated device count is set later, when a command runs)."""
     code = textwrap.dedent("""
-        import dataclasses, sys
+        import sys
         from triax.cli.main import build_parser
+        from triax.configs import leaves
         from triax.training.config import RunConfig
         parser = build_parser()
         train = parser._subparsers._group_actions[0].choices["train"]
         dests = {a.dest for a in train._actions}
-        missing = {f.name for f in dataclasses.fields(RunConfig)} - dests
+        missing = set(leaves(RunConfig)) - dests
         assert not missing, missing
         assert not any(m == "jax" or m.startswith("jax.") for m in sys.modules), "jax loaded"
     """)

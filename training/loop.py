@@ -9,8 +9,8 @@ failed save (checked after every step, as Orbax saves in the background) stops t
 
     >>> from triax.training.config import RunConfig
     >>> result = train(RunConfig.of(model="tiny", num_layers=1, mesh="data=8", strategy="dp",
-    ...                          steps=4, batch_size=8, seq_len=16, lr=1e-2, data="markov",
-    ...                          eval_batches=0, progress=False), note=lambda *_: None)
+    ...                             steps=4, batch_size=8, seq_len=16, lr=1e-2, data="markov",
+    ...                             eval_batches=0, progress=False), note=lambda *_: None)
     >>> len(result.losses), result.losses[-1] < result.losses[0]
     (4, True)
 """

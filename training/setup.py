@@ -9,7 +9,7 @@ schedule / micro-batch combination fails before anything compiles.
 
     >>> from triax.training.config import RunConfig
     >>> run = build_run(RunConfig.of(model="tiny", num_layers=2, mesh="data=2,tensor=2,pipe=2",
-    ...                           batch_size=8, seq_len=16))
+    ...                              batch_size=8, seq_len=16))
     >>> run.pipeline, run.trainer.pipeline.schedule.microbatches
     (PipelineConfig(schedule='1f1b', microbatches=0, virtual=1, fsdp='stage', stage_layers=None), 4)
     >>> build_run(RunConfig.of(mesh="data=8", batch_size=12))
