@@ -29,7 +29,8 @@ from triax.training.inert import inert_flags
 def add_parser(sub) -> None:
     p = sub.add_parser("train", help="train a model on a mesh (checkpoints, resume, metrics)",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="TOML or YAML file with the same keys; flags override it")
+    p.add_argument("--config", help="TOML or YAML file with the same keys (flat, or in "
+                                     "[section] tables); flags override it")
     add_run_flags(p)
     # How the command reports, not part of the run: so not RunConfig's.
     p.add_argument("--dry-run", action="store_true",

@@ -243,7 +243,8 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Planner:
     """How the layout is chosen and the memory it must fit. Part of the run (saved with it,
-    so ``--resume`` keeps the chosen layout and a ``--config`` file can ask for a search)."""
+    so ``--resume`` keeps the chosen layout and a ``--config`` file can ask for a search);
+    the search's own settings belong here."""
 
     plan: str = shared("plan", "flags")
     objective: str = shared("objective", "throughput")
