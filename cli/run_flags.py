@@ -31,8 +31,8 @@ def add_run_flags(p, names=None, defaults=None, notes=None, fill: bool = False,
     for section, cls in sections(RunConfig).items():
         mine = [n for n in wanted if n in leaves(cls)]
         if mine:
-            doc = (cls.__doc__ or "").split("\n\n")[0].replace("``", "")
-            g = p.add_argument_group(f"{section}", " ".join(doc.split()))
+            doc = " ".join((cls.__doc__ or "").replace("``", "").split())
+            g = p.add_argument_group(section, doc.split(". ")[0].rstrip("."))   # 1st sentence
             add_flags(g, RunConfig, mine, defaults, notes, fill, aliases)
 
 
