@@ -131,8 +131,9 @@ def test_all_gather_context4_data2_gathers_exactly_kv(all_gather4):
 
 def test_cli_choices_are_the_schemes():
     from triax.sharding.context import SCHEMES
+    from triax.configs import leaves
     from triax.training.config import RunConfig
-    field = RunConfig.__dataclass_fields__["context_attention"]
+    field = leaves(RunConfig)["context_attention"].field
     assert tuple(field.metadata["choices"]) == SCHEMES
 
 
