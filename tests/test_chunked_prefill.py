@@ -24,7 +24,8 @@ SAMPLED = SamplingConfig(temperature=0.9, top_k=20)
 NEW = 12
 # 2 decode rows + 8 prompt tokens (2 blocks) a step: a 40-token prompt takes 5 chunks.
 BUDGET = 10
-ECFG = EngineConfig(max_batch=4, max_len=64, min_bucket=16, block_size=BS, prefix_cache=True)
+# One prompt bucket (64): few programs to compile.
+ECFG = EngineConfig(max_batch=4, max_len=64, min_bucket=64, block_size=BS, prefix_cache=True)
 
 
 @pytest.fixture(scope="module")
