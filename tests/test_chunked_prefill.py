@@ -13,7 +13,7 @@ from triax.inference.sampling import SamplingConfig
 from triax.mesh import make_mesh
 from triax.models import config
 from inference_helpers import host_params
-from triax.inference.engine import Engine
+from triax.inference.engine import Engine, InferenceError
 
 CFG = config.TINY.replace(num_layers=2)
 BS = 4
@@ -92,5 +92,15 @@ def test_the_plan_keeps_the_budget_in_whole_blocks_and_always_progresses():
 
 
 def test_a_negative_budget_is_refused(engines):
-    with pytest.raises(Exception, match="max_step_tokens=-1"):
+    with pytest.raises(InferenceError, match="max_step_tokens=-1"):
         Server([engines["one"]], max_step_tokens=-1)
+
+
+def test_the_flag_is_parsed_and_a_negative_one_is_refused():
+    from triax.cli.main import build_parser
+    from triax.cli.serving_flags import serve_config
+    from triax.serve_config import ServeConfig
+    args = build_parser().parse_args(["serve", "--model", "tiny", "--max-step-tokens", "48"])
+    assert serve_config(args).engine.max_step_tokens == 48
+    with pytest.raises(ValueError, match="--max-step-tokens -1"):
+        ServeConfig.of(model="tiny", max_step_tokens=-1)
