@@ -110,7 +110,9 @@ def main() -> None:
               f"are equal in every row. Whole prompts stall every stream for a long "
               f"prompt's whole prefill; chunked, a stream waits at most one chunk's prefill "
               f"plus a decode step, and the long prompt's first token comes later (its "
-              f"chunks share steps with the decode and each rereads the prefix before it)."]
+              f"chunks share steps with the decode and each rereads the prefix before it). "
+              f"The median gap rises too: while a prompt prefills, every step carries a "
+              f"chunk beside its decode."]
     body = "\n".join(lines)
     print(body)
     if not args.no_write:
