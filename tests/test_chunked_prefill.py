@@ -70,6 +70,23 @@ def test_chunked_tokens_equal_unchunked_with_the_prefix_cache(layout, engines):
     assert len(between) >= 2 * 3, "the streams stalled during the chunked prefill"
 
 
+def test_chunked_rows_preempted_under_pressure_resume_exactly(devices):
+    # 16 blocks of 4 for 4 slots: the requests need 4 + 4 + 13 + 13 blocks by their ends, so
+    # the growing streams preempt the newest, the long prompt, still prefilling one block a
+    # step (a budget of 4 under 2 decode rows), and it starts again.
+    tight = Engine(CFG, host_params(CFG, devices), make_mesh(devices=devices[:1]), "tp",
+                   EngineConfig(max_batch=4, max_len=64, min_bucket=64, block_size=BS,
+                                kv_blocks=16))
+    out = []
+    for budget in (0, 4):
+        server = Server([tight], max_step_tokens=budget)
+        ids = [server.submit(p, NEW) for p in STREAMS + [LONG, LONG[::-1]]]
+        results = server.run()
+        out.append([results[i].tokens for i in ids])
+        assert server.kv_blocks_in_use == 0 and server.prefilling == [{}]
+    assert server.stats["preemptions"] > 0 and out[1] == out[0]
+
+
 def _rows(*specs):
     return [Pending(None, i, list(range(n)), done, whole)
             for i, (n, done, whole) in enumerate(specs)]
