@@ -5,7 +5,8 @@ pipeline-parallel inside). Replicas multiply throughput; they do **not** pool me
 replica must hold the whole model and its own KV cache.
 
 Every loop iteration: each replica admits waiting requests into its free slots, as many as
-its KV pool has blocks for (``triax.inference.batching``), and prefills them; then every
+its KV pool has blocks for (``triax.inference.batching``), and prefills them (whole, or in
+chunks within ``max_step_tokens`` a step: ``triax.inference.chunked_prefill``); then every
 replica with live slots decodes one token. All replicas' work is dispatched before any
 result is read, so the sub-meshes run concurrently. A sequence that stops frees its slot
 and its KV blocks at once, and the next iteration fills them.
