@@ -2,18 +2,17 @@
 prompts that arrive while streams decode are prefilled a few KV blocks per step, the streams
 decoding between the chunks; greedy and seeded sampled tokens equal an unchunked run's, with
 prefix caching on (a second long prompt shares the first one's blocks), on one device and
-on tensor=2. The planner's rules (budget, whole blocks, progress, whole-prompt rows) on
-their own."""
-import numpy as np
+on tensor=2; a row preempted while it prefills in chunks starts again and ends exactly. The
+planner's rules (budget, whole blocks, progress, whole-prompt rows) on their own."""
 import pytest
 
 from triax.inference import EngineConfig, Server
 from triax.inference.chunked_prefill import Pending, plan_chunks
+from triax.inference.engine import Engine, InferenceError
 from triax.inference.sampling import SamplingConfig
 from triax.mesh import make_mesh
 from triax.models import config
 from inference_helpers import host_params
-from triax.inference.engine import Engine, InferenceError
 
 CFG = config.TINY.replace(num_layers=2)
 BS = 4
