@@ -97,7 +97,7 @@ class ChunkedPrefill:
         cached prefix. Chunked: the planned chunks (``final``: a row's last, whose sampled
         token is its first)."""
         P = eng.kv.block_size
-        if not self.max_step_tokens:
+        if not self.max_step_tokens and not self.prefilling[r]:   # (none left mid-prompt)
             return (slots, batch, [np.asarray(x.tokens_to_prefill()) for x in batch],
                     [int(eng.kv.held[s]) * P for s in slots], [True] * len(batch))
         rows = self.prefilling[r]
@@ -111,13 +111,13 @@ class ChunkedPrefill:
         decode_rows = sum(x is not None for x in self._decoding(r))
         plan = plan_chunks(sorted(rows.values(), key=lambda p: p.live.admitted),
                            self.max_step_tokens - decode_rows, P)
-        out = ([], [], [], [], [])
+        # each row's tokens up to the chunk's end, its positions before it already cached
+        work = ([row.slot for row, _ in plan], [row.live for row, _ in plan],
+                [np.asarray(row.tokens[:end]) for row, end in plan],
+                [row.done for row, _ in plan], [end == len(row.tokens) for row, end in plan])
+        self.stats["prefill_chunks"] += len(plan)
         for row, end in plan:
-            for lst, x in zip(out, (row.slot, row.live, np.asarray(row.tokens[:end]),
-                                    row.done, end == len(row.tokens))):
-                lst.append(x)
-            self.stats["prefill_chunks"] += 1
             row.done = end
             if end == len(row.tokens):
                 del rows[row.slot]
-        return out
+        return work
