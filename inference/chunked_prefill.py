@@ -16,8 +16,8 @@ written. Chunks end on block boundaries, so a chunk never rewrites a block an ea
 filled; each chunk's full blocks are registered in the prefix cache at once, so a prompt
 arriving meanwhile can share them. The last chunk samples from the same position, seed and
 logits as a whole prefill, so greedy and sampled tokens are those of an unchunked run
-(fp32 and bf16 pools; an int8 pool's later chunks read the quantized prefix, as a prefix-
-cache hit does).
+(tests/test_chunked_prefill.py, fp32; an int8 pool's later chunks read the quantized
+prefix, as a prefix-cache hit does).
 
 Not chunked (prefilled whole, at once, when their turn comes): requests whose sampling
 reads the whole prompt in the prefill (penalties, ``prompt_logprobs``), and every request
