@@ -28,6 +28,7 @@ from typing import Optional
 
 import jax
 
+from triax.choices import FP8
 from triax.mesh import parse_mesh
 from triax.planner.evaluate import PlanResult
 from triax.costs.fits import device_capacity
@@ -122,10 +123,12 @@ OFFLOADS = (("optimizer",), ("optimizer", "params"))
 
 @functools.lru_cache(maxsize=16)
 def _searched(w: Workload, cluster: Cluster, remats: tuple[str, ...],
-              offloads: tuple[tuple[str, ...], ...] = ((),)) -> tuple[PlanResult, ...]:
+              offloads: tuple[tuple[str, ...], ...] = ((),),
+              precisions: tuple[str, ...] = ()) -> tuple[PlanResult, ...]:
     # One search per workload and devices: each budget only draws its line through it.
     # The budget is what the allocator gives, so the planner's fixed overhead is paid.
-    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats, offloads=offloads)
+    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats, offloads=offloads,
+                 precisions=precisions)
     return tuple(res.fitting)
 
 
@@ -157,7 +160,7 @@ class AutoChoice:
                 "schedule": r.schedule if _pipe(r) > 1 else None,
                 "microbatches": r.microbatches if _pipe(r) > 1 else None,
                 "virtual": r.virtual if _pipe(r) > 1 else None,
-                "remat": r.remat, "loss_chunks": r.loss_chunks,
+                "remat": r.remat, "loss_chunks": r.loss_chunks, "precision": r.precision,
                 "context_attention": r.context_attention if _axis(r, "context") > 1 else None,
                 "tp_overlap": r.tp_overlap, "offload": r.offload or None,
                 "predicted_host_bytes": int(p.memory.host) if p else None,
@@ -222,9 +225,12 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
 
 
 def choose_train(run: RunConfig, given: frozenset, cfg=None,
-                 budget: Optional[Budget] = None) -> AutoChoice:
+                 budget: Optional[Budget] = None,
+                 cluster: Optional[tuple[Cluster, str]] = None) -> AutoChoice:
     """The training run ``--plan auto`` runs: the flags in ``given`` stay as given, the
-    search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc."""
+    search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc.
+    ``cluster``: the devices to rank for and whose speeds (default ``present_cluster()``:
+    this process's devices, one node per process); its device count must be JAX's."""
     if run.objective != "throughput":
         raise ValueError(f"--objective {run.objective}: training ranks by throughput (tokens "
                          f"per second); --objective latency is for generate and serve")
@@ -236,11 +242,16 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     if kept is not None:
         saved, why = kept
         return AutoChoice(saved, budget, devices, run.objective, reasons=[why])
-    cluster, speeds = present_cluster()
+    cluster, speeds = cluster or present_cluster()
+    if cluster.devices != n:
+        raise ValueError(f"--plan auto: the cluster has {cluster.devices} devices, JAX {n}")
     w = Workload.of_run(run, cfg, backend=jax.devices()[0].platform)
     remats = (run.remat,) if "remat" in given else ("none", "full")
     kept_off = ((run.offload_targets(),) if "offload" in given else ((),))
-    ranked = [p for p in _searched(w, cluster, remats, kept_off) if matches(p, run, given, n)]
+    # fp8 lowers the precision: a candidate only when the user opts in (--allow-fp8)
+    precisions = (FP8,) if run.allow_fp8 else ()
+    ranked = [p for p in _searched(w, cluster, remats, kept_off, precisions)
+              if matches(p, run, given, n)]
     if not ranked:
         fixed = ", ".join(f"--{f.replace('_', '-')} {getattr(run, f)}"
                           for f in LAYOUT_FIELDS if f in given)
@@ -252,7 +263,7 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     # Offload costs host-link time every step: offered only when no plan keeps the state on
     # the device (by compile), and only when --offload was not given.
     if choice.plan is None and "offload" not in given and offload_reason(w) is None:
-        offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS)
+        offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS, precisions)
                      if matches(p, run, given, n)]
         over += _prove(choice, offloaded, cfg, speeds,
                        f"no plan of the {len(ranked)} that keep the state on the device fits "
