@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 
@@ -43,6 +43,9 @@ from triax.sharding.introspect import MemoryReport, memory_from_compiled
 from triax.sharding.rules import ShardingError
 from triax.training.config import RunConfig
 from triax.units import human_bytes
+
+if TYPE_CHECKING:   # auto_mixed sets it; imported here only for the annotation
+    import triax.planner.mixed
 
 # Headroom kept below the budget: the allocator's fragmentation and the runtime's own
 # buffers (collective scratch, the host transfer of a batch) are not in memory_analysis.
@@ -152,6 +155,7 @@ class AutoChoice:
     runner_up: Optional[PlanResult] = None
     refused: list[Refused] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    mixed: Optional["triax.planner.mixed.MixedPlan"] = None   # --plan-gpu's (auto_mixed)
 
     def to_json(self) -> dict:
         r = self.run
@@ -166,15 +170,19 @@ class AutoChoice:
                 "predicted_host_bytes": int(p.memory.host) if p else None,
                 "compiled_host_bytes": self.compiled.host_argument_bytes
                 if self.compiled else None,
-                "predicted_peak_bytes": int(p.memory.total) if p else None,
+                "predicted_peak_bytes": int(p.memory.total) if p else
+                (int(self.mixed.memory.total) if self.mixed else None),
                 "predicted_step_s": p.step_time_s if p else None,
                 "compiled_peak_bytes": self.compiled.peak_bytes if self.compiled else None,
                 "budget_bytes": self.budget.bytes, "usable_bytes": self.budget.usable,
                 "margin": FIT_MARGIN, "budget_source": self.budget.source,
                 "devices": self.devices, "objective": self.objective,
                 "runner_up": _brief(self.runner_up) if self.runner_up else None,
-                "refused": [{**_brief(x.plan), "compiled_peak_bytes": x.compiled_peak,
-                             "why": x.why} for x in self.refused],
+                "refused": [{**(_brief(x.plan) if x.plan else {}),
+                             "compiled_peak_bytes": x.compiled_peak, "why": x.why}
+                            for x in self.refused],
+                "stage_layers": r.stage_layers,
+                "mixed": self.mixed.to_json() if self.mixed else None,
                 "reasons": self.reasons}
 
     def describe(self) -> str:
@@ -234,6 +242,9 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     if run.objective != "throughput":
         raise ValueError(f"--objective {run.objective}: training ranks by throughput (tokens "
                          f"per second); --objective latency is for generate and serve")
+    if run.plan_gpu:
+        raise ValueError("--plan-gpu: mixed generations are laid out by "
+                         "planner.auto_mixed.choose_mixed, not choose_train")
     cfg = run.model_config() if cfg is None else cfg
     budget = budget or budget_for(run.device_memory)
     n = jax.device_count()
@@ -368,7 +379,7 @@ def kept_plan(run: RunConfig) -> Optional[tuple[RunConfig, str]]:
         if step is None:
             return None
         saved = ckpt.read_meta(step).get("run") or {}
-    fields = {f: saved[f] for f in LAYOUT_FIELDS if f in saved}
+    fields = {f: saved[f] for f in (*LAYOUT_FIELDS, "stage_layers") if f in saved}
     kept = run.replace(**fields)
     return kept, (f"kept the plan saved with checkpoint step {step} in {run.checkpoint_dir}: "
                   f"--mesh {kept.mesh} --strategy {kept.strategy} --remat {kept.remat}"

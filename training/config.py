@@ -151,6 +151,11 @@ class RunConfig:
     plan: str = shared("plan", "flags")
     objective: str = shared("objective", "throughput")
     device_memory: Optional[str] = shared("device_memory", None)
+    plan_gpu: Optional[str] = _f(None, "with --plan auto: the devices present are mixed "
+                                       "generations, KIND:COUNT groups in pipeline order, "
+                                       "e.g. h100-80gb:4,a100-80gb:4 (one pipeline stage "
+                                       "per group, layers sized by speed within every "
+                                       "group's memory; docs/planner.md)")
     allow_fp8: bool = _f(False, "with --plan auto: the search may also choose --precision fp8 "
                                 "(the block's matmuls in float8) where the planner prices it "
                                 "faster, proved by compile like every plan; without it the "
@@ -177,10 +182,11 @@ class RunConfig:
                              ScheduleKind.parse(self.schedule).split_backward)
             except ValueError as e:
                 raise ValueError(f"--stage-layers: {e}") from None
-            if self.plan == "auto":   # the search lays out even stages only
-                raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
-                                 "not search: use --plan flags with --mesh (triax plan --gpu "
-                                 "KIND:N,KIND:N proposes a split)")
+            if self.plan == "auto" and not self.plan_gpu:   # even stages but for groups
+                raise ValueError("--stage-layers fixes uneven stages, which --plan auto lays "
+                                 "out only for mixed generations: give --plan-gpu "
+                                 "KIND:N,KIND:N, or use --plan flags with --mesh (triax plan "
+                                 "--gpu KIND:N,KIND:N proposes a split)")
         needs_lora = [flag for flag, on in (("adapter", self.adapter),
                                             ("base-dtype", self.base_dtype != "float32"),
                                             ("lora-dropout", self.lora_dropout != 0)) if on]
