@@ -88,3 +88,29 @@ def test_tp_overlap_is_chosen_where_the_rings_hide(seq, overlap):
                         **TP))
     assert c.run.tp_overlap is overlap and c.plan.layout.tp_overlap is overlap, \
         auto.label(c.plan)
+
+
+def test_fp8_prices_the_compiled_gathers_and_scale_reductions():
+    """tiny fsdp on data=8, bf16 against fp8: the model's FSDP gathers shrink by the
+    projections' elements (2 bytes to models.fp8.WEIGHT_BYTES' 1) exactly as the compiled
+    step's do (there by 3 bytes each: XLA's CPU backend gathers bf16 as fp32), and its scale
+    all-reduces are the compiled step's extra all-reduces, counted per execution."""
+    from triax.costs.comm import traffic
+    from triax.costs.workload import Layout, Workload
+    from triax.models import config
+    from triax.planner.verify import run_config
+    from triax.sharding.introspect import collectives_from_compiled
+    from triax.training.setup import build_run
+    model, hlo = {}, {}
+    for prec in ("bf16", "fp8"):
+        w = Workload.of(config.get("tiny", num_layers=2), train=True, dtype=prec, batch=8,
+                        seq=16, backend="cpu")
+        lay = Layout(data=8, strategy="fsdp")
+        t = traffic(w, lay)["data"]
+        model[prec] = (t.payload_by_kind["all-gather"], t.messages_by_kind["all-reduce"])
+        built = build_run(run_config(w, lay), w.cfg)
+        cols = collectives_from_compiled(built.compiled.step, built.mesh)
+        hlo[prec] = (sum(c.bytes_per_device * c.count for c in cols if c.kind == "all-gather"),
+                     sum(c.count for c in cols if c.kind == "all-reduce"))
+    assert model["bf16"][0] - model["fp8"][0] == (hlo["bf16"][0] - hlo["fp8"][0]) / 3 > 0
+    assert model["fp8"][1] - model["bf16"][1] == hlo["fp8"][1] - hlo["bf16"][1] > 0
