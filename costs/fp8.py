@@ -52,6 +52,12 @@ def fp8_reason(w: Workload) -> Optional[str]:
     return None
 
 
+def priced(w: Workload) -> bool:
+    """Whether ``w`` runs in fp8 and the planner prices it so (``fp8_reason``); otherwise an
+    fp8 workload is priced as bf16's."""
+    return w.dtype == FP8 and fp8_reason(w) is None
+
+
 def projection_elements(w: Workload) -> int:
     """Elements of the weights whose matmuls run in float8 (every layer's)."""
     return sum(math.prod(shape) for path, shape, _ in param_leaves(w.cfg)
@@ -68,13 +74,13 @@ def compute_factor(w: Workload, device: Device, flops: float) -> float:
 def gather_bytes(w: Workload, path: str) -> int:
     """Bytes per element FSDP's all-gather moves of the parameter at ``path``: the e4m3
     weight under fp8 where it is projected, else the compute dtype's."""
-    return fp8.WEIGHT_BYTES if w.dtype == FP8 and fp8.runs_in_fp8(path) else w.dtype_bytes
+    return fp8.WEIGHT_BYTES if priced(w) and fp8.runs_in_fp8(path) else w.dtype_bytes
 
 
 def scale_reductions(w: Workload, layers: int) -> int:
     """Scalar all-reduces of one step's current scales over the batch axes on a device
     running ``layers`` layers (``SCALE_REDUCTIONS`` each); 0 when not fp8."""
-    return SCALE_REDUCTIONS * layers if w.dtype == FP8 and w.train else 0
+    return SCALE_REDUCTIONS * layers if priced(w) else 0
 
 
 SCALE_BYTES = FP32   # one fp32 amax per reduction

@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
-from triax.choices import FP8
 from triax.costs import comm
-from triax.costs.fp8 import compute_factor
+from triax.costs.fp8 import compute_factor, priced
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions, Memory, estimate
 from triax.costs.offload import OffloadCost, host_link, planned_cost
@@ -96,7 +95,7 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
                                                                           lay.pipe)
         uneven = longest * lay.pipe / w.cfg.num_layers
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
-    if w.dtype == FP8:   # the block's projections at the float8 rate (costs.fp8)
+    if priced(w):   # the block's projections at the float8 rate (costs.fp8)
         compute *= compute_factor(w, cluster.device, flops)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
