@@ -171,7 +171,7 @@ class AutoChoice:
                 "compiled_host_bytes": self.compiled.host_argument_bytes
                 if self.compiled else None,
                 "predicted_peak_bytes": int(p.memory.total) if p else
-                (int(self.mixed.memory.total) if self.mixed else None),
+                (int(self.mixed.memory.modelled) if self.mixed else None),
                 "predicted_step_s": p.step_time_s if p else None,
                 "compiled_peak_bytes": self.compiled.peak_bytes if self.compiled else None,
                 "budget_bytes": self.budget.bytes, "usable_bytes": self.budget.usable,

@@ -126,7 +126,8 @@ def _reasons(c: AutoChoice, m: MixedPlan, counts) -> list[str]:
             f"measured)" + (", but that split's compile did not fit, so the equal one runs"
                             if equal else "")
             + f"; its compiled peak is {human_bytes(c.compiled.peak_bytes)} per device on "
-              f"every stage (predicted {human_bytes(m.memory.total)}), within the usable "
+              f"every stage (predicted {human_bytes(m.memory.modelled)} before the "
+              f"planner's fixed overhead, which the budget pays), within the usable "
               f"{human_bytes(c.budget.usable)} ({FIT_MARGIN:.0%} margin)."),
            "Stages: " + ", ".join(f"{s}: {d.name}" for s, d in enumerate(m.stages))
            + f"; {lay.data} device(s) each."]
