@@ -10,7 +10,8 @@ from triax.planner import auto
 from triax.training.config import RunConfig
 
 GIB = 1 << 30
-BASE = dict(num_layers=1, batch_size=8, steps=1, plan="auto", data="markov",
+# As test_plan_auto's RUN (steps, data, ...): a choice of the same layout shares its compile.
+BASE = dict(num_layers=1, batch_size=8, steps=3, plan="auto", data="markov",
             progress=False, eval_batches=0, remat="none", precision="bf16")
 GIVEN = frozenset({"model", "num_layers", "batch_size", "seq_len", "steps", "plan", "remat",
                    "precision"})
@@ -49,9 +50,10 @@ def test_fp8_is_chosen_where_the_projections_dominate_and_allowed():
 
 def test_fp8_is_not_chosen_where_its_scales_cost_more():
     """tiny at 8 × 16 tokens: the step is latency, and fp8's scale all-reduces only add to
-    it: allowed, fp8 is still not chosen."""
-    c = _proved(_choose(FIXED, model="tiny", seq_len=16, allow_fp8=True, **DP))
-    assert c.run.precision == "bf16", auto.label(c.plan)
+    it: allowed, fp8 is still not chosen, not even over fp32 (test_plan_auto's step)."""
+    c = _proved(_choose(FIXED, model="tiny", seq_len=16, allow_fp8=True, precision="fp32",
+                        **DP))
+    assert c.run.precision == "fp32", auto.label(c.plan)
 
 
 # ---- HSDP: a replica axis where the data axis crosses nodes ---------------------------------
