@@ -6,6 +6,7 @@ each choice is one compile of a one-layer step on 8 simulated devices."""
 import pytest
 
 from triax.costs import hardware
+from triax.costs.workload import Workload
 from triax.planner import auto
 from triax.training.config import RunConfig
 
@@ -36,16 +37,18 @@ FIXED = frozenset({"mesh", "strategy"})
 def test_fp8_is_chosen_where_the_projections_dominate_and_allowed():
     """small (D = 768), one layer, 32 × 1,024 tokens on data=8: the float8 projections save
     more than the per-tensor scales' all-reduces cost, so with --allow-fp8 fp8 is chosen
-    (and its step compiled); without the opt-in the precision stays bf16."""
+    (and its step compiled); without the opt-in no fp8 plan is ranked at all."""
     c = _proved(_choose(FIXED, model="small", batch_size=32, seq_len=1024, allow_fp8=True, **DP))
     assert c.run.precision == "fp8" and c.plan.workload.dtype == "fp8", auto.label(c.plan)
     assert "fp8" in auto.label(c.plan) and c.to_json()["precision"] == "fp8"
-    plain = auto._searched(c.plan.workload.__class__.of_run(
-        c.run.replace(precision="bf16"), backend="cpu"), auto.present_cluster()[0], ("none",))
+    w = Workload.of_run(c.run.replace(precision="bf16"), backend="cpu")
+    cluster = auto.present_cluster()[0]
+    plain = auto._searched(w, cluster, ("none",))        # what --plan auto ranks without it
     same = next(p for p in plain if p.layout == c.plan.layout)
     assert c.plan.step_time_s < same.step_time_s       # priced faster than bf16's
-    assert _choose(FIXED, model="small", batch_size=32, seq_len=1024, **DP).run.precision \
-        == "bf16"
+    assert {p.workload.dtype for p in plain} == {"bf16"}
+    assert "fp8" in {p.workload.dtype for p in auto._searched(w, cluster, ("none",), ((),),
+                                                               ("fp8",))}
 
 
 def test_fp8_is_not_chosen_where_its_scales_cost_more():
@@ -98,7 +101,7 @@ def test_fp8_prices_the_compiled_gathers_and_scale_reductions():
     step's do (there by 3 bytes each: XLA's CPU backend gathers bf16 as fp32), and its scale
     all-reduces are the compiled step's extra all-reduces, counted per execution."""
     from triax.costs.comm import traffic
-    from triax.costs.workload import Layout, Workload
+    from triax.costs.workload import Layout
     from triax.models import config
     from triax.planner.verify import run_config
     from triax.sharding.introspect import collectives_from_compiled
