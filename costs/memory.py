@@ -210,6 +210,11 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
         blocks = _per_chunk(w, lay)
+        # uneven stages: B's layer slot is a conditional, whose gradient XLA returns in a
+        # buffer of its own before the loop stacks it (pipeline.buffer_sizes' ``slot``)
+        if StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                       counts=lay.stage_layers).slot_counts is not None:
+            blocks += 1
     if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
         return _block_grad_elements(w, lay) + blocks * ceil_div(
             _block_grad_elements(w, lay), lay.data)

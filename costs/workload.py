@@ -114,9 +114,11 @@ class Workload:
 
     @property
     def run_label(self) -> str:
-        """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)."""
+        """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)
+        (``, fp8``: float8 projections, which the search may choose)."""
         return f"remat {self.remat}" + (f", loss in {self.loss_chunks} chunks"
-                                        if self.loss_chunks > 1 else "")
+                                        if self.loss_chunks > 1 else "") \
+            + (", fp8" if self.dtype == choices.FP8 else "")
 
     @property
     def dtype_bytes(self) -> int:
