@@ -1,4 +1,5 @@
-"""Weight-only int8 for a frozen LoRA base (``--base-dtype int8``).
+"""Weight-only int8: a frozen LoRA base (``--base-dtype int8``) and served weights
+(``triax serve --quantize int8``, :func:`served_config`).
 
 A projection weight ``W`` laid out input dims first (``n_in`` of them), output dims last, is
 stored as ``W_q = round(W / s)`` in int8 with one fp32 scale per output channel,
@@ -11,6 +12,10 @@ dequantizes (``W_q · s``) where the weight is used, so XLA fuses it into the ma
 Quantized: the block projections (attention q/k/v/o, the dense MLP's fused gate|up and
 down), targeted or not. Embedding, head, norms and MoE experts stay fp32: the norms and
 embedding are no matmul weight, and the vocab-sized head sets the logits directly.
+A model quantizes when :func:`stores_int8` says so: its LoRA base is int8, or (no LoRA)
+``ModelConfig.quantize`` is. Served, the int8 leaves stay int8 and the float ones take the
+served dtype (:func:`served_dtype`), which is how the engine places them and the planner
+prices them.
 
     >>> import jax.numpy as jnp
     >>> q, s = quantize(jnp.array([[1.0, -4.0], [-0.5, 2.0]]), n_in=1)
@@ -19,11 +24,14 @@ embedding are no matmul weight, and the vocab-sized head sets the logits directl
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 from flax import nnx
 
-from triax.choices import QUANTIZED_BASE
+from triax.choices import QUANTIZE, QUANTIZED_BASE
 from triax.models import fp8, runtime
+from triax.models.config import ModelConfig
 
 SUFFIX = "_scale"
 
@@ -40,10 +48,46 @@ def _quantize(w, axes):
     return jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8), scale
 
 
-def quantize_weights(module: nnx.Module, lora, **n_in: int) -> None:
-    """When ``lora`` stores an int8 base, replace each named weight of ``module`` by its int8
-    values and add its ``<name>_scale`` (``n_in``: that weight's count of input dims)."""
-    if lora is None or lora.base_dtype != QUANTIZED_BASE:
+def stores_int8(cfg: ModelConfig) -> bool:
+    """Whether ``cfg``'s block projections are stored int8 (an int8 LoRA base, or served
+    ``--quantize int8``)."""
+    if cfg.lora is not None:
+        return cfg.lora.base_dtype == QUANTIZED_BASE
+    return cfg.quantize == QUANTIZED_BASE
+
+
+def served_config(cfg: ModelConfig, quantize: str) -> ModelConfig:
+    """``cfg`` as served under ``--quantize`` (``none``: as it is): int8 projections are its
+    LoRA base's dtype when it has adapters (served unmerged over that base), else its
+    ``quantize``. MoE is refused: its experts, most of its weights, have no int8 form."""
+    if quantize not in QUANTIZE:
+        raise ValueError(f"--quantize {quantize!r}: choose one of {', '.join(QUANTIZE)}")
+    if quantize == "none" or stores_int8(cfg):
+        return cfg
+    if cfg.moe is not None:
+        raise ValueError(f"--quantize {quantize} on the MoE model {cfg.name!r}: its experts "
+                         f"(most of its weights) have no int8 form, only its attention "
+                         f"would be; serve it with --quantize none")
+    if cfg.lora is not None:
+        return cfg.replace(lora=dataclasses.replace(cfg.lora, base_dtype=quantize))
+    return cfg.replace(quantize=quantize)
+
+
+def served_dtype(leaf_dtype, dtype: str):
+    """A parameter's dtype as served in ``dtype``: fp32 leaves in ``dtype``; others (int8
+    projections, a bf16 base) as they are.
+
+    >>> served_dtype(jnp.float32, "bfloat16"), served_dtype(jnp.int8, "bfloat16")
+    (dtype(bfloat16), dtype('int8'))
+    """
+    return jnp.dtype(dtype) if jnp.dtype(leaf_dtype) == jnp.float32 else jnp.dtype(leaf_dtype)
+
+
+def quantize_weights(module: nnx.Module, cfg: ModelConfig, **n_in: int) -> None:
+    """When ``cfg`` stores int8 projections (:func:`stores_int8`), replace each named weight
+    of ``module`` by its int8 values and add its ``<name>_scale`` (``n_in``: that weight's
+    count of input dims)."""
+    if not stores_int8(cfg):
         return
     for name, k in n_in.items():
         p = getattr(module, name)
