@@ -22,6 +22,7 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.config import LoraConfig
 from triax.models.quantize import SUFFIX, served_config
+from triax.planner.auto_serve import choose_serving
 from triax.serve_config import ServeConfig
 from triax.sharding.introspect import memory_from_compiled
 from triax.sharding.partition import abstract_model, init_params
@@ -156,6 +157,18 @@ def test_int8_weight_bytes_per_device(tp2_bytes):
     # The planner (costs) and the engine's pre-load check price what is placed.
     for q, b in tp2_bytes.items():
         assert b["planned"] == b["held"] == b["placed"], q
+
+
+def test_plan_auto_prices_int8_weights(tp2_bytes):
+    """``--plan auto`` with ``--quantize`` (one candidate: 4 replicas of tensor=2): the plan's
+    weights are the engine's placed bytes, and its compiled decode step is the smaller."""
+    choice = {q: choose_serving(CFG, longest=8, max_new_tokens=4, slots=SLOTS,
+                                mesh_sizes={"tensor": 2}, device_memory="1GiB",
+                                pool={"dtype": "bfloat16", "quantize": q, "kv_blocks": 8})
+              for q in ("none", "int8")}
+    for q, c in choice.items():
+        assert int(c.plan.memory.params) == tp2_bytes[q]["placed"], q
+    assert choice["int8"].compiled_peak < choice["none"].compiled_peak
 
 
 def test_int8_ready_line(devices):
