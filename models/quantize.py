@@ -100,11 +100,29 @@ def quantize_weights(module: nnx.Module, cfg: ModelConfig, **n_in: int) -> None:
 def project(spec: str, x, module: nnx.Module, name: str, dtype):
     """``einsum(spec, x, W)`` for the weight ``name`` of ``module`` in ``dtype``: in float8
     when the runtime's ``ExecConfig.fp8`` says so (``models.fp8``; the fp32 weight is cast
-    where it is stored), else with :func:`kernel`'s weight (dequantized if int8)."""
-    if runtime.current().exe.fp8 and not hasattr(module, name + SUFFIX):
+    where it is stored); an int8 weight converted (exactly: |q| <= 127 fits ``dtype``) with
+    its per-output-channel scale applied to the product (``y = (x · q) s``, the same sum);
+    else with :func:`kernel`'s weight."""
+    s = getattr(module, name + SUFFIX, None)
+    if runtime.current().exe.fp8 and s is None:
         p = getattr(module, name)
         return fp8.einsum(spec, x, p[...], dtype, tuple(getattr(p, "out_sharding", ()) or ()))
-    return jnp.einsum(spec, x, kernel(module, name, dtype))
+    out_scale = None if s is None else _output_scale(spec, s[...])
+    if out_scale is None:
+        return jnp.einsum(spec, x, kernel(module, name, dtype))
+    y = jnp.einsum(spec, x, getattr(module, name)[...].astype(dtype))
+    return (y * out_scale).astype(y.dtype)
+
+
+def _output_scale(spec: str, s):
+    """The scale ``s`` (the weight's shape, input dims 1) shaped to broadcast over ``spec``'s
+    output (its output dims last there, the rest 1), or None when its output dims are not its last ones in order."""
+    (x_l, w_l), out_l = spec.split("->")[0].split(","), spec.split("->")[1]
+    kept = [c for c in w_l if c not in x_l]
+    if not out_l.endswith("".join(kept)):
+        return None
+    dims = [d for c, d in zip(w_l, s.shape) if c not in x_l]
+    return s.reshape([1] * (len(out_l) - len(dims)) + dims)
 
 
 def kernel(module: nnx.Module, name: str, dtype):
