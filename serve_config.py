@@ -122,8 +122,9 @@ class Engine:
                       choices=SERVE_DTYPES)
     quantize: str = spec("none", "int8: store the block projections (attention q/k/v/o, the "
                                  "MLP's) as int8 with a scale per output channel, "
-                                 "dequantized to --dtype where they are used (about half "
-                                 "bf16's bytes); embedding, head and norms stay in --dtype",
+                                 "converted to --dtype for each matmul, the scale applied to "
+                                 "its product (about half bf16's bytes); embedding, head and "
+                                 "norms stay in --dtype; refused on MoE models",
                          choices=QUANTIZE)
     prefix_cache: bool = spec(True, "share the KV blocks of prompts' common first tokens "
                                     "(keyed by a hash of a block's tokens and all before "

@@ -114,19 +114,23 @@ def main() -> None:
 
 NOTE = ("Weight bytes are exact: placed is read from the arrays' shards on a device, planned "
         "is the planner's figure (`costs.param_layout.local_served_bytes`), and they agree. "
-        "The int8 row keeps the embedding, head and norms in bf16 and a scale per output "
-        "channel, so its ratio sits a little above ½ (the projections alone: int8 + scales "
-        "≈ 0.50–0.51 of bf16's, `tests/test_serve_int8.py`). Decode tok/s is one run on a "
-        "shared 2-core CPU while other jobs ran (CPU figures rank only): XLA:CPU dequantizes "
-        "each projection to bf16 before its dot, so int8 saves memory here more than time. "
-        "A GPU run would need: one GPU (or two for tensor=2) and a model whose decode is "
-        "weight-bandwidth bound (`llama3-8b` on one H100: 16 GB of bf16 weights per step "
-        "against ~8.5 GB int8), the same script with `--model llama3-8b` and real weights "
-        "(`--model-dir`) for a meaningful agreement, and the HLO checked for the dequantize "
-        "fused into the dot (a convert + multiply feeding the dot's fusion, no bf16 weight "
-        "buffer per layer). The agreement is that of a random-init model whose logits are "
-        "nearly flat: greedy tokens as served diverge after one flip, so the same-context "
-        "agreement is the fairer figure.")
+        "The int8 row keeps the embedding, head and norms in bf16, and a bf16 scale per "
+        "output channel, so the projections alone are int8 + scales ≈ 0.50–0.52 of bf16's "
+        "(`tests/test_serve_int8.py`). Decode tok/s is one run on a shared 2-core CPU while "
+        "other jobs ran (CPU figures rank only, and here not even that: three runs the same "
+        "hour, load average 6–9, gave int8 0.61× (the first, before the scale moved onto "
+        "the product), 1.64× and 0.52× of bf16's). XLA:CPU converts each int8 projection into a bf16 buffer before its dot "
+        "(the scale goes on the product), so on CPU int8 saves memory, not time: it reads "
+        "the int8 weight and writes and reads a bf16 one each step. A GPU run would need: "
+        "two GPUs as the script is written (tensor=2), a model whose decode is "
+        "weight-bandwidth bound (`--model llama3-8b`: 15.0 GiB of bf16 weights read per step "
+        "on one device against 8.5 GiB int8, the planner's figures), real weights for a "
+        "meaningful agreement (the script takes a preset's random init; loading "
+        "`--model-dir` is not wired in), and the compiled HLO checked for the int8 → bf16 "
+        "convert fused into the dot's operand read (no bf16 weight buffer per layer), "
+        "without which int8 cannot beat bf16 on decode time. The agreement is that of a "
+        "random-init model whose logits are nearly flat: greedy tokens as served diverge "
+        "after one flip, so the same-context agreement is the fairer figure.")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ stored as ``W_q = round(W / s)`` in int8 with one fp32 scale per output channel,
 ``s = max|W| / 127`` over the input dims (symmetric). The scale is a sibling parameter
 ``<name>_scale`` shaped like ``W`` with its input dims kept as 1, carrying the weight's output
 logical axes (``None`` on the unit dims), so the rules shard it like the weight; ``W_q``
-keeps the weight's axes. The step receives ``W_q``; :func:`kernel`
-dequantizes (``W_q · s``) where the weight is used, so XLA fuses it into the matmul.
+keeps the weight's axes. The step receives ``W_q``; :func:`project` converts it to the
+compute dtype (exact) for the matmul and scales the product per output channel
+(``(x · W_q) s = x · (W_q s)``); the collective-matmul hooks take :func:`kernel`'s
+dequantized ``W_q · s``.
 
 Quantized: the block projections (attention q/k/v/o, the dense MLP's fused gate|up and
 down), targeted or not. Embedding, head, norms and MoE experts stay fp32: the norms and

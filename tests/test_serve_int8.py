@@ -1,12 +1,12 @@
 """``--quantize int8`` serving (``models.quantize``, ``inference.served_weights``): logits
 within a stated tolerance of bf16's, greedy agreement wherever bf16's choice is clear of it;
-tensor=2 and replica layouts equal to the one-device int8 engine (int8 values and scales bit
+tensor=2 replicas and pipe=2 equal to the one-device int8 engine (int8 values and scales bit
 for bit, fp32 logits tight); weight bytes per device read from the placed arrays and the
 compiled decode step, against the planner's figure (``costs``); the ready line names it;
 what it cannot combine with is refused by name.
 
 Tolerance: on the tiny model (default init), int8 logits lie within ``LOGIT_TOL`` (2 %) of
-the largest bf16 logit of bf16's (measured 0.9 %; bf16 itself is 0.6 % from fp32)."""
+the largest bf16 logit of bf16's (measured 1.1 %; bf16 itself is 0.6 % from fp32)."""
 import jax
 import numpy as np
 import pytest
@@ -89,18 +89,20 @@ def test_int8_logits_within_tolerance_of_bf16(bf16_vs_int8):
 
 @pytest.fixture(scope="module")
 def int8_layouts(setup, devices):
-    """The fp32 int8 engine on one device, and a server's two replicas of tensor=2 (each
-    quantizing on its own mesh the weights handed over from device 0)."""
+    """The fp32 int8 engine on one device, a server's two replicas of tensor=2 (each
+    quantizing on its own mesh the weights handed over from device 0), and pipe=2."""
     m1, params, prompts = setup
     ecfg = _ecfg("float32", "int8")
     one = Engine(CFG, params, m1, "tp", ecfg)
     server = Server.from_params(CFG, params, replica_meshes({"tensor": 2}, 2, devices[2:6]),
                                 "tp", ecfg)
-    return one, _run(one, prompts), {f"tensor=2 replica {i} of 2": e for i, e in
-                                     enumerate(server.engines, 1)}, prompts
+    engines = {f"tensor=2 replica {i} of 2": e for i, e in enumerate(server.engines, 1)}
+    engines["pipe=2"] = Engine(CFG, params, make_mesh(pipe=2, devices=devices[6:8]), "tp", ecfg)
+    return one, _run(one, prompts), engines, prompts
 
 
-@pytest.mark.parametrize("name", ["tensor=2 replica 1 of 2", "tensor=2 replica 2 of 2"])
+@pytest.mark.parametrize("name", ["tensor=2 replica 1 of 2", "tensor=2 replica 2 of 2",
+                                  "pipe=2"])
 def test_int8_layouts_match_single_device(int8_layouts, name):
     one, (tok, lg), engines, prompts = int8_layouts
     eng = engines[name]
@@ -116,7 +118,8 @@ def test_int8_layouts_match_single_device(int8_layouts, name):
             ws, ss = (tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
                       for x in (w, sc))
             assert ss == tuple(None if d == 1 else a for d, a in zip(sc.shape, ws)), (n, ss, ws)
-    assert "tensor" in eng.params["blocks"]["attn"]["wq_DNH" + SUFFIX].sharding.spec
+    split = "pipe" if name == "pipe=2" else "tensor"
+    assert split in eng.params["blocks"]["attn"]["wq_DNH" + SUFFIX].sharding.spec
     t, g = _run(eng, prompts)
     np.testing.assert_array_equal(t, tok, err_msg=f"{name} greedy tokens")
     np.testing.assert_allclose(g, lg, rtol=1e-5, atol=1e-6, err_msg=f"{name} int8 logits")
