@@ -109,10 +109,10 @@ class Workload:
         ``max_len`` positions, its KV pool, the weights in the served ``dtype`` and the pool
         in its ``kv_dtype`` (what the engine holds); the model as served (``--quantize``:
         ``models.quantize.served_config``, its int8 leaves priced as stored)."""
-        return cls.of(served_config(cfg, ecfg.quantize), train=False, dtype=KV_PRECISION[ecfg.dtype], batch=ecfg.max_batch,
-                      seq=ecfg.max_len, backend=backend, kv_blocks=ecfg.kv_blocks,
-                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size,
-                      kv_dtype=ecfg.kv_dtype)
+        return cls.of(served_config(cfg, ecfg.quantize), train=False,
+                      dtype=KV_PRECISION[ecfg.dtype], batch=ecfg.max_batch, seq=ecfg.max_len,
+                      backend=backend, kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
+                      kv_block_size=ecfg.block_size, kv_dtype=ecfg.kv_dtype)
 
     @property
     def run_label(self) -> str:

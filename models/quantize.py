@@ -118,7 +118,12 @@ def project(spec: str, x, module: nnx.Module, name: str, dtype):
 
 def _output_scale(spec: str, s):
     """The scale ``s`` (the weight's shape, input dims 1) shaped to broadcast over ``spec``'s
-    output (its output dims last there, the rest 1), or None when its output dims are not its last ones in order."""
+    output (its output dims last there, the rest 1); None when the weight's output dims are
+    not the output's last ones, in order (then the weight is dequantized instead).
+
+    >>> _output_scale("BTD,DNH->BTNH", jnp.ones((1, 4, 2))).shape
+    (1, 1, 4, 2)
+    """
     (x_l, w_l), out_l = spec.split("->")[0].split(","), spec.split("->")[1]
     kept = [c for c in w_l if c not in x_l]
     if not out_l.endswith("".join(kept)):
