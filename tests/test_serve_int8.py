@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 from hf_fixtures import fixture
+from prometheus_client import generate_latest
 
 from triax.costs.memory import estimate
 from triax.costs.workload import Layout, Workload
@@ -28,6 +29,7 @@ from triax.models.config import LoraConfig
 from triax.models.quantize import SUFFIX, served_config
 from triax.planner.auto_serve import choose_serving
 from triax.serve_config import ServeConfig
+from triax.serving.metrics import Metrics
 from triax.sharding.introspect import memory_from_compiled
 from triax.sharding.partition import abstract_model, init_params
 
@@ -189,6 +191,9 @@ def test_int8_ready_line_and_unmerged_adapter(devices):
     line = server.describe()
     assert server.quantize == "int8" and "float32 weights with int8 projections" in line
     assert "base int8" in line and "planned " in line
+    scrape = generate_latest(Metrics(server).registry).decode()
+    assert (f'triax_weight_bytes{{dtype="float32",quantize="int8"}} '
+            f'{float(server.weight_bytes)}') in scrape
     eng = server.engines[0]
     assert eng.params["blocks"]["mlp"]["w_in_D2F"].dtype == np.int8
     ref = np.load(os.path.join(fixture("llama-peft-adapter"), "reference.npz"))
