@@ -2,9 +2,9 @@
 within a stated tolerance of bf16's, greedy agreement wherever bf16's choice is clear of it;
 tensor=2 replicas and pipe=2 equal to the one-device int8 engine (int8 values and scales bit
 for bit, fp32 logits tight); weight bytes per device read from the placed arrays and the
-compiled decode step, against the planner's figure (``costs``); the ready line names it; an
-unmerged PEFT adapter over the int8 base within the tolerance of PEFT's own logits
-(measured 0.9 %); what it cannot combine with (MoE) is refused by name.
+compiled decode step, against the planner's figure (``costs``); the ready line and
+/metrics name it; an unmerged PEFT adapter over the int8 base within the tolerance of PEFT's
+own logits (measured 0.9 %); what it cannot combine with (MoE) is refused by name.
 
 Tolerance: on the tiny model (default init), int8 logits lie within ``LOGIT_TOL`` (2 %) of
 the largest bf16 logit of bf16's (measured 1.1 %; bf16 itself is 0.6 % from fp32)."""
