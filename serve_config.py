@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
-from triax.choices import SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, check
+from triax.choices import QUANTIZE, SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, check
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -120,6 +120,12 @@ class Engine:
     dtype: str = spec(SERVE_DTYPE, "dtype of the served weights and their compute (float32: "
                                    "twice the bytes every decode step reads)",
                       choices=SERVE_DTYPES)
+    quantize: str = spec("none", "int8: store the block projections (attention q/k/v/o, the "
+                                 "MLP's) as int8 with a scale per output channel, "
+                                 "converted to --dtype for each matmul, the scale applied to "
+                                 "its product (about half bf16's bytes); embedding, head and "
+                                 "norms stay in --dtype; refused on MoE models",
+                         choices=QUANTIZE)
     prefix_cache: bool = spec(True, "share the KV blocks of prompts' common first tokens "
                                     "(keyed by a hash of a block's tokens and all before "
                                     "them; kept after use until evicted, least recently used "
@@ -142,6 +148,7 @@ class Engine:
     def __post_init__(self):
         object.__setattr__(self, "stop_token", tuple(self.stop_token))
         check("dtype", self.dtype, SERVE_DTYPES)
+        check("quantize", self.quantize, QUANTIZE)
         check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
                             "max_step_tokens": (*GE0, "give a step's tokens, e.g. "

@@ -71,7 +71,8 @@ def choose_layout(config: ServeConfig, longest: int, max_new_tokens: int):
                             mesh_sizes=lay.mesh_sizes() if lay.mesh else None,
                             replicas=lay.replicas, context_attention=lay.context_attention,
                             pool={**config.engine.pool.engine_kw(),
-                                  "dtype": config.engine.dtype})
+                                  "dtype": config.engine.dtype,
+                                  "quantize": config.engine.quantize})
     return config.replace(mesh=choice.mesh, replicas=choice.replicas), choice
 
 

@@ -47,9 +47,10 @@ from triax.inference.kv_pool import (decode_microbatches, kv_pool, kv_storage_dt
 from triax.inference.logprobs import prompt_logprobs, scatter_rows
 from triax.inference.penalties import TokenHistory
 from triax.inference.sampling import SamplingConfig, row_settings, sample_step
-from triax.inference.served_weights import cast_params, served_dtype
+from triax.inference.served_weights import place_params, served_dtype
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
+from triax.models.quantize import served_config
 from triax.models.decode import read_prefix, write_scratch
 from triax.models.runtime import ExecConfig
 from triax.models import runtime
@@ -76,9 +77,11 @@ class EngineConfig:
     dtype: str = "float32"       # served weights and compute: float32 | bfloat16
     kv_dtype: str = "auto"       # the pool: auto | float32 | bfloat16 | int8
     prefix_cache: bool = False   # share cached prompt blocks (inference.prefix_cache)
+    quantize: str = "none"       # none | int8: the block projections (models.quantize)
 
     def __post_init__(self):
         kv_storage_dtype(self.dtype, self.kv_dtype)   # names the flag and the choices
+        choices.check("quantize", self.quantize, choices.QUANTIZE)
 
     @property
     def cache_dtype(self) -> str:
@@ -98,7 +101,7 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     """What an engine would hold on each device, known before it allocates anything: its
     shard of the weights and of the KV cache (k and v)."""
     st = get_strategy(strategy)
-    am = abstract_model(cfg)
+    am = abstract_model(served_config(cfg, ecfg.quantize))
     weights = sum(math.prod(sh.shard_shape(s.shape)) * served_dtype(s.dtype, ecfg.dtype).itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
@@ -115,6 +118,7 @@ class Engine:
         if ecfg.max_len > cfg.max_seq_len:
             raise InferenceError(f"cache length max_len={ecfg.max_len} exceeds the model's "
                                  f"context max_seq_len={cfg.max_seq_len}; lower max_len")
+        given_cfg, cfg = cfg, served_config(cfg, ecfg.quantize)   # --quantize: int8 projections
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
         self.ecfg, self.sampling = ecfg, sampling
         self.exe = exe = dataclasses.replace(exe, compute_dtype=ecfg.dtype)
@@ -128,8 +132,8 @@ class Engine:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, served_dtype(s.dtype, ecfg.dtype),
                                                sharding=sh),
             self.am.shapes, self.param_shardings) if self.abstract \
-            else cast_params(jax.device_put(params, self.param_shardings), ecfg.dtype,
-                             self.param_shardings)
+            else place_params(params, given_cfg, self.am, mesh, self.strategy, ecfg.dtype,
+                              self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = decode_microbatches(mesh, ecfg.microbatches)

@@ -40,12 +40,12 @@ def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str,
                       longest: int, max_new_tokens: int, slots: int = SLOTS, kv_blocks: int = 0,
                       kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE,
                       dtype: str = "float32", kv_dtype: str = "auto",
-                      prefix_cache: bool = False) -> EngineConfig:
+                      prefix_cache: bool = False, quantize: str = "none") -> EngineConfig:
     """Sequences just long enough for the longest request (rounded to 16, capped at the
     context); slots rounded up so they split over ``data`` (and pipeline micro-batches), on
     every replica when ``mesh_sizes`` lists one layout per replica; the KV pool's size
     (``inference.kv_pool``: blocks, or bytes per device; neither: slots × max_len's); the
-    served weights' and the pool's dtypes; prefix caching."""
+    served weights' and the pool's dtypes; prefix caching; the weights' quantization."""
     need = longest + max_new_tokens
     max_len = min(cfg.max_seq_len, 16 * math.ceil(need / 16))
     layouts = [mesh_sizes] if isinstance(mesh_sizes, Mapping) else list(mesh_sizes)
@@ -53,7 +53,7 @@ def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str,
     return EngineConfig(max_batch=unit * math.ceil(slots / unit), max_len=max_len,
                         min_bucket=min(16, max_len), kv_blocks=kv_blocks, kv_memory=kv_memory,
                         block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
-                        prefix_cache=prefix_cache)
+                        prefix_cache=prefix_cache, quantize=quantize)
 
 
 def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
@@ -71,7 +71,8 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     strategy = dataclasses.replace(get_strategy(lay.strategy),
                                    context_attention=check_scheme(lay.context_attention))
     meshes = replica_meshes(mesh_sizes, lay.replicas, devices)
-    pool = {**eng.pool.engine_kw(), "dtype": eng.dtype, "prefix_cache": eng.prefix_cache}
+    pool = {**eng.pool.engine_kw(), "dtype": eng.dtype, "prefix_cache": eng.prefix_cache,
+            "quantize": eng.quantize}
     if not eng.skip_memory_check:
         cfg = source_config(src)
         ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)

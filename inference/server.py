@@ -44,6 +44,7 @@ from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
 from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.sampling import SamplingConfig
+from triax.inference.served_weights import bytes_per_device, describe_weights
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
 from triax.choices import MAX_BYPASS, SERVE_STRATEGY
@@ -269,13 +270,23 @@ class Server(Batching):
         return (f"{len(self.engines)} replica(s): "
                 + "; ".join(describe(e.mesh) for e in self.engines)
                 + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
-                f"positions; {self.dtype} weights; KV pool ({self.kv_dtype}) {pools}"
+                f"positions; {describe_weights(self.engines)}; KV pool ({self.kv_dtype}) {pools}"
                 + (f"; {lora.describe()}" if lora is not None else ""))
 
     @property
     def dtype(self) -> str:
         """The served weights' (and compute) dtype: ``bfloat16`` or ``float32``."""
         return self.engines[0].ecfg.dtype
+
+    @property
+    def quantize(self) -> str:
+        """The served weights' quantization (``--quantize``): ``none`` or ``int8``."""
+        return self.engines[0].ecfg.quantize
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' bytes on each device as placed, the largest over the replicas."""
+        return max(bytes_per_device(e.params) for e in self.engines)
 
     @property
     def kv_dtype(self) -> str:

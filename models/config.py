@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from triax.choices import BASE_DTYPES, MLP_TARGETS, PEFT_TARGETS
+from triax.choices import BASE_DTYPES, MLP_TARGETS, PEFT_TARGETS, QUANTIZE
 from triax.text.byte_tokenizer import BYTE_VOCAB
 
 
@@ -146,6 +146,9 @@ class ModelConfig:
     moe: Optional[MoEConfig] = None
     rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
     lora: Optional[LoraConfig] = None  # None: no adapters, everything trains
+    # Served weights (``--quantize``; ``models.quantize.served_config`` sets it): int8 block
+    # projections with per-output-channel scales. With LoRA the base says it (base_dtype).
+    quantize: str = "none"
 
     def __post_init__(self):
         for field in ("vocab_size", "embed_dim", "num_layers", "num_heads",
@@ -157,6 +160,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r}: choose one of {', '.join(QUANTIZE)}")
+        if self.quantize != "none" and self.lora is not None:
+            raise ValueError(f"quantize={self.quantize!r} with LoRA: the base's storage is "
+                             f"LoraConfig.base_dtype's; give base_dtype={self.quantize!r}")
         on_experts = [t for t in (self.lora.targets if self.lora else ()) if t in MLP_TARGETS]
         if self.moe is not None and on_experts:
             raise ValueError(f"--lora-targets {','.join(on_experts)}: adapters on MoE expert "
