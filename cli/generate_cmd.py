@@ -63,12 +63,17 @@ def run(args) -> int:
         print(choice.describe(), file=sys.stderr)
     say = Progress("generate")
     src = config.source
+    if src.uses_table:
+        raise ValueError("generate serves one model: give one unnamed --adapter DIR (named "
+                         "--adapter NAME=DIR and --max-adapters are serve's, picked per "
+                         "request)")
     with say(f"loading {src.model or src.model_dir or src.checkpoint}"):
         server = build_server(config, longest, max_new)
     lora = server.engines[0].cfg.lora
     if lora is not None:
         say.line(f"serving {lora.describe()}"
-                 + (f" from {src.adapter}" if src.adapter else "") + ", unmerged")
+                 + (f" from {src.unnamed_adapter}" if src.unnamed_adapter else "")
+                 + ", unmerged")
     with say("compiling the prompt buckets and decode"):
         out = generate(server, prompts, max_new, tokenizer, progress=say.line)
     if args.json:

@@ -1,0 +1,221 @@
+"""Many LoRA adapters served at once (``--adapter NAME=DIR``, a table of adapter slots):
+rows of the base and of different adapters share one prefill and one decode step, and each
+row equals that row served with its adapter alone (logits bit for bit, fp32); the table's
+rows match the references (the base: transformers' logits; adapter ``a``: the logits real
+``peft`` computed, ``tests/fixtures/hf/llama-peft-adapter``; adapter ``b``, of lower rank,
+other alpha and fewer targets: the single-adapter unmerged path); loading and unloading
+write into the table without recompiling any step; the HTTP layer (``model`` picks the
+adapter, ``/v1/models``, vLLM's load/unload endpoints, a 404 naming the models); and on
+tensor=2 the table is sharded like its base weights and gives the one-device logits.
+One module-scoped server per layout (the tiny ``llama`` fixture)."""
+import os
+
+import jax
+import numpy as np
+import pytest
+from fastapi.testclient import TestClient
+
+from hf_fixtures import FIXTURES, fixture, forward_logits, golden
+from triax.cli.main import build_parser
+from triax.cli.serving_flags import serve_config
+from triax.hf.load import read_model_config
+from triax.hf.peft import load_adapted, write_adapters
+from triax.hf.tokenizer import load_tokenizer
+from triax.inference.adapter_table import AdapterNotFound
+from triax.inference.engine import InferenceError
+from triax.inference.generate import build_server
+from triax.inference.sampling import SamplingConfig
+from triax.mesh import make_mesh
+from triax.models import lora
+from triax.models.config import LoraConfig
+from triax.serve_config import ServeConfig
+from triax.serving.app import create_app
+from triax.sharding.partition import abstract_model
+
+A = os.path.join(FIXTURES, "llama-peft-adapter")   # peft's: r 4, alpha 8, all 7 targets
+GREEDY = SamplingConfig(temperature=0.0)
+STEPS = 3   # decode steps after the prefill
+
+
+@pytest.fixture(scope="module")
+def adapter_b(tmp_path_factory):
+    """A second adapter: r 2, alpha 4, on q_proj, v_proj and down_proj only (random A, B)."""
+    cfg = read_model_config(fixture("llama")).replace(
+        lora=LoraConfig(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "down_proj")))
+    rng = np.random.default_rng(0)
+    ad = jax.tree.map(lambda s: (0.2 * rng.standard_normal(s.shape)).astype(np.float32),
+                      lora.split(abstract_model(cfg).shapes)[0])
+    out = str(tmp_path_factory.mktemp("adapters") / "b")
+    write_adapters(ad, cfg, out, base_model="llama")
+    return out
+
+
+def _server(devices, adapter_b, mesh: str, n: int):
+    config = ServeConfig.of(model_dir=fixture("llama"), adapter=(f"a={A}", f"b={adapter_b}"),
+                            max_adapters=3, dtype="float32", mesh=mesh, replicas=1, slots=4)
+    return build_server(config, longest=24, max_new_tokens=8, devices=devices[:n])
+
+
+@pytest.fixture(scope="module")
+def one(devices, adapter_b):
+    return _server(devices, adapter_b, "tensor=1", 1)
+
+
+def _rows():
+    """(adapter, prompt ids, reference last-position logits or None) of the mixed batch."""
+    g, ref = golden("llama"), np.load(os.path.join(A, "reference.npz"))
+    return [(None, g["ids_0"], g["logits_0"][-1]), ("a", ref["ids_1"], ref["logits_1"][-1]),
+            ("b", ref["ids_2"], None), ("a", ref["ids_3"], ref["logits_3"][-1])]
+
+
+def _logits(server, adapters, prompts):
+    """``[rows, 1 + STEPS, V]``: the prefill's last logits, then each decode step's (fed its
+    own greedy tokens), of one batch of rows in slots 0.. with these adapters."""
+    eng = server.engines[0]
+    slots = list(range(len(prompts)))
+    ids = [server.adapters.slot_of(a) for a in adapters]
+    tok, lg = eng.prefill(slots, [np.asarray(p) for p in prompts], [0] * len(slots),
+                          [GREEDY] * len(slots), with_logits=True, adapters=ids)
+    out, active = [np.asarray(lg)], np.isin(np.arange(eng.ecfg.max_batch), slots)
+    tok = np.zeros(eng.ecfg.max_batch, np.int32)
+    tok[slots] = np.asarray(lg).argmax(-1)
+    for _ in range(STEPS):
+        _, lg = eng.decode(tok, active, np.zeros_like(tok), [GREEDY] * len(tok),
+                           with_logits=True)
+        lg = np.asarray(lg)[slots]
+        out.append(lg)
+        tok[slots] = lg.argmax(-1)
+    for s in slots:
+        eng.release(s)
+    return np.stack(out, 1)
+
+
+def test_mixed_batch_equals_each_adapter_alone(one, adapter_b, devices):
+    rows = _rows()
+    adapters, prompts = [r[0] for r in rows], [r[1] for r in rows]
+    mixed = _logits(one, adapters, prompts)
+    for name in (None, "a", "b"):   # the same prompts, every row with this adapter
+        alone = _logits(one, [name] * len(rows), prompts)
+        for i, a in enumerate(adapters):
+            if a == name:
+                np.testing.assert_array_equal(mixed[i], alone[i], err_msg=f"row {i} ({a})")
+    # ... and each row is its model's: transformers' base, peft's adapter a
+    for i, (_, _, want) in enumerate(rows):
+        if want is not None:
+            np.testing.assert_allclose(mixed[i, 0], want, rtol=1e-4, atol=1e-5)
+    base_1 = golden("llama")["logits_1"][-1]   # the same prompt's, without the adapter
+    assert np.abs(mixed[1, 0] - base_1).max() > 1e-3
+    # adapter b (r 2 of the table's 4, alpha 4, three targets) as the unmerged one-adapter path
+    mesh = make_mesh(devices=devices[:1])
+    cfg, params = load_adapted(fixture("llama"), adapter_b, mesh, "tp")
+    want_b = forward_logits(cfg, params, mesh, "tp", [prompts[2]])[0][-1]
+    np.testing.assert_allclose(mixed[2, 0], want_b, rtol=1e-4, atol=1e-5)
+
+
+def _tokens(server, adapters, prompt, n=5):
+    ids = [server.submit(prompt, n, sampling=GREEDY, adapter=a) for a in adapters]
+    res = server.run()
+    return [res[i].tokens for i in ids]
+
+
+def test_served_requests_and_load_without_recompiling(one, adapter_b):
+    prompt = [int(t) for t in _rows()[0][1][:12]]
+    mixed = _tokens(one, [None, "a", "b"], prompt)
+    alone = [_tokens(one, [a], prompt)[0] for a in (None, "a", "b")]
+    assert mixed == alone and len({tuple(t) for t in mixed}) == 3, (mixed, alone)
+    eng = one.engines[0]
+    compiled = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size())
+    one.load_adapter("c", adapter_b)   # b again, in the free slot: a write, no compile
+    assert one.adapters.slot_of("c") == 3
+    assert _tokens(one, ["c"], prompt) == [alone[2]]
+    assert (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size()) == compiled
+    with pytest.raises(InferenceError, match="all 3 adapter slots are taken"):
+        one.load_adapter("d", adapter_b)
+    one.unload_adapter("c")
+    with pytest.raises(AdapterNotFound, match="no adapter named 'c'.*loaded: a, b"):
+        one.submit(prompt, 2, adapter="c")
+    # a request in flight keeps its adapter loaded
+    rid = one.submit(prompt, 2, adapter="b")
+    with pytest.raises(InferenceError, match="serves 1 request"):
+        one.unload_adapter("b")
+    one.run()
+    assert one.result(rid).tokens == alone[2][:2]
+
+
+def test_prefix_cache_keys_each_adapter_apart(one):
+    """The same prompt under the base and an adapter shares no KV block (their keys and
+    values differ); under the same adapter it does."""
+    prompt = list(range(40, 60))   # one full block of 16
+    one.submit(prompt, 1, sampling=GREEDY, adapter="a")
+    one.run()
+    for adapter, hit in ((None, 0), ("b", 0), ("a", 16)):
+        rid = one.submit(prompt, 1, sampling=GREEDY, adapter=adapter)
+        one.run()
+        assert one.result(rid).cached_tokens == hit, adapter
+
+
+def test_http_model_field_and_adapter_endpoints(one, adapter_b):
+    tok = load_tokenizer(fixture("llama"), read_model_config(fixture("llama")))
+    app = create_app(one, tok, "llama")
+
+    def complete(client, model):
+        r = client.post("/v1/completions", json={"model": model, "prompt": [5, 6, 7, 8],
+                                                  "max_tokens": 4, "temperature": 0})
+        return r.json()["choices"][0]["text"] if r.status_code == 200 else r
+
+    with TestClient(app) as client:
+        assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["llama", "a", "b"]
+        base, a, b = (complete(client, m) for m in ("llama", "a", "b"))
+        assert len({base, a, b}) == 3
+        r = complete(client, "zzz")
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        assert "'llama', 'a', 'b'" in r.json()["error"]["message"]
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "b2",
+                                                        "lora_path": adapter_b})
+        assert r.status_code == 200 and "b2" in r.text, r.text
+        cards = client.get("/v1/models").json()["data"]
+        assert cards[-1] == {**cards[-1], "id": "b2", "root": adapter_b, "parent": "llama"}
+        assert complete(client, "b2") == b
+        assert client.post("/v1/completions", json={"model": "b2", "prompt": "x"}).json()[
+            "model"] == "b2"
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": A})
+        assert r.status_code == 400 and "--max-adapters" in r.json()["error"]["message"]
+        assert client.post("/v1/unload_lora_adapter", json={"lora_name": "b2"}).status_code \
+            == 200
+        assert complete(client, "b2").status_code == 404
+        r = client.post("/v1/unload_lora_adapter", json={"lora_name": "b2"})
+        assert r.status_code == 404
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "f", "lora_path": "/no"})
+        assert r.status_code == 400 and "'/no' is not a directory" in r.json()["error"]["message"]
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "f", "lora_path": A,
+                                                        "load_inplace": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
+
+
+def test_tensor_parallel_table_equals_one_device(one, devices, adapter_b):
+    tp = _server(devices, adapter_b, "tensor=2", 2)
+    b_q = tp.engines[0].params["blocks"]["attn"]["lora_q_proj"]["b"]   # [L, slots, r, N, H]
+    assert b_q.sharding.spec[3] == "tensor", b_q.sharding.spec   # split like wq over heads
+    rows = _rows()
+    adapters, prompts = [r[0] for r in rows], [r[1] for r in rows]
+    np.testing.assert_allclose(_logits(tp, adapters, prompts), _logits(one, adapters, prompts),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_flags_name_adapters():
+    p = build_parser()
+
+    def config(*argv):
+        return serve_config(p.parse_args(["serve", "--model-dir", "m", *argv]))
+    src = config("--adapter", "a=/x", "--adapter", "b=/y", "--max-adapters", "4").source
+    assert src.named_adapters() == [("a", "/x"), ("b", "/y")] and src.max_adapters == 4
+    assert src.uses_table and src.unnamed_adapter is None
+    assert config("--adapter", "/x").source.unnamed_adapter == "/x"   # today's meaning
+    for argv, words in ((("--adapter", "a=/x", "--adapter", "/y"), "not both"),
+                        (("--adapter", "a=/x", "--adapter", "a=/y"), "given twice"),
+                        (("--adapter", "a=/x", "--adapter", "b=/y", "--max-adapters", "1"),
+                         "give --max-adapters 2")):
+        with pytest.raises(ValueError, match=words):
+            config(*argv)
+    with pytest.raises(ValueError, match="give --model-dir"):
+        ServeConfig.of(model="tiny", max_adapters=2)
