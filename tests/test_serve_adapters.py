@@ -6,7 +6,8 @@ rows match the references (the base: transformers' logits; adapter ``a``: the lo
 other alpha and fewer targets: the single-adapter unmerged path); loading and unloading
 write into the table without recompiling any step; the HTTP layer (``model`` picks the
 adapter, ``/v1/models``, vLLM's load/unload endpoints, a 404 naming the models); and on
-tensor=2 the table is sharded like its base weights and gives the one-device logits.
+data=2 × tensor=2 the table is sharded like its base weights and gives the one-device
+logits.
 One module-scoped server per layout (the tiny ``llama`` fixture)."""
 import os
 
@@ -192,8 +193,10 @@ def test_http_model_field_and_adapter_endpoints(one, adapter_b):
         assert r.status_code == 400 and r.json()["error"]["param"] == "load_inplace"
 
 
-def test_tensor_parallel_table_equals_one_device(one, devices, adapter_b):
-    tp = _server(devices, adapter_b, "tensor=2", 2)
+def test_sharded_table_equals_one_device(one, devices, adapter_b):
+    """data=2 × tensor=2: rows (and their adapter slots) split over data, the table like
+    its base weights over tensor."""
+    tp = _server(devices, adapter_b, "data=2,tensor=2", 4)
     b_q = tp.engines[0].params["blocks"]["attn"]["lora_q_proj"]["b"]   # [L, slots, r, N, H]
     assert b_q.sharding.spec[3] == "tensor", b_q.sharding.spec   # split like wq over heads
     rows = _rows()
