@@ -83,6 +83,11 @@ class Source:
         if self.uses_table and self.model_dir is None:
             raise ValueError("--max-adapters: adapters load over a Hugging Face base: give "
                              "--model-dir BASE_DIR")
+        loose = [f for f, on in (("--max-adapter-rank", self.max_adapter_rank),
+                                 ("--adapter-targets", self.adapter_targets)) if on]
+        if loose and not self.uses_table:
+            raise ValueError(f"{' and '.join(loose)} shape the adapter table: add --adapter "
+                             f"NAME=DIR or --max-adapters N, or drop them")
         if self.max_adapters and self.max_adapters < len(named):
             raise ValueError(f"--max-adapters {self.max_adapters}: {len(named)} adapters are "
                              f"named; give --max-adapters {len(named)} or more")

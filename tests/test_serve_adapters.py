@@ -53,7 +53,8 @@ def adapter_b(tmp_path_factory):
 
 def _server(devices, adapter_b, mesh: str, n: int):
     config = ServeConfig.of(model_dir=fixture("llama"), adapter=(f"a={A}", f"b={adapter_b}"),
-                            max_adapters=3, dtype="float32", mesh=mesh, replicas=1, slots=4)
+                            max_adapters=3, dtype="float32", mesh=mesh, replicas=1, slots=4,
+                            kv_block_size=8)
     return build_server(config, longest=24, max_new_tokens=8, devices=devices[:n])
 
 
@@ -120,15 +121,17 @@ def _tokens(server, adapters, prompt, n=5):
 
 
 def test_served_requests_and_load_without_recompiling(one, adapter_b):
+    """Through the server's queue: one step of three rows, and each alone."""
     prompt = [int(t) for t in _rows()[0][1][:12]]
     mixed = _tokens(one, [None, "a", "b"], prompt)
     alone = [_tokens(one, [a], prompt)[0] for a in (None, "a", "b")]
     assert mixed == alone and len({tuple(t) for t in mixed}) == 3, (mixed, alone)
-    eng = one.engines[0]
+    eng, fresh = one.engines[0], prompt[::-1]   # a prompt no cached block holds
+    want = _tokens(one, ["b"], fresh)
     compiled = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size())
     one.load_adapter("c", adapter_b)   # b again, in the free slot: a write, no compile
     assert one.adapters.slot_of("c") == 3
-    assert _tokens(one, ["c"], prompt) == [alone[2]]
+    assert _tokens(one, ["c"], fresh) == want   # (c's blocks are keyed apart from b's)
     assert (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size()) == compiled
     with pytest.raises(InferenceError, match="all 3 adapter slots are taken"):
         one.load_adapter("d", adapter_b)
@@ -136,20 +139,20 @@ def test_served_requests_and_load_without_recompiling(one, adapter_b):
     with pytest.raises(AdapterNotFound, match="no adapter named 'c'.*loaded: a, b"):
         one.submit(prompt, 2, adapter="c")
     # a request in flight keeps its adapter loaded
-    rid = one.submit(prompt, 2, adapter="b")
+    rid = one.submit(prompt, 5, sampling=GREEDY, adapter="b")
     with pytest.raises(InferenceError, match="serves 1 request"):
         one.unload_adapter("b")
     one.run()
-    assert one.result(rid).tokens == alone[2][:2]
+    assert one.result(rid).tokens == alone[2]
 
 
 def test_prefix_cache_keys_each_adapter_apart(one):
     """The same prompt under the base and an adapter shares no KV block (their keys and
     values differ); under the same adapter it does."""
-    prompt = list(range(40, 60))   # one full block of 16
+    prompt = list(range(40, 52))   # one full block of 8 (the prompt bucket of 16)
     one.submit(prompt, 1, sampling=GREEDY, adapter="a")
     one.run()
-    for adapter, hit in ((None, 0), ("b", 0), ("a", 16)):
+    for adapter, hit in ((None, 0), ("b", 0), ("a", 8)):
         rid = one.submit(prompt, 1, sampling=GREEDY, adapter=adapter)
         one.run()
         assert one.result(rid).cached_tokens == hit, adapter
@@ -198,7 +201,8 @@ def test_sharded_table_equals_one_device(one, devices, adapter_b):
     its base weights over tensor."""
     tp = _server(devices, adapter_b, "data=2,tensor=2", 4)
     b_q = tp.engines[0].params["blocks"]["attn"]["lora_q_proj"]["b"]   # [L, slots, r, N, H]
-    assert b_q.sharding.spec[3] == "tensor", b_q.sharding.spec   # split like wq over heads
+    spec = tuple(b_q.sharding.spec) + (None,) * 5
+    assert spec[3] == "tensor", b_q.sharding.spec   # split like wq over heads
     rows = _rows()
     adapters, prompts = [r[0] for r in rows], [r[1] for r in rows]
     np.testing.assert_allclose(_logits(tp, adapters, prompts), _logits(one, adapters, prompts),
@@ -217,7 +221,9 @@ def test_flags_name_adapters():
     for argv, words in ((("--adapter", "a=/x", "--adapter", "/y"), "not both"),
                         (("--adapter", "a=/x", "--adapter", "a=/y"), "given twice"),
                         (("--adapter", "a=/x", "--adapter", "b=/y", "--max-adapters", "1"),
-                         "give --max-adapters 2")):
+                         "give --max-adapters 2"),
+                        (("--adapter", "/x", "--max-adapter-rank", "8"),
+                         "--max-adapter-rank shape the adapter table")):
         with pytest.raises(ValueError, match=words):
             config(*argv)
     with pytest.raises(ValueError, match="give --model-dir"):
