@@ -46,6 +46,9 @@ def _prompts(args) -> list[str]:
 
 def run(args) -> int:
     config = serve_config(args)
+    if config.source.uses_table:
+        raise ValueError("generate serves one model: give one unnamed --adapter DIR (named "
+                         "--adapter NAME=DIR are serve's, each picked by a request's model)")
     start_devices()
     # Loaded only now: these modules start JAX, which must see the simulated device count.
     from triax.inference.generate import build_server, generate
@@ -63,10 +66,6 @@ def run(args) -> int:
         print(choice.describe(), file=sys.stderr)
     say = Progress("generate")
     src = config.source
-    if src.uses_table:
-        raise ValueError("generate serves one model: give one unnamed --adapter DIR (named "
-                         "--adapter NAME=DIR and --max-adapters are serve's, picked per "
-                         "request)")
     with say(f"loading {src.model or src.model_dir or src.checkpoint}"):
         server = build_server(config, longest, max_new)
     lora = server.engines[0].cfg.lora

@@ -17,12 +17,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from hf_fixtures import FIXTURES, fixture, forward_logits, golden
-from triax.cli.main import build_parser
+from triax.cli.main import build_parser, main
 from triax.cli.serving_flags import serve_config
 from triax.hf.load import read_model_config
 from triax.hf.peft import load_adapted, write_adapters
 from triax.hf.tokenizer import load_tokenizer
-from triax.inference.adapter_table import AdapterNotFound
+from triax.inference.adapter_table import AdapterNotFound, planned_table
 from triax.inference.engine import InferenceError
 from triax.inference.generate import build_server
 from triax.inference.sampling import SamplingConfig
@@ -228,3 +228,20 @@ def test_flags_name_adapters():
             config(*argv)
     with pytest.raises(ValueError, match="give --model-dir"):
         ServeConfig.of(model="tiny", max_adapters=2)
+
+
+def test_table_sizes_and_refusals(capsys):
+    """The table's slots, rank and targets from the named adapters or the flags; what does
+    not fit is refused naming the flag; generate takes no named adapters."""
+    base = read_model_config(fixture("llama"))
+    empty = planned_table(base, [], slots=2)   # loads come later: rank 16, every target
+    assert (empty.lora.slots, empty.lora.rank, len(empty.lora.targets)) == (2, 16, 7)
+    one_a = planned_table(base, [("a", A)], rank=8, targets=",".join(empty.lora.targets))
+    assert (one_a.lora.slots, one_a.lora.rank) == (1, 8)
+    with pytest.raises(InferenceError, match="'a' has r=4; give --max-adapter-rank 4"):
+        planned_table(base, [("a", A)], rank=2)
+    with pytest.raises(InferenceError, match="also adapt .*down_proj"):
+        planned_table(base, [("a", A)], targets="q_proj")
+    argv = ["generate", "--model-dir", fixture("llama"), "--adapter", f"a={A}", "--prompt",
+            "x", "--max-new-tokens", "1"]
+    assert main(argv) == 2 and "generate serves one model" in capsys.readouterr().err
