@@ -53,7 +53,12 @@ def model_cards(st) -> list[dict]:
 
 
 def install(app, st) -> None:
-    """The two adapter endpoints."""
+    """The two adapter endpoints (an adapter named as the base could never be reached: a
+    ``ValueError`` naming ``--served-model-name``)."""
+    if st.model_name in st.server.adapter_names:
+        raise ValueError(f"--adapter {st.model_name}=...: the base is served as "
+                         f"{st.model_name!r} too; rename the adapter or give "
+                         f"--served-model-name")
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraRequest):
         if req.lora_name == st.model_name:
