@@ -97,9 +97,10 @@ def read_factors(directory: str, base: ModelConfig, table: LoraConfig) -> dict:
                              f"{table.rank}; restart with --max-adapter-rank {lora.rank}")
     extra = [t for t in lora.targets if t not in table.targets]
     if extra:
+        wider = [t for t in PEFT_TARGETS if t in table.targets or t in extra]
         raise InferenceError(f"adapter {directory!r}: target_modules {','.join(extra)} are "
                              f"not in the table's ({','.join(table.targets)}); restart with "
-                             f"--adapter-targets {','.join(sorted(set(table.targets) | set(extra)))}")
+                             f"--adapter-targets {','.join(wider)}")
     try:
         tree = read_adapters(directory, base.replace(lora=lora))
     except (HFError, OSError) as e:

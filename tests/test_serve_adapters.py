@@ -20,9 +20,9 @@ from hf_fixtures import FIXTURES, fixture, forward_logits, golden
 from triax.cli.main import build_parser, main
 from triax.cli.serving_flags import serve_config
 from triax.hf.load import read_model_config
-from triax.hf.peft import load_adapted, write_adapters
+from triax.hf.peft import load_adapted, read_adapters, read_config, write_adapters
 from triax.hf.tokenizer import load_tokenizer
-from triax.inference.adapter_table import AdapterNotFound, planned_table
+from triax.inference.adapter_table import AdapterNotFound, planned_table, read_factors
 from triax.inference.engine import InferenceError
 from triax.inference.generate import build_server
 from triax.inference.sampling import SamplingConfig
@@ -230,10 +230,29 @@ def test_flags_name_adapters():
         ServeConfig.of(model="tiny", max_adapters=2)
 
 
-def test_table_sizes_and_refusals(capsys):
+def test_table_sizes_and_refusals(capsys, adapter_b, tmp_path):
     """The table's slots, rank and targets from the named adapters or the flags; what does
-    not fit is refused naming the flag; generate takes no named adapters."""
+    not fit is refused naming the flag; an adapter's factors are padded to the table's rank
+    with its alpha / r in B; generate takes no named adapters."""
     base = read_model_config(fixture("llama"))
+    table = planned_table(base, [("b", adapter_b)], rank=4).lora   # q, v, down; rank 4
+    a, b = read_factors(adapter_b, base, table)["v_proj"]
+    raw = read_adapters(adapter_b, base.replace(lora=read_config(adapter_b)))
+    raw_a, raw_b = (raw["blocks"]["attn"]["lora_v_proj"][f] for f in "ab")
+    np.testing.assert_array_equal(a[..., :2], raw_a)
+    np.testing.assert_array_equal(b[:, :2], raw_b * np.float32(4.0 / 2))
+    assert not a[..., 2:].any() and not b[:, 2:].any()
+    wide = base.replace(lora=LoraConfig(rank=8, targets=("k_proj",)))
+    write_adapters(jax.tree.map(lambda s: np.ones(s.shape, np.float32),
+                                lora.split(abstract_model(wide).shapes)[0]),
+                   wide, str(tmp_path / "wide"), base_model="llama")
+    with pytest.raises(InferenceError, match="r=8 exceeds the table's rank 4; restart with "
+                                             "--max-adapter-rank 8"):
+        read_factors(str(tmp_path / "wide"), base, table)
+    with pytest.raises(InferenceError, match="k_proj are not in the table's .*--adapter-targets "
+                                             "q_proj,k_proj,v_proj,down_proj"):
+        read_factors(str(tmp_path / "wide"), base, table.__class__(
+            rank=8, targets=table.targets, slots=1))
     empty = planned_table(base, [], slots=2)   # loads come later: rank 16, every target
     assert (empty.lora.slots, empty.lora.rank, len(empty.lora.targets)) == (2, 16, 7)
     one_a = planned_table(base, [("a", A)], rank=8, targets=",".join(empty.lora.targets))
