@@ -42,11 +42,7 @@ class Source:
     model: Optional[str] = shared("model", None)
     model_dir: Optional[str] = spec(None, "Hugging Face model directory (config.json, "
                                           "safetensors, tokenizer.json)", metavar="DIR")
-    adapter: tuple[str, ...] = spec((), "PEFT LoRA adapter directory over the --model-dir "
-                                        "base: DIR serves it unmerged as the model itself; "
-                                        "NAME=DIR (repeatable, serve) serves it beside the "
-                                        "base as the model NAME, picked per request",
-                                    metavar="[NAME=]DIR")
+    adapter: tuple[str, ...] = shared("adapter", (), metavar="[NAME=]DIR")
     max_adapters: int = spec(0, "slots of the adapter table (serve: --adapter NAME=DIR and "
                                 "POST /v1/load_lora_adapter fill them)",
                              default_help="the named adapters' count")
