@@ -23,7 +23,7 @@ from triax.hf.load import read_model_config
 from triax.hf.peft import load_adapted, read_adapters, read_config, write_adapters
 from triax.hf.tokenizer import load_tokenizer
 from triax.inference.adapter_table import AdapterNotFound, planned_table, read_factors
-from triax.inference.engine import InferenceError
+from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.generate import build_server
 from triax.inference.sampling import SamplingConfig
 from triax.mesh import make_mesh
@@ -31,6 +31,7 @@ from triax.models import lora
 from triax.models.config import LoraConfig
 from triax.serve_config import ServeConfig
 from triax.serving.app import create_app
+from triax.sharding.introspect.hlo import collectives_from_compiled, summarize
 from triax.sharding.partition import abstract_model
 
 A = os.path.join(FIXTURES, "llama-peft-adapter")   # peft's: r 4, alpha 8, all 7 targets
@@ -207,6 +208,25 @@ def test_sharded_table_equals_one_device(one, devices, adapter_b):
     adapters, prompts = [r[0] for r in rows], [r[1] for r in rows]
     np.testing.assert_allclose(_logits(tp, adapters, prompts), _logits(one, adapters, prompts),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_table_gathers_no_weight_over_tensor(devices):
+    """The compiled decode step on tensor=2 (abstract engines: nothing allocated) moves the
+    base's collectives plus, where a projection's input is split over tensor (o_proj over
+    heads, down_proj over mlp), its rows' rank-wide ``x·A``: L × 2 × B × R fp32 more
+    all-reduced bytes; no weight is gathered."""
+    base = read_model_config(fixture("llama"))
+    table = planned_table(base, [("a", A)], slots=3)   # rank 4, all seven targets
+    mesh = make_mesh(tensor=2, devices=devices[:2])
+    ecfg = EngineConfig(max_batch=4, max_len=32)
+    base_c, table_c = (summarize(collectives_from_compiled(
+        Engine(cfg, None, mesh, ecfg=ecfg).lower_decode().compile(), mesh))
+        for cfg in (base, table))
+    reduce = ("all-reduce", ("tensor",))
+    assert table_c[reduce]["bytes"] - base_c[reduce]["bytes"] == base.num_layers * 2 * 4 * 4 * 4
+    assert {k: v for k, v in table_c.items() if k != reduce} == \
+        {k: v for k, v in base_c.items() if k != reduce}
+    assert table_c[reduce]["count"] == base_c[reduce]["count"]   # carried by the same ops
 
 
 def test_flags_name_adapters():
