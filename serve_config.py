@@ -228,6 +228,10 @@ class HTTP:
     port: int = spec(8000, "port (0: any free port, printed when ready)")
     request_timeout: float = spec(600.0, "seconds a request may take before it is cancelled "
                                          "with a 408")
+    allow_adapter_updates: bool = spec(False, "answer POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter (a client then names "
+                                              "directories the server reads: trusted "
+                                              "clients only)")
     compile_cache: Optional[str] = spec(None, "directory of XLA's persistent compilation "
                                               "cache, so a second start compiles nothing "
                                               "('off': none)",

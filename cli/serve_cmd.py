@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     add_flags(p, ServeConfig, ["max_len", "max_queue", "max_adapters", "max_adapter_rank",
                                "adapter_targets"], DEFAULTS)
     add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes",
-                        "compile_cache"])
+                        "compile_cache", "allow_adapter_updates"])
     p.set_defaults(func=run)
 
 
@@ -108,7 +108,8 @@ def run(args) -> int:
                                   "".join(f"; {n}={d}" for n, d in src.named_adapters()))
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
-                     layout, config.http.max_request_bytes)
+                     layout, config.http.max_request_bytes,
+                     adapter_updates=config.http.allow_adapter_updates)
 
     class Uvicorn(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -2,8 +2,9 @@
 ``GET /v1/models`` lists them all, and vLLM's ``POST /v1/load_lora_adapter`` /
 ``POST /v1/unload_lora_adapter`` load and unload adapters while the server serves
 (``inference.adapter_serving``; the engines' tables keep their shapes, so nothing
-recompiles). A server started without a table (no ``--adapter NAME=DIR``, no
-``--max-adapters``) answers the two endpoints 400, naming the flags.
+recompiles). They are off unless ``triax serve --allow-adapter-updates`` (403): a client
+then names directories the server process reads. A server started without a table (no
+``--adapter NAME=DIR``, no ``--max-adapters``) answers them 400, naming the flags.
 """
 from __future__ import annotations
 
@@ -52,15 +53,23 @@ def model_cards(st) -> list[dict]:
         for name, directory in st.server.adapter_dirs().items()]
 
 
-def install(app, st) -> None:
-    """The two adapter endpoints (an adapter named as the base could never be reached: a
-    ``ValueError`` naming ``--served-model-name``)."""
+def install(app, st, updates: bool = False) -> None:
+    """The two adapter endpoints, answered when ``updates`` (else 403 naming
+    ``--allow-adapter-updates``); an adapter named as the base could never be reached: a
+    ``ValueError`` naming ``--served-model-name``."""
     if st.model_name in st.server.adapter_names:
         raise ValueError(f"--adapter {st.model_name}=...: the base is served as "
                          f"{st.model_name!r} too; rename the adapter or give "
                          f"--served-model-name")
+    def allowed():
+        if not updates:
+            raise APIError(403, "adapter loading and unloading are off: start triax serve "
+                                "with --allow-adapter-updates (clients then name directories "
+                                "the server reads)", code="adapter_updates_off")
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraRequest):
+        allowed()
         if req.lora_name == st.model_name:
             raise APIError(400, f"lora_name {req.lora_name!r} is the base model's name; "
                                 f"choose another", param="lora_name", code="invalid_value")
@@ -73,6 +82,7 @@ def install(app, st) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoraRequest):
+        allowed()
         try:
             st.server.unload_adapter(req.lora_name)
         except AdapterNotFound as e:

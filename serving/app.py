@@ -114,10 +114,11 @@ def _encode_prompts(st: Serving, req: CompletionRequest) -> tuple[list[list[int]
 
 def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTemplate] = None,
                request_timeout: float = 600.0, layout: str = "",
-               max_request_bytes: int = errors.MAX_BODY_BYTES):
+               max_request_bytes: int = errors.MAX_BODY_BYTES, adapter_updates: bool = False):
     """The FastAPI app; its lifespan starts ``server`` serving and, at shutdown (SIGTERM), stops
     admitting and finishes what is in flight before returning. A request body over
-    ``max_request_bytes`` is answered 413."""
+    ``max_request_bytes`` is answered 413. ``adapter_updates``: the LoRA load and unload
+    endpoints answer (else 403, ``--allow-adapter-updates``)."""
     st = Serving(server, tokenizer, model_name, chat, request_timeout, layout)
 
     @contextlib.asynccontextmanager
@@ -135,7 +136,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
     app.state.serving = st
     errors.install(app)
     app.add_middleware(errors.BodyLimit, limit=max_request_bytes)
-    adapters.install(app, st)
+    adapters.install(app, st, adapter_updates)
 
     @app.get("/health")
     async def health():

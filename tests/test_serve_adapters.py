@@ -123,7 +123,7 @@ def _tokens(server, adapters, prompt, n=5):
 
 def test_served_requests_and_load_without_recompiling(one, adapter_b):
     """Through the server's queue: one step of three rows, and each alone."""
-    prompt = [int(t) for t in _rows()[0][1][:12]]
+    prompt = [int(t) for t in _rows()[0][1][:7]]   # no full KV block: nothing cached
     mixed = _tokens(one, [None, "a", "b"], prompt)
     alone = [_tokens(one, [a], prompt)[0] for a in (None, "a", "b")]
     assert mixed == alone and len({tuple(t) for t in mixed}) == 3, (mixed, alone)
@@ -161,7 +161,11 @@ def test_prefix_cache_keys_each_adapter_apart(one):
 
 def test_http_model_field_and_adapter_endpoints(one, adapter_b):
     tok = load_tokenizer(fixture("llama"), read_model_config(fixture("llama")))
-    app = create_app(one, tok, "llama")
+    with TestClient(create_app(one, tok, "llama")) as client:   # updates off by default
+        r = client.post("/v1/load_lora_adapter", json={"lora_name": "b2",
+                                                        "lora_path": adapter_b})
+        assert r.status_code == 403 and "--allow-adapter-updates" in r.text
+    app = create_app(one, tok, "llama", adapter_updates=True)
 
     def complete(client, model):
         r = client.post("/v1/completions", json={"model": model, "prompt": [5, 6, 7, 8],
