@@ -31,6 +31,7 @@ from triax.models import lora
 from triax.models.config import LoraConfig
 from triax.serve_config import ServeConfig
 from triax.serving.app import create_app
+from triax.serving.chat_template import ChatTemplate
 from triax.sharding.introspect.hlo import collectives_from_compiled, summarize
 from triax.sharding.partition import abstract_model
 
@@ -165,7 +166,8 @@ def test_http_model_field_and_adapter_endpoints(one, adapter_b):
         r = client.post("/v1/load_lora_adapter", json={"lora_name": "b2",
                                                         "lora_path": adapter_b})
         assert r.status_code == 403 and "--allow-adapter-updates" in r.text
-    app = create_app(one, tok, "llama", adapter_updates=True)
+    app = create_app(one, tok, "llama", ChatTemplate("{% for m in messages %}{{ m.content }}"
+                                                     "{% endfor %}"), adapter_updates=True)
 
     def complete(client, model):
         r = client.post("/v1/completions", json={"model": model, "prompt": [5, 6, 7, 8],
@@ -176,6 +178,11 @@ def test_http_model_field_and_adapter_endpoints(one, adapter_b):
         assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["llama", "a", "b"]
         base, a, b = (complete(client, m) for m in ("llama", "a", "b"))
         assert len({base, a, b}) == 3
+        chats = [client.post("/v1/chat/completions", json={
+            "model": m, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}).json() for m in ("llama", "a")]
+        assert [c["model"] for c in chats] == ["llama", "a"]
+        assert chats[0]["choices"][0]["message"] != chats[1]["choices"][0]["message"]
         r = complete(client, "zzz")
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         assert "'llama', 'a', 'b'" in r.json()["error"]["message"]
