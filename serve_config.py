@@ -181,6 +181,11 @@ class Engine:
                                     "first); a hit skips their prefill")
     max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
                            "max_tokens (default: the model's context)")
+    max_step_tokens: int = spec(0, "tokens one serving step of a replica may spend: each "
+                                   "running stream's next token counts one, prompts get the "
+                                   "rest, a long one in chunks of whole KV blocks over several "
+                                   "steps, so streams keep flowing while it prefills (0: whole "
+                                   "prompts at once)")
     max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "
                                           "with Retry-After", default_help="unbounded")
     stop_token: tuple[int, ...] = spec((), "token id that ends a sequence (repeatable; 257 is "
@@ -194,6 +199,9 @@ class Engine:
         check("dtype", self.dtype, SERVE_DTYPES)
         check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
+                            "max_step_tokens": (*GE0, "give a step's tokens, e.g. "
+                                                      "--max-step-tokens 512, or 0 for whole "
+                                                      "prompts"),
                             "max_queue": (*GE0, "give the waiting requests at most, e.g. "
                                                 "--max-queue 64")})
 

@@ -92,6 +92,7 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
     server = Server.from_params(cfg, params, meshes, strategy, ecfg, config.sampling_config())
     server.max_queue = eng.max_queue
+    server.max_step_tokens = eng.max_step_tokens   # chunked prefill's budget (0: off)
     if src.uses_table:
         server.adapters = AdapterTable(cfg, base_cfg)
         for name, directory in src.named_adapters():

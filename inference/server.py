@@ -5,7 +5,8 @@ pipeline-parallel inside). Replicas multiply throughput; they do **not** pool me
 replica must hold the whole model and its own KV cache.
 
 Every loop iteration: each replica admits waiting requests into its free slots, as many as
-its KV pool has blocks for (``triax.inference.batching``), and prefills them; then every
+its KV pool has blocks for (``triax.inference.batching``), and prefills them (whole, or in
+chunks within ``max_step_tokens`` a step: ``triax.inference.chunked_prefill``); then every
 replica with live slots decodes one token. All replicas' work is dispatched before any
 result is read, so the sub-meshes run concurrently. A sequence that stops frees its slot
 and its KV blocks at once, and the next iteration fills them.
@@ -58,8 +59,15 @@ class Server(Batching, AdapterServing):
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
     def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
-                 max_bypass: int = MAX_BYPASS):
+                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0):
         self.engines = list(engines)
+        if max_step_tokens < 0:
+            raise InferenceError(f"max_step_tokens={max_step_tokens}: give a step's token "
+                                 f"budget, e.g. 512, or 0 to prefill whole prompts")
+        # prefill tokens + decode rows per replica step; 0: whole prompts at once
+        # (inference.chunked_prefill)
+        self.max_step_tokens = max_step_tokens
+        self.prefilling = [{} for _ in self.engines]   # slot -> a prompt still prefilling
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         # a request that does not fit lets this many later ones go first, then they wait
         self.max_bypass = max_bypass
@@ -73,6 +81,7 @@ class Server(Batching, AdapterServing):
                       # automatic prefix caching: prompt tokens looked up, and found cached
                       "prefix_queries": 0, "prefix_hits": 0,
                       "preemptions": 0,   # sequences whose blocks were taken back
+                      "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and

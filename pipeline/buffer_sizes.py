@@ -66,13 +66,19 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual,
                             counts=config.stage_layers).per_chunk
     inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
-    program = compile_program(schedule)
+    program = _program(schedule)
     layouts = slot_layouts(inputs, schedule.kind.split_backward) \
         if schedule.has_backward else None
     out = slot_buffer_bytes(program, layouts, nbytes(x))
     out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
         if per_chunk > 1 and schedule.has_backward else 0
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _program(schedule):
+    # Read only here; the planner prices many batch shapes on each schedule's one program.
+    return compile_program(schedule)
 
 
 # Chunk sizes and micro-batch rows the chunk is traced at (see _slot_inputs).
