@@ -160,6 +160,21 @@ def test_prefix_cache_keys_each_adapter_apart(one):
         assert one.result(rid).cached_tokens == hit, adapter
 
 
+def test_chunked_prefill_keeps_each_rows_adapter(one):
+    """A prompt prefilled in chunks (``max_step_tokens``) runs its adapter in every chunk."""
+    prompt = list(range(100, 120))
+    whole = _tokens(one, ["a", None], prompt, n=3)
+    one.max_step_tokens = 8
+    try:
+        for e in one.engines:
+            e.kv.forget_cached()
+        chunks = one.stats["prefill_chunks"]
+        assert _tokens(one, ["a", None], prompt, n=3) == whole
+        assert one.stats["prefill_chunks"] - chunks >= 4
+    finally:
+        one.max_step_tokens = 0
+
+
 def test_http_model_field_and_adapter_endpoints(one, adapter_b):
     tok = load_tokenizer(fixture("llama"), read_model_config(fixture("llama")))
     with TestClient(create_app(one, tok, "llama")) as client:   # updates off by default
