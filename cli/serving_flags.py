@@ -24,7 +24,8 @@ NOTES = {
 }
 # Fields no serving flag sets: the strategy (serving runs tensor parallel; the Python API
 # may pick another) and the engine fields only ``serve`` has (``serve_cmd``).
-NOT_FLAGS = {"strategy", "max_len", "max_queue"}
+NOT_FLAGS = {"strategy", "max_len", "max_queue", "max_adapters", "max_adapter_rank",
+             "adapter_targets"}
 WEIGHTS = ("checkpoint", "model", "model_dir")   # one of them names the weights
 
 

@@ -75,7 +75,7 @@ class Batching(ChunkedPrefill):
                 continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
             # the fitting slot whose group caches the longest run of the prompt's blocks
-            looked = (self._lookups(eng, free, tokens)
+            looked = (self._lookups(eng, free, tokens, live.adapter)
                       if not reads_prompt(live.sampling or eng.sampling) else
                       [(i, ()) for i in free])   # its sampling reads every prompt token
             fits = [(i, shared) for i, shared in looked
@@ -143,10 +143,12 @@ class Batching(ChunkedPrefill):
         self.queue.append(live)
 
     @staticmethod
-    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int]):
-        """``(slot, cached blocks)`` for each free slot: one lookup per row group."""
+    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int], adapter: int = 0):
+        """``(slot, cached blocks)`` for each free slot: one lookup per row group (blocks
+        keyed with ``adapter``'s salt: its KV differs from the base's)."""
         per = eng.ecfg.max_batch // eng.kv.groups
-        found = {g: eng.kv.lookup(g * per, prompt) for g in {i // per for i in free}}
+        salt = eng.adapter_keys[adapter] if adapter else b""
+        found = {g: eng.kv.lookup(g * per, prompt, salt) for g in {i // per for i in free}}
         return [(i, found[i // per]) for i in free]
 
     def _prefill_all(self) -> int:
@@ -163,7 +165,8 @@ class Batching(ChunkedPrefill):
             try:
                 toks = eng.prefill(slots, prompts, [x.seed for x in batch],
                                    [x.sampling or eng.sampling for x in batch], cached=cached,
-                                   prompt_lens=[len(x.result.prompt) for x in batch])
+                                   prompt_lens=[len(x.result.prompt) for x in batch],
+                                   **self._adapters_kw([x.adapter for x in batch]))
             except Exception as e:
                 self._engine_failed(r, batch, e)
                 continue

@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from triax.hf.load import load as hf_load
 from triax.hf.load import read_model_config
 from triax.hf.peft import adapted_config, load_adapted
+from triax.inference.adapter_table import AdapterTable, planned_table, with_empty_table
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.kv_pool import kv_pool
@@ -78,8 +79,12 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
         ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
         for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
             check_serving_memory(cfg, mesh, strategy, ecfg)
-    if src.adapter is not None:
-        cfg, params = load_adapted(src.model_dir, src.adapter, meshes[0], strategy)
+    if src.uses_table:   # many adapters: the base, and a table of zeros to load them into
+        base_cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
+        cfg = source_config(src)
+        params = with_empty_table(cfg, params)
+    elif src.unnamed_adapter is not None:
+        cfg, params = load_adapted(src.model_dir, src.unnamed_adapter, meshes[0], strategy)
     elif src.model_dir is not None:
         cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
     else:
@@ -89,6 +94,10 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     server = Server.from_params(cfg, params, meshes, strategy, ecfg, config.sampling_config())
     server.max_queue = eng.max_queue
     server.max_step_tokens = eng.max_step_tokens   # chunked prefill's budget (0: off)
+    if src.uses_table:
+        server.adapters = AdapterTable(cfg, base_cfg)
+        for name, directory in src.named_adapters():
+            server.load_adapter(name, directory)
     return server
 
 
@@ -97,7 +106,10 @@ def source_config(src: Source):
     (what ``--plan auto`` plans for)."""
     if src.model_dir is not None:
         cfg = read_model_config(src.model_dir)
-        return cfg if src.adapter is None else adapted_config(cfg, src.adapter)
+        if src.uses_table:
+            return planned_table(cfg, src.named_adapters(), src.max_adapters,
+                                 src.max_adapter_rank, src.adapter_targets)
+        return cfg if src.unnamed_adapter is None else adapted_config(cfg, src.unnamed_adapter)
     if src.checkpoint is not None:
         return read_checkpoint_config(src.checkpoint)[0]
     if src.model is None:

@@ -39,6 +39,7 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
+from triax.inference.adapter_serving import AdapterServing
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
@@ -50,7 +51,7 @@ from triax.sharding.partition import abstract_model, init_params
 from triax.choices import MAX_BYPASS, SERVE_STRATEGY
 
 
-class Server(Batching):
+class Server(Batching, AdapterServing):
     """Continuous-batching request server over one or more replica engines.
 
     ``submit`` is thread-safe. Serve either with ``run()`` (blocks until everything queued,
@@ -125,7 +126,7 @@ class Server(Batching):
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
                sampling: Optional[SamplingConfig] = None,
                on_token: Optional[Callable[[int, float], None]] = None,
-               priority: int = 0) -> int:
+               priority: int = 0, adapter: Optional[str] = None) -> int:
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
@@ -136,7 +137,8 @@ class Server(Batching):
         the serving thread with each generated token as it is sampled (streaming); with
         ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
         ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``).
-        ``priority``: lower is admitted first and preempted last (default 0)."""
+        ``priority``: lower is admitted first and preempted last (default 0). ``adapter``:
+        the loaded LoRA adapter it runs with (``load_adapter``; None: the base model)."""
         prompt = self.check_request(prompt, max_new_tokens)
         max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
@@ -150,12 +152,13 @@ class Server(Batching):
             if self.max_queue is not None and len(self.queue) >= self.max_queue:
                 raise QueueFullError(f"{len(self.queue)} requests already wait (max_queue="
                                      f"{self.max_queue}); retry later")
+            slot = self._adapter_slot(adapter)
             rid = self._next_id
             self._next_id += 1
             self._futures[rid] = fut
             self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
                                     max_new_tokens, seed, sampling, on_token,
-                                    priority=int(priority)))
+                                    priority=int(priority), adapter=slot))
             self._wake.notify()
         return rid
 

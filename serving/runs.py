@@ -9,6 +9,7 @@ import asyncio
 import time
 from typing import AsyncIterator, Optional
 
+from triax.inference.adapter_table import AdapterNotFound
 from triax.inference.errors import ContextLengthError, InferenceError
 from triax.inference.request import QueueFullError
 from triax.inference.sampling import SamplingConfig, SamplingError
@@ -21,11 +22,13 @@ TIMEOUT_HEADER = "x-request-timeout"  # seconds; may only lower the server's --r
 class Run:
     """One submitted choice: its queue of tokens (and their log-probabilities), its
     detokenizer, its finish reason. ``keep=False``: the tokens are not part of the answer
-    (``echo`` with ``max_tokens: 0`` generates one token for the prompt's logprobs)."""
+    (``echo`` with ``max_tokens: 0`` generates one token for the prompt's logprobs);
+    ``adapter``: the LoRA adapter it runs with (None: the base)."""
 
     def __init__(self, st, prompt: list[int], sampling: SamplingConfig, max_new: int,
                  seed: Optional[int], stop: list[str], endpoint: str, timeout: float,
-                 index: int = 0, keep: bool = True, priority: int = 0):
+                 index: int = 0, keep: bool = True, priority: int = 0,
+                 adapter: Optional[str] = None):
         self.st, self.prompt, self.endpoint, self.index, self.keep = (st, prompt, endpoint,
                                                                         index, keep)
         self.detok = Detokenizer(st.tokenizer, stop)
@@ -40,7 +43,7 @@ class Run:
         try:
             self.rid = st.server.submit(prompt, max_new, seed=seed, sampling=sampling,
                                         on_token=lambda t, s, e=None: put((t, s, e)),
-                                        priority=priority)
+                                        priority=priority, adapter=adapter)
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
             raise APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
@@ -49,6 +52,8 @@ class Run:
             raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"),
                            param="max_tokens" if e.fits else "prompt",
                            code="context_length_exceeded") from None
+        except AdapterNotFound as e:   # unloaded since the request was checked
+            raise APIError(404, str(e), param="model", code="model_not_found") from None
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         st.server.future(self.rid).add_done_callback(lambda f: put(None))
