@@ -35,11 +35,12 @@ class Run:
         self.submitted = time.perf_counter()
         self.entries: list = []          # (token, logprob entry) of every kept token
         self.prompt_logprobs: Optional[list] = None
-        loop = asyncio.get_running_loop()
-        put = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+        # tokens reach the loop a phase at a time, the end at once (serving.delivery)
+        loop, box, put = asyncio.get_running_loop(), st.mailbox, self.queue.put_nowait
         try:
             self.rid = st.server.submit(prompt, max_new, seed=seed, sampling=sampling,
-                                        on_token=lambda t, s, e=None: put((t, s, e)),
+                                        on_token=lambda t, s, e=None: box.post(loop, put,
+                                                                               (t, s, e)),
                                         priority=priority)
         except QueueFullError as e:
             st.metrics.rejected.labels("429").inc()
@@ -51,7 +52,7 @@ class Run:
                            code="context_length_exceeded") from None
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
-        st.server.future(self.rid).add_done_callback(lambda f: put(None))
+        st.server.future(self.rid).add_done_callback(lambda f: box.post_now(loop, put, None))
 
     def cached_tokens(self) -> int:
         """Its prompt's positions read from cached prefix blocks (``Result.cached_tokens``)."""
@@ -65,6 +66,8 @@ class Run:
 
     async def _next(self):
         left = self.deadline - time.monotonic()
+        if left > 0 and not self.queue.empty():   # a phase's tokens: no timer to arm
+            return self.queue.get_nowait()
         try:
             return await asyncio.wait_for(self.queue.get(), max(left, 0.0))
         except TimeoutError:
@@ -133,6 +136,14 @@ class Run:
 async def merged(runs: list[Run]) -> AsyncIterator[tuple[Run, Optional[str], list]]:
     """Every run's deltas as they come, ``(run, text, tokens)``, then ``(run, None, [])``
     once per run when it ends; a failure in one cancels the rest and is raised."""
+    if len(runs) == 1:   # one run (most requests): its deltas as they come, no task between
+        try:
+            async for d, toks in runs[0].deltas():
+                yield runs[0], d, toks
+            yield runs[0], None, []
+        finally:
+            runs[0].cancel()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(run: Run):
