@@ -30,7 +30,6 @@ class Run:
                                                                         index, keep)
         self.detok = Detokenizer(st.tokenizer, stop)
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.deadline = time.monotonic() + timeout
         self.timeout, self.done, self.finish = timeout, False, ""
         self.submitted = time.perf_counter()
         self.entries: list = []          # (token, logprob entry) of every kept token
@@ -53,6 +52,13 @@ class Run:
         except (InferenceError, SamplingError) as e:
             raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
         st.server.future(self.rid).add_done_callback(lambda f: box.post_now(loop, put, None))
+        # one timer for the request, not one armed per token
+        self.timed_out = False
+        self._timer = loop.call_later(timeout, self._time_out)
+
+    def _time_out(self) -> None:
+        self.timed_out = True
+        self.queue.put_nowait(None)   # wakes a waiting _next
 
     def cached_tokens(self) -> int:
         """Its prompt's positions read from cached prefix blocks (``Result.cached_tokens``)."""
@@ -65,16 +71,13 @@ class Run:
         return sum(e["logprob"] for _, e in self.entries if e is not None)
 
     async def _next(self):
-        left = self.deadline - time.monotonic()
-        if left > 0 and not self.queue.empty():   # a phase's tokens: no timer to arm
-            return self.queue.get_nowait()
-        try:
-            return await asyncio.wait_for(self.queue.get(), max(left, 0.0))
-        except TimeoutError:
+        item = None if self.timed_out else await self.queue.get()
+        if self.timed_out:
             raise APIError(408, f"the request ran past its timeout of {self.timeout:g} s; "
                                 f"raise it with the {TIMEOUT_HEADER} header or the server's "
                                 f"--request-timeout, or lower max_tokens",
                            code="timeout") from None
+        return item
 
     async def deltas(self) -> AsyncIterator[tuple[str, list]]:
         """``(text, [(token, entry), ...])`` as text becomes final, with the tokens since the
@@ -121,6 +124,7 @@ class Run:
             m.latency.observe(time.perf_counter() - self.submitted)
             self.done = True
         finally:
+            self._timer.cancel()
             if not self.done:  # timeout, failure or a client that left
                 self.st.server.cancel(self.rid)
 
@@ -129,6 +133,7 @@ class Run:
         return "".join([d async for d, _ in self.deltas()])
 
     def cancel(self) -> None:
+        self._timer.cancel()
         if not self.done:
             self.st.server.cancel(self.rid)
 
