@@ -247,7 +247,7 @@ def main() -> None:
         ("CPU codegen at `--xla_backend_optimization_level=0` (as the test suite), both "
          "paths alike. " if not GPU else "") +
         "HTTP's ITL is the gap between streamed chunks (a chunk is held back while its bytes "
-        "do not yet form a whole character, so a gap may span two tokens). One run on a "
+        "do not yet form a whole character, so a gap may span two tokens). On a "
         f"shared {os.cpu_count()}-core machine (1-minute load average {load} over the run): "
         "the client, the server's event loop and XLA share the cores, so the ratio is a "
         "floor for a machine whose serving devices are not its CPU. The goal, ≥ 0.9 of "
