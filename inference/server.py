@@ -95,6 +95,9 @@ class Server(Batching, AdapterServing):
         self._loop = threading.Lock()  # held by whichever loop serves (run() or start())
         self._stopping = self._drain = False
         self._error: BaseException | None = None
+        # called on the serving thread after each prefill and decode phase: a listener
+        # hands that phase's streamed tokens on at once (serving.delivery)
+        self.phase_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy=SERVE_STRATEGY,
@@ -417,8 +420,10 @@ class Server(Batching, AdapterServing):
                 return False
         t0 = time.perf_counter()
         prefilled = self._prefill_all()
+        self._phase_done()
         t1 = time.perf_counter()
         decoded = self._decode_all()
+        self._phase_done()
         t2 = time.perf_counter()
         if prefilled:
             self.stats["prefill_s"] += t1 - t0
@@ -426,6 +431,10 @@ class Server(Batching, AdapterServing):
             self.stats["decode_s"] += t2 - t1
             self.stats["decode_steps"] += 1
         return True
+
+    def _phase_done(self) -> None:
+        for listener in self.phase_listeners:
+            listener()
 
     def _finish(self, live: _Live, reason: str, now: float) -> None:
         """Resolve a request's future with its ``Result`` and free its slot."""

@@ -24,6 +24,7 @@ from triax.inference.errors import InferenceError
 from triax.inference.server import Server
 from triax.serving import adapters, choices, errors
 from triax.serving.chat_template import ChatTemplate, ChatTemplateError
+from triax.serving.delivery import Mailbox
 from triax.serving.metrics import Metrics
 from triax.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
@@ -49,6 +50,8 @@ class Serving:
 
     def __post_init__(self):
         self.metrics = Metrics(self.server)
+        self.mailbox = Mailbox()   # streamed tokens to the event loop, a wakeup per phase
+        self.server.phase_listeners.append(self.mailbox.flush)
         self._grammars: Optional[Grammars] = None
 
     @property
