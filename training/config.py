@@ -52,6 +52,15 @@ if TYPE_CHECKING:
     from triax.training.optim import OptimConfig
 
 
+def tp_overlap_reason(tp_overlap: bool, precision: str) -> Optional[str]:
+    """Why ``--tp-overlap`` does not run in ``precision`` (None: it does): the rings carry
+    the compute dtype's weights, not float8 (``models.projection``)."""
+    if tp_overlap and precision == choices.FP8:
+        return ("--tp-overlap runs its collective matmuls in the compute dtype, not float8: "
+                "drop --tp-overlap or use --precision bf16")
+    return None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a training run, in sections (saved as JSON in every
@@ -74,16 +83,17 @@ class RunConfig:
         # before anything is built, naming the flag and the fix (``--lr -1`` would
         # otherwise ascend the gradient).
         lay, comp, pipe, lora = self.layout, self.compute, self.pipeline, self.lora
-        if lay.tp_overlap and comp.precision == "fp8":   # the rings carry bf16/fp32 weights
-            raise ValueError("--tp-overlap runs its collective matmuls in the compute dtype, "
-                             "not float8: drop --tp-overlap or use --precision bf16")
+        why = tp_overlap_reason(lay.tp_overlap, comp.precision)
+        if why:
+            raise ValueError(why)
         if pipe.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
             counts = pipe.stage_counts()    # by check_pipeline, the model's layers there too
             pipe.check_counts(self.source.num_layers or sum(counts), len(counts))
-            if self.planner.plan == "auto":   # the search lays out even stages only
-                raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
-                                 "not search: use --plan flags with --mesh (triax plan --gpu "
-                                 "KIND:N,KIND:N proposes a split)")
+            if self.planner.plan == "auto" and not self.planner.plan_gpu:   # mixed groups only
+                raise ValueError("--stage-layers fixes uneven stages, which --plan auto lays "
+                                 "out only for mixed generations: give --plan-gpu "
+                                 "KIND:N,KIND:N, or use --plan flags with --mesh (triax plan "
+                                 "--gpu KIND:N,KIND:N proposes a split)")
         if lora.adapter and not self.source.init_from:
             raise ValueError(f"--adapter {lora.adapter!r} continues a PEFT adapter over its "
                              f"base model: give --init-from BASE_DIR too")

@@ -250,6 +250,15 @@ class Planner:
     objective: str = shared("objective", "throughput")
     device_memory: Optional[str] = shared("device_memory", None)
     skip_memory_check: bool = shared("skip_memory_check", False)
+    plan_gpu: Optional[str] = _f(None, "with --plan auto: the devices present are mixed "
+                                         "generations, KIND:COUNT groups in pipeline order, "
+                                         "e.g. h100-80gb:4,a100-80gb:4 (one pipeline stage "
+                                         "per group, layers sized by speed within every "
+                                         "group's memory; docs/planner.md)")
+    allow_fp8: bool = _f(False, "with --plan auto: the search may also choose --precision "
+                                  "fp8 (the block's matmuls in float8) where the planner "
+                                  "prices it faster, proved by compile like every plan; "
+                                  "without it the precision stays --precision's")
 
     def __post_init__(self):
         check_fields(self, BOUNDS)
