@@ -157,6 +157,7 @@ class Engine:
                                     static_argnums=(7, 9, 10))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
         self.compiles = {"prefill": set(), "decode": set()}
+        self.speculator = None   # speculative decoding's steps (inference.speculative)
 
     @classmethod
     def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy=SERVE_STRATEGY, **kw):
