@@ -192,7 +192,7 @@ class Speculator:
             d_RK = np.where(real[:, None], drafts[s], 0).astype(np.int32)
             q = None
         else:
-            d_RK, q = self.proposer.propose_device(rows, real, L_R, n_R, last_R, contexts,
+            d_RK, q = self.proposer.propose_device(K, rows, real, L_R, n_R, last_R, contexts,
                                                    owners, seeds_R, rule, row_arrays)
         tokens = jnp.concatenate([jnp.asarray(last_R)[:, None], d_RK], axis=1)
         eng.compiles.setdefault("verify", set()).add(rows.shape)
