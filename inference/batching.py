@@ -200,7 +200,7 @@ class Batching:
             seeds = np.array([s.seed if s else 0 for s in live], np.int32)
             settings = [(s.sampling if s else None) or eng.sampling for s in live]
             try:
-                spec = eng.speculator   # speculative decoding (inference.speculative)
+                spec = getattr(eng, "speculator", None)   # inference.speculative
                 launched.append((r, active, live, spec_launch(spec, live, last, seeds, settings)
                                  if spec is not None and spec.usable(settings, active) else
                                  eng.decode(last, active, seeds, settings)))

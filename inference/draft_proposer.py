@@ -162,3 +162,16 @@ class DraftProposer:
             keep = min(int(self.fed_end[s]), int(rnd.lengths[s]) + int(accepted[s]) + 1)
             eng.lengths[s] = keep
             eng.kv.shrink(s, keep)
+
+
+def speculate(engines, engine_config, seed: int = 0) -> None:
+    """Attach ``triax serve``'s speculative decoding (``serve_config.Engine``'s
+    ``speculative``, ``num_speculative_tokens``, ``draft_model``) to each replica engine; a
+    draft model is loaded onto each replica's own mesh."""
+    from triax.inference.speculative import SpeculativeConfig, attach
+    e = engine_config
+    if e.speculative == "off":
+        return
+    config = SpeculativeConfig(e.speculative, e.num_speculative_tokens, e.draft_model)
+    attach(engines, config, lambda eng: draft_for(load_draft(
+        config.draft_model, eng.cfg, eng.mesh, eng.strategy, seed))(eng))

@@ -16,6 +16,7 @@ from triax.hf.load import load as hf_load
 from triax.hf.load import read_model_config
 from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.checkpoint import load_params, read_checkpoint_config
+from triax.inference.draft_proposer import speculate
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.kv_pool import kv_pool
 from triax.inference.replicas import replica_meshes
@@ -87,6 +88,7 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
     server = Server.from_params(cfg, params, meshes, strategy, ecfg, config.sampling_config())
     server.max_queue = eng.max_queue
+    speculate(server.engines, eng, src.seed)   # --speculative (inference.speculative)
     return server
 
 

@@ -194,3 +194,25 @@ def test_cancel_mid_round(server, specs, plain):
     a, b = serve(None), serve("ngram")
     assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason) == (plain[0][:3],
                                                                           "cancelled")
+
+
+def test_flags_attach_and_metrics(server, specs):
+    """``--speculative ngram`` attaches n-gram speculators; ``/metrics`` reports the
+    acceptance rate and the mean accepted length of what was served."""
+    from prometheus_client import generate_latest
+
+    from triax.inference.draft_proposer import speculate
+    from triax.serve_config import ServeConfig
+    from triax.serving.metrics import Metrics
+    with pytest.raises(ValueError, match="--draft-model"):
+        ServeConfig.of(model="tiny", speculative="draft")
+    speculate(server.engines, ServeConfig.of(model="tiny", speculative="ngram",
+                                             num_speculative_tokens=3).engine)
+    assert all(e.speculator.k == 3 for e in server.engines)
+    _serve(server, specs, "ngram")
+    st = server.speculative_stats
+    text = generate_latest(Metrics(server).registry).decode()
+    rate = float(text.split("\ntriax_speculative_acceptance_rate ")[1].split()[0])
+    mean = float(text.split("\ntriax_speculative_mean_accepted_length ")[1].split()[0])
+    assert rate == pytest.approx(st["accepted"] / st["proposed"]) and 0 < rate < 1
+    assert mean == pytest.approx(1 + st["accepted"] / st["rounds"]) and mean > 1
