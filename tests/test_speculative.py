@@ -216,3 +216,18 @@ def test_flags_attach_and_metrics(server, specs):
     mean = float(text.split("\ntriax_speculative_mean_accepted_length ")[1].split()[0])
     assert rate == pytest.approx(st["accepted"] / st["proposed"]) and 0 < rate < 1
     assert mean == pytest.approx(1 + st["accepted"] / st["rounds"]) and mean > 1
+
+
+def test_greedy_ngram_on_pipeline_and_context_layouts():
+    """The verify pass through the pipeline's forward-only schedule (pipe=2) and over a
+    context-split pool (context=2): greedy tokens are plain decoding's."""
+    server = Server.from_seed(CFG, mesh_sizes=[{"pipe": 2}, {"context": 2}],
+                              devices=jax.devices()[4:8],
+                              ecfg=EngineConfig(max_batch=2, max_len=32, min_bucket=16))
+    plain = [r.tokens for r in _serve(server, {}, None)]
+    attach(server.engines, SpeculativeConfig("ngram", 3))
+    ids = [server.submit(p, NEW) for p in PROMPTS]
+    res = server.run()
+    assert [res[i].tokens for i in ids] == plain, "speculation changed pipeline/context tokens"
+    assert {res[i].replica for i in ids} == {0, 1}
+    assert all(e.speculator.stats["accepted"] > 0 for e in server.engines)
