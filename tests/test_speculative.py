@@ -231,3 +231,35 @@ def test_greedy_ngram_on_pipeline_and_context_layouts():
     assert [res[i].tokens for i in ids] == plain, "speculation changed pipeline/context tokens"
     assert {res[i].replica for i in ids} == {0, 1}
     assert all(e.speculator.stats["accepted"] > 0 for e in server.engines)
+
+
+def test_planner_prices_k_acceptance_and_the_draft():
+    """Decode bound by reading the weights: verifying k + 1 positions costs the same step,
+    and tokens per second grow by the expected accepted length; a draft adds its k steps
+    and its weights and pool to each device; compute-bound (a large batch of short
+    sequences), proposals that are never kept only cost."""
+    from dataclasses import replace
+
+    from triax.costs.hardware import load_catalog
+    from triax.costs.memory import estimate
+    from triax.costs.speculative import draft_workload, expected_tokens
+    from triax.costs.workload import Layout, Workload
+    from triax.planner.evaluate import evaluate
+    cluster = load_catalog(None).cluster("h100-80gb", 8, 1)
+    lay = Layout(tensor=8)
+    w = Workload.of(config.get("llama3-8b"), train=False, batch=1, seq=2048)
+    plain = evaluate(w, lay, cluster)
+    spec = evaluate(replace(w, spec_k=4, acceptance=0.7), lay, cluster)
+    assert spec.step_time_s == plain.step_time_s
+    assert spec.tokens_per_s == pytest.approx(plain.tokens_per_s * expected_tokens(4, 0.7))
+    drafted = replace(w, spec_k=4, acceptance=0.7, draft=config.get("llama3-1b"))
+    d = estimate(draft_workload(drafted), lay)
+    assert evaluate(drafted, lay, cluster).memory.params == plain.memory.params + d.params
+    assert evaluate(drafted, lay, cluster).memory.kv_cache == (plain.memory.kv_cache
+                                                               + d.kv_cache)
+    assert evaluate(drafted, lay, cluster).step_time_s > plain.step_time_s
+    big = Workload.of(config.get("llama3-8b"), train=False, batch=512, seq=128)
+    assert (evaluate(replace(big, spec_k=4, acceptance=0.0), lay, cluster).tokens_per_s
+            < evaluate(big, lay, cluster).tokens_per_s)
+    with pytest.raises(ValueError, match="--acceptance-rate"):
+        Workload.of(config.get("tiny"), train=False, spec_k=2, acceptance=1.5)
