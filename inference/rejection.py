@@ -21,8 +21,8 @@ rows (point masses) keep ``d`` iff it is the argmax, so they emit plain decoding
 
     >>> import jax.numpy as jnp
     >>> x = jnp.array([[5, 7, 9]]); d = jnp.array([[5, 8]])
-    >>> [a.tolist() for a in coupled_accept(x, d, jnp.array([2]))]     # keeps 5, not 8
-    [[1], [[5, 7, 9]]]
+    >>> [a.tolist() for a in coupled_accept(x, d, jnp.array([2]))]  # keeps 5, not 8: then 7
+    [[1], [[5, 7, 0]]]
 """
 from __future__ import annotations
 
