@@ -426,6 +426,8 @@ class Engine:
             if progress is not None:
                 progress(f"compiled {what} ({i}/{len(runs)}) in "
                          f"{time.perf_counter() - t0:.1f} s")
+        if self.speculator is not None:   # its verify (and draft) programs too
+            self.speculator.warmup(prompt_lengths, progress)
 
     def _decode_buckets(self) -> tuple[int, ...]:
         """Rows per row group a decode step may run: powers of two, capped at its slots."""

@@ -26,6 +26,7 @@ log-probabilities and cancellation act on the emitted tokens one by one, in orde
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -156,16 +157,18 @@ class Speculator:
             eng.kv.grow(s, L + n[s] + 1)
         return n
 
-    def launch(self, last, active, seeds, settings, contexts, budgets, owners=None) -> Round:
+    def launch(self, last, active, seeds, settings, contexts, budgets, owners=None,
+               rows=None) -> Round:
         """Start one step for the ``active`` slots: ``last`` their last tokens, ``contexts``
         each one's tokens so far (prompt and generated, ``last`` at the end), ``budgets``
         the tokens each may still emit, ``owners`` what holds each slot (a draft proposer
-        re-syncs a slot whose owner changed)."""
+        re-syncs a slot whose owner changed). ``rows``: the step's row layout (default the
+        engine's decode buckets of the active slots)."""
         eng, K = self.engine, self.k
         B, N, P = eng.ecfg.max_batch, eng.pool.blocks, eng.pool.block_size
         active = np.asarray(active, bool)
         slots = np.flatnonzero(active)
-        rows = eng._decode_rows(active)
+        rows = eng._decode_rows(active) if rows is None else rows
         real = rows < B
         s = np.where(real, rows, 0)
         lengths = eng.lengths.copy()
@@ -200,6 +203,23 @@ class Speculator:
                                           L_R, n_R, seeds_R, d_RK, q, rule, row_arrays,
                                           rows.astype(np.int32))
         return Round(rows, real, lengths, counts, np.asarray(last), out)
+
+    def warmup(self, prompt_lengths, progress=None) -> None:
+        """Compile the verify step (and a draft's programs) for every decode bucket, on rows
+        that are all padding (nothing is written), so served timings exclude compilation."""
+        eng = self.engine
+        B = eng.ecfg.max_batch
+        if not self.proposer.host_side:
+            self.proposer.engine.warmup(prompt_lengths)
+        for k in eng._decode_buckets():
+            t0 = time.perf_counter()
+            rnd = self.launch(np.zeros(B, np.int32), np.zeros(B, bool), np.zeros(B, np.int32),
+                              [eng.sampling] * B, [None] * B, [0] * B, [None] * B,
+                              rows=np.full(eng.pool.groups * k, B))
+            jax.block_until_ready(rnd.out)
+            if progress is not None:
+                progress(f"compiled speculative verify {eng.pool.groups * k} rows × "
+                         f"{self.k + 1} positions in {time.perf_counter() - t0:.1f} s")
 
     def collect(self, rnd: Round) -> dict[int, tuple[list[int], list]]:
         """Read a launched step: advance each row by its accepted tokens (rolling back the

@@ -140,7 +140,11 @@ def plain(server, specs):
 
 
 def test_greedy_ngram_is_plain_decoding(server, specs, plain):
+    _use(server, specs, "ngram")
+    server.warmup(sorted({len(p) for p in PROMPTS}))   # the verify steps compile here
+    compiled = [{k: set(v) for k, v in e.compiles.items()} for e in server.engines]
     got = _serve(server, specs, "ngram")
+    assert [e.compiles for e in server.engines] == compiled, "serving compiled a program"
     assert [r.tokens for r in got] == plain, "ngram speculation changed greedy tokens"
     st = _stats(server)
     assert st["accepted"] > 0 and st["rounds"] < len(PROMPTS) * (NEW - 1)  # it did speculate
