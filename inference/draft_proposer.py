@@ -121,6 +121,9 @@ class DraftProposer:
         proposals each verifies, ``last_R`` their last tokens)."""
         eng = self.engine
         B, N, P = eng.ecfg.max_batch, eng.pool.blocks, eng.pool.block_size
+        if any(x.is_deleted() for x in jax.tree.leaves(eng.cache)):   # a failed step's
+            eng.recover()
+            self.owner = [None] * B   # its contents are gone: every row is prefilled again
         slots = rows[real].tolist()
         lengths = np.zeros(B, np.int64)
         lengths[slots] = L_R[real]

@@ -115,8 +115,9 @@ class Speculator:
         return all(usable(settings[i]) for i in np.flatnonzero(active))
 
     # ---- traced --------------------------------------------------------------------------
-    def _verify(self, params, cache, table_RM, tokens_RT, positions_RT, base_R, n_R, seeds_R,
+    def _verify(self, params, cache, table_RM, last_R, positions_RT, base_R, n_R, seeds_R,
                 drafts_RK, q_RKV, rule, rows, slots_R):
+        tokens_RT = jnp.concatenate([last_R[:, None], drafts_RK], axis=1)   # t, d_1..d_k
         logits_RTV, cache = extend_forward(self.engine, params, cache, table_RM, tokens_RT,
                                            positions_RT)
         logits_RTV = logits_RTV.astype(jnp.float32)
@@ -197,9 +198,8 @@ class Speculator:
         else:
             d_RK, q = self.proposer.propose_device(K, rows, real, L_R, n_R, last_R, contexts,
                                                    owners, seeds_R, rule, row_arrays)
-        tokens = jnp.concatenate([jnp.asarray(last_R)[:, None], d_RK], axis=1)
         eng.compiles.setdefault("verify", set()).add(rows.shape)
-        eng.cache, out = self._verify_jit(eng.params, eng.cache, table, tokens, positions,
+        eng.cache, out = self._verify_jit(eng.params, eng.cache, table, last_R, positions,
                                           L_R, n_R, seeds_R, d_RK, q, rule, row_arrays,
                                           rows.astype(np.int32))
         return Round(rows, real, lengths, counts, np.asarray(last), out)
