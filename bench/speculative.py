@@ -52,6 +52,25 @@ from triax.text.byte_tokenizer import ByteTokenizer  # noqa: E402
 from triax.training.data import pydoc_text  # noqa: E402
 
 
+NOTES = """\
+How the models were made: `triax train --model tiny --mesh data=2 --strategy dp --steps 400 \
+--batch-size 16 --seq-len 128 --data pydoc` (the target), the same with `--num-layers 1` (the
+draft): the same data and tokenizer, the draft a quarter of the target's depth; greedy tokens
+are checked equal to plain decoding's in every row. CPU figures rank only, and here they rank
+speculation *below* plain decoding: on a CPU a step's time grows with the positions it
+computes (every step is compute-bound, the large-batch regime of docs/serving.md), so
+verifying k + 1 positions costs several plain steps and the draft's k sequential steps add
+more, while the target is a 4-layer model whose step is mostly dispatch. **Not met**: a
+measured speedup; the acceptance rates and mean accepted lengths are the figures that carry
+over. On a GPU the decode step of a small batch is bound by reading the weights, so
+verifying k + 1 positions costs about one step: the run that would show the speedup is
+`python bench/speculative.py --device gpu --target CKPT --draft CKPT` on one GPU with a
+target large enough to be read-bound (e.g. `small` or `llama3-1b` trained or imported, and a
+1–2 layer draft trained on the same data), at `--slots 1`, `4` and `32` (the last to show
+the large-batch loss); this task had no GPU (bench/gpu_mfu.py's pattern: same script, the
+device's own platform)."""
+
+
 def workloads(n: int, seed: int = 0) -> dict:
     """``{name: [prompt, ...]}``: quoting passages of the corpus, and random bytes."""
     rng = np.random.default_rng(seed)
@@ -120,7 +139,7 @@ def run(args) -> str:
     for name, method, got, ratio, same in rows:
         lines.append(f"| {name} | {method} | {got['tok_s']:.0f} | {ratio:.2f}× | "
                      f"{fmt(got['rate'], '.0%')} | {fmt(got['mean'], '.2f')} | {same:.0%} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", NOTES])
 
 
 def main():

@@ -97,6 +97,7 @@ class DraftProposer:
 
     def _step(self, params, cache, table_RM, tokens_RT, positions_RT, pick_R, seeds_R, key_R,
               rule, rows):
+        tokens_RT = tokens_RT.reshape(positions_RT.shape)   # a step after the first: [R]
         logits_RTV, cache = extend_forward(self.engine, params, cache, table_RM, tokens_RT,
                                            positions_RT)
         logits_RV = jnp.take_along_axis(logits_RTV, pick_R[:, None, None], 1)[:, 0]
@@ -116,8 +117,8 @@ class DraftProposer:
 
     def propose_device(self, k, rows, real, L_R, n_R, last_R, contexts, owners, seeds_R, rule,
                        row_arrays):
-        """``(drafts_RK, draft_logits_RKV)``: ``k`` proposals per row of the step, on the
-        device (rows ``real`` are slots ``rows``; ``L_R`` their lengths, ``n_R`` the
+        """``k`` proposals per row of the step and the draft's logits for each, on the
+        device, one ``[R]`` / ``[R, V]`` array per step (rows ``real`` are slots ``rows``; ``L_R`` their lengths, ``n_R`` the
         proposals each verifies, ``last_R`` their last tokens)."""
         eng = self.engine
         B, N, P = eng.ecfg.max_batch, eng.pool.blocks, eng.pool.block_size
@@ -147,7 +148,7 @@ class DraftProposer:
         d, pick = tokens, gap.astype(np.int32)
         for i in range(1, k + 1):
             if i > 1:
-                d = d_prev[:, None]
+                d = d_prev
                 positions = np.where(real & (i <= n_R), L_R + i - 1, sink)[:, None]
                 positions = positions.astype(np.int32)
                 pick = np.zeros(len(rows), np.int32)
@@ -156,7 +157,7 @@ class DraftProposer:
                                                   rule, row_arrays)
             drafts.append(d_prev)
             logits.append(q)
-        return jnp.stack(drafts, axis=1), jnp.stack(logits, axis=1)
+        return tuple(drafts), tuple(logits)   # stacked inside the verify step
 
     def rolled_back(self, rnd, accepted) -> None:
         """After the target's verify: each row's draft cache keeps its accepted tokens."""

@@ -117,6 +117,8 @@ class Speculator:
     # ---- traced --------------------------------------------------------------------------
     def _verify(self, params, cache, table_RM, last_R, positions_RT, base_R, n_R, seeds_R,
                 drafts_RK, q_RKV, rule, rows, slots_R):
+        if isinstance(drafts_RK, tuple):   # a draft's, one array per step (stacked here)
+            drafts_RK, q_RKV = jnp.stack(drafts_RK, 1), jnp.stack(q_RKV, 1)
         tokens_RT = jnp.concatenate([last_R[:, None], drafts_RK], axis=1)   # t, d_1..d_k
         logits_RTV, cache = extend_forward(self.engine, params, cache, table_RM, tokens_RT,
                                            positions_RT)
