@@ -118,8 +118,9 @@ class DraftProposer:
     def propose_device(self, k, rows, real, L_R, n_R, last_R, contexts, owners, seeds_R, rule,
                        row_arrays):
         """``k`` proposals per row of the step and the draft's logits for each, on the
-        device, one ``[R]`` / ``[R, V]`` array per step (rows ``real`` are slots ``rows``; ``L_R`` their lengths, ``n_R`` the
-        proposals each verifies, ``last_R`` their last tokens)."""
+        device, one ``[R]`` / ``[R, V]`` array per step (rows ``real`` are slots ``rows``;
+        ``L_R`` their lengths, ``n_R`` the proposals each verifies, ``last_R`` their last
+        tokens)."""
         eng = self.engine
         B, N, P = eng.ecfg.max_batch, eng.pool.blocks, eng.pool.block_size
         if any(x.is_deleted() for x in jax.tree.leaves(eng.cache)):   # a failed step's

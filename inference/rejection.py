@@ -105,6 +105,7 @@ def rejection_accept(logits_BTV, drafts_BK, q_BKV, n_B, rule, seeds_B, base_B, r
                                                           jnp.log(r)))(
         keys, resid_BKV.reshape(B * K, V)).reshape(B, K).astype(jnp.int32)
     bonus_BT = target_draws(logits_BTV, rule, seeds_B, base_B, rows)
-    at = lambda x: jnp.take_along_axis(x, jnp.minimum(a_B, x.shape[1] - 1)[:, None], 1)[:, 0]  # noqa: E731
+    def at(x):   # each row's entry at its accepted count
+        return jnp.take_along_axis(x, jnp.minimum(a_B, x.shape[1] - 1)[:, None], 1)[:, 0]
     last_B = jnp.where(a_B < n_B, at(fix_BK), at(bonus_BT))
     return a_B, emitted(drafts_BK, a_B, last_B)
