@@ -224,7 +224,8 @@ def test_flags_attach_and_metrics(server, specs):
 
 def test_greedy_ngram_on_pipeline_and_context_layouts():
     """The verify pass through the pipeline's forward-only schedule (pipe=2) and over a
-    context-split pool (context=2): greedy tokens are plain decoding's."""
+    context-split pool (context=2), with n-gram proposals and a draft: greedy tokens are
+    plain decoding's."""
     server = Server.from_seed(CFG, mesh_sizes=[{"pipe": 2}, {"context": 2}],
                               devices=jax.devices()[4:8],
                               ecfg=EngineConfig(max_batch=2, max_len=32, min_bucket=16))
@@ -235,6 +236,15 @@ def test_greedy_ngram_on_pipeline_and_context_layouts():
     assert [res[i].tokens for i in ids] == plain, "speculation changed pipeline/context tokens"
     assert {res[i].replica for i in ids} == {0, 1}
     assert all(e.speculator.stats["accepted"] > 0 for e in server.engines)
+    # a draft (the target's own weights: every proposal kept) on the same two layouts
+    for eng in server.engines:
+        same = load_draft("tiny", CFG, eng.mesh, eng.strategy, seed=0, num_layers=CFG.num_layers)
+        attach([eng], SpeculativeConfig("draft", 3, "tiny"), draft_for(same))
+    ids = [server.submit(p, NEW) for p in PROMPTS]
+    res = server.run()
+    assert [res[i].tokens for i in ids] == plain, "a draft changed pipeline/context tokens"
+    assert all(0 < e.speculator.stats["accepted"] == e.speculator.stats["proposed"]
+               for e in server.engines)
 
 
 def test_planner_prices_k_acceptance_and_the_draft():
