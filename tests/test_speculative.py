@@ -277,3 +277,19 @@ def test_planner_prices_k_acceptance_and_the_draft():
             < evaluate(big, lay, cluster).tokens_per_s)
     with pytest.raises(ValueError, match="--acceptance-rate"):
         Workload.of(config.get("tiny"), train=False, spec_k=2, acceptance=1.5)
+
+
+def test_bad_settings_are_named():
+    """A draft of another vocabulary (a Hugging Face directory), k < 1, an unknown method."""
+    from hf_fixtures import fixture
+
+    from triax.inference.errors import InferenceError
+    from triax.mesh import make_mesh
+    with pytest.raises(InferenceError, match="vocabulary of 320 ids and the target 264"):
+        load_draft(fixture("llama"), CFG, make_mesh(devices=jax.devices()[:1]), "tp")
+    with pytest.raises(InferenceError, match="--num-speculative-tokens 0"):
+        SpeculativeConfig("ngram", 0)
+    with pytest.raises(InferenceError, match="choose one of ngram, draft"):
+        SpeculativeConfig("medusa")
+    with pytest.raises(InferenceError, match="needs --draft-model"):
+        SpeculativeConfig("draft", 4)
