@@ -327,3 +327,42 @@ def test_draft_sampling_matches_plain_sampling():
     chi2 = float(np.sum((a - b) ** 2 / np.maximum(a + b, 1)))
     df = len(a) - 1
     assert chi2 < df + 4 * np.sqrt(2 * df), f"chi-square {chi2:.1f} on {df} degrees of freedom"
+
+
+def test_under_pool_pressure_with_prefix_cache():
+    """A pool of 7 blocks of 8 for 4 slots: sequences are preempted and recomputed, prompts
+    share cached blocks, verify steps take blocks past their rows' lengths and give the
+    rejected ones back; greedy tokens are plain decoding's and every block comes back."""
+    server = Server.from_seed(CFG, mesh_sizes={"tensor": 1}, devices=jax.devices()[:1],
+                              ecfg=EngineConfig(max_batch=4, max_len=48, min_bucket=16,
+                                                kv_blocks=7, block_size=8, prefix_cache=True))
+    prompts = [list(range(100, 116)) + p for p in PROMPTS]   # two blocks in common
+
+    def serve():
+        ids = [server.submit(p, NEW) for p in prompts]
+        res = server.run()
+        return [res[i].tokens for i in ids]
+    plain = serve()
+    before = dict(server.stats)
+    attach(server.engines, SpeculativeConfig("ngram", 4))
+    assert serve() == plain
+    assert server.stats["preemptions"] > before["preemptions"]
+    assert server.stats["prefix_hits"] > before["prefix_hits"]
+    assert server.engines[0].speculator.stats["accepted"] > 0 and server.kv_blocks_in_use == 0
+
+
+def test_rejected_positions_give_their_blocks_back(server, specs):
+    """A verify step over positions 14..17 takes a second block of 16; when a proposal is
+    rejected before position 16 the row is rolled back to one block."""
+    _use(server, specs, "ngram")
+    eng, spec = server.engines[0], specs["ngram"][0]
+    prompt = [1, 2, 3, 9] * 3 + [1, 2]
+    first = int(eng.prefill([0], [np.array(prompt)], seeds=[0])[0])
+    ctx = [first, 5, 6, 7, 8] * 2 + [first]   # the lookup proposes 5 6 7 8
+    rnd = spec.launch(np.array([first]), np.array([True]), np.zeros(1, np.int32),
+                      [eng.sampling], [ctx], [NEW], [None])
+    assert eng.kv.held[0] == 2 and rnd.counts[0] == 3   # k = 3: positions 14..17
+    (toks, _), = spec.collect(rnd).values()
+    assert eng.lengths[0] == len(prompt) + len(toks)
+    assert eng.kv.held[0] == eng.kv.need(int(eng.lengths[0])), "rejected blocks kept"
+    eng.release(0)
