@@ -210,6 +210,8 @@ def test_flags_attach_and_metrics(server, specs):
     from triax.serving.metrics import Metrics
     with pytest.raises(ValueError, match="--draft-model"):
         ServeConfig.of(model="tiny", speculative="draft")
+    assert ServeConfig.of(model="tiny").inert_flags(["num_speculative_tokens"]) == [
+        "--num-speculative-tokens has no effect without --speculative"]
     speculate(server.engines, ServeConfig.of(model="tiny", speculative="ngram",
                                              num_speculative_tokens=3).engine)
     assert all(e.speculator.k == 3 for e in server.engines)
