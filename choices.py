@@ -114,3 +114,6 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 QUANTIZED_BASE = "int8"
 BASE_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, QUANTIZED_BASE: 1}
 BASE_DTYPES = tuple(BASE_DTYPE_BYTES)
+# Serving's weight quantization (``--quantize``; ``models.quantize``): none, or the block
+# projections int8 with a scale per output channel, as an int8 LoRA base stores them.
+QUANTIZE = ("none", QUANTIZED_BASE)

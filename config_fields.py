@@ -41,7 +41,8 @@ SHARED = {
                   {"default_help": "bytes, no files needed"}),
     "adapter": ("PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) "
                 "over the base model: train continues it (with --init-from BASE), generate "
-                "uses it unmerged (with --model-dir BASE)", {}),
+                "uses it unmerged (with --model-dir BASE); serve too, or, as NAME=DIR "
+                "(repeatable), serves each beside the base, picked by a request's model", {}),
     "skip_memory_check": ("start even when the compiled step's per-device peak exceeds a "
                           "device's memory (checked before allocating; $TRIAX_DEVICE_MEMORY "
                           "sets a device's bytes)", {}),

@@ -17,11 +17,13 @@ fields (``triax.cli.flags``), and ``inference.build_server`` takes it. JAX-free,
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
-from triax.choices import SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, SPECULATIVE, check
+from triax.choices import (QUANTIZE, SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS,
+                           SPECULATIVE, check)
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -41,7 +43,16 @@ class Source:
     model: Optional[str] = shared("model", None)
     model_dir: Optional[str] = spec(None, "Hugging Face model directory (config.json, "
                                           "safetensors, tokenizer.json)", metavar="DIR")
-    adapter: Optional[str] = shared("adapter", None)
+    adapter: tuple[str, ...] = shared("adapter", (), metavar="[NAME=]DIR")
+    max_adapters: int = spec(0, "slots of the adapter table (serve: --adapter NAME=DIR and "
+                                "POST /v1/load_lora_adapter fill them)",
+                             default_help="the named adapters' count")
+    max_adapter_rank: int = spec(0, "the table's rank: an adapter of lower rank is padded "
+                                    "with zeros", default_help="the named adapters' largest, "
+                                                               "else 16")
+    adapter_targets: str = spec("", "the table's target modules, comma-separated (an adapter "
+                                    "may adapt fewer)",
+                                default_help="the named adapters' union, else all seven")
     tokenizer: Optional[str] = shared("tokenizer", None)
     num_layers: Optional[int] = shared("num_layers", None)
     seed: int = shared("seed", 0)
@@ -53,9 +64,54 @@ class Source:
         if len(given) > 1:
             raise ValueError(f"give one of --model-dir, --checkpoint, --model (got "
                              f"{' and '.join(given)})")
-        if self.adapter is not None and self.model_dir is None:
-            raise ValueError(f"--adapter {self.adapter!r} adapts a Hugging Face base: give "
+        if isinstance(self.adapter, str) or self.adapter is None:   # Python callers
+            object.__setattr__(self, "adapter", (self.adapter,) if self.adapter else ())
+        check_fields(self, {"max_adapters": (*GE0, "give a slot count, e.g. --max-adapters 4"),
+                            "max_adapter_rank": (*GE0, "give a rank, e.g. 16")})
+        named = self.named_adapters()   # checks the names
+        unnamed = [a for a in self.adapter if a not in {f"{n}={d}" for n, d in named}]
+        if len(unnamed) > 1 or (unnamed and self.uses_table):
+            raise ValueError(f"--adapter {unnamed[-1]}: give one unnamed --adapter DIR (served "
+                             f"as the model itself) or named --adapter NAME=DIR ones (beside "
+                             f"the base, --max-adapters), not both")
+        if self.adapter and self.model_dir is None:
+            raise ValueError(f"--adapter {self.adapter[0]!r} adapts a Hugging Face base: give "
                              f"--model-dir BASE_DIR")
+        if self.uses_table and self.model_dir is None:
+            raise ValueError("--max-adapters: adapters load over a Hugging Face base: give "
+                             "--model-dir BASE_DIR")
+        loose = [f for f, on in (("--max-adapter-rank", self.max_adapter_rank),
+                                 ("--adapter-targets", self.adapter_targets)) if on]
+        if loose and not self.uses_table:
+            raise ValueError(f"{' and '.join(loose)} shape the adapter table: add --adapter "
+                             f"NAME=DIR or --max-adapters N, or drop them")
+        if self.max_adapters and self.max_adapters < len(named):
+            raise ValueError(f"--max-adapters {self.max_adapters}: {len(named)} adapters are "
+                             f"named; give --max-adapters {len(named)} or more")
+
+    @property
+    def unnamed_adapter(self) -> Optional[str]:
+        """The one ``--adapter DIR`` served as the model itself (None: none)."""
+        return None if self.uses_table or not self.adapter else self.adapter[0]
+
+    @property
+    def uses_table(self) -> bool:
+        """Whether the engines hold a table of adapters picked per request."""
+        return bool(self.named_adapters()) or self.max_adapters > 0
+
+    def named_adapters(self) -> list[tuple[str, str]]:
+        """``(name, dir)`` of each ``--adapter NAME=DIR``; a name is given once."""
+        out: list[tuple[str, str]] = []
+        for a in self.adapter:
+            name, sep, directory = a.partition("=")
+            if not sep or "/" in name or os.sep in name:
+                continue   # an unnamed DIR
+            if not name or not directory:
+                raise ValueError(f"--adapter {a!r}: give NAME=DIR")
+            if name in {n for n, _ in out}:
+                raise ValueError(f"--adapter {a}: the name {name!r} is given twice")
+            out.append((name, directory))
+        return out
 
 
 @dataclass(frozen=True)
@@ -120,12 +176,23 @@ class Engine:
     dtype: str = spec(SERVE_DTYPE, "dtype of the served weights and their compute (float32: "
                                    "twice the bytes every decode step reads)",
                       choices=SERVE_DTYPES)
+    quantize: str = spec("none", "int8: store the block projections (attention q/k/v/o, the "
+                                 "MLP's) as int8 with a scale per output channel, "
+                                 "converted to --dtype for each matmul, the scale applied to "
+                                 "its product (about half bf16's bytes); embedding, head and "
+                                 "norms stay in --dtype; refused on MoE models",
+                         choices=QUANTIZE)
     prefix_cache: bool = spec(True, "share the KV blocks of prompts' common first tokens "
                                     "(keyed by a hash of a block's tokens and all before "
                                     "them; kept after use until evicted, least recently used "
                                     "first); a hit skips their prefill")
     max_len: int = spec(0, "KV positions one sequence may hold: a request's prompt plus "
                            "max_tokens (default: the model's context)")
+    max_step_tokens: int = spec(0, "tokens one serving step of a replica may spend: each "
+                                   "running stream's next token counts one, prompts get the "
+                                   "rest, a long one in chunks of whole KV blocks over several "
+                                   "steps, so streams keep flowing while it prefills (0: whole "
+                                   "prompts at once)")
     max_queue: Optional[int] = spec(None, "requests waiting for a slot at most; more get 429 "
                                           "with Retry-After", default_help="unbounded")
     stop_token: tuple[int, ...] = spec((), "token id that ends a sequence (repeatable; 257 is "
@@ -145,6 +212,7 @@ class Engine:
     def __post_init__(self):
         object.__setattr__(self, "stop_token", tuple(self.stop_token))
         check("dtype", self.dtype, SERVE_DTYPES)
+        check("quantize", self.quantize, QUANTIZE)
         check("speculative", self.speculative, SPECULATIVE)
         if (self.speculative == "draft") != (self.draft_model is not None):
             raise ValueError("--speculative draft needs --draft-model SOURCE, and only it "
@@ -153,6 +221,9 @@ class Engine:
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
                             "num_speculative_tokens": (*GE1, "give the proposals per step, "
                                                               "e.g. 4"),
+                            "max_step_tokens": (*GE0, "give a step's tokens, e.g. "
+                                                      "--max-step-tokens 512, or 0 for whole "
+                                                      "prompts"),
                             "max_queue": (*GE0, "give the waiting requests at most, e.g. "
                                                 "--max-queue 64")})
 
@@ -187,6 +258,10 @@ class HTTP:
     port: int = spec(8000, "port (0: any free port, printed when ready)")
     request_timeout: float = spec(600.0, "seconds a request may take before it is cancelled "
                                          "with a 408")
+    allow_adapter_updates: bool = spec(False, "answer POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter (a client then names "
+                                              "directories the server reads: trusted "
+                                              "clients only)")
     compile_cache: Optional[str] = spec(None, "directory of XLA's persistent compilation "
                                               "cache, so a second start compiles nothing "
                                               "('off': none)",

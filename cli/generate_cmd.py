@@ -46,6 +46,9 @@ def _prompts(args) -> list[str]:
 
 def run(args) -> int:
     config = serve_config(args)
+    if config.source.uses_table:
+        raise ValueError("generate serves one model: give one unnamed --adapter DIR (named "
+                         "--adapter NAME=DIR are serve's, each picked by a request's model)")
     start_devices()
     # Loaded only now: these modules start JAX, which must see the simulated device count.
     from triax.inference.generate import build_server, generate
@@ -68,7 +71,8 @@ def run(args) -> int:
     lora = server.engines[0].cfg.lora
     if lora is not None:
         say.line(f"serving {lora.describe()}"
-                 + (f" from {src.adapter}" if src.adapter else "") + ", unmerged")
+                 + (f" from {src.unnamed_adapter}" if src.unnamed_adapter else "")
+                 + ", unmerged")
     with say("compiling the prompt buckets and decode"):
         out = generate(server, prompts, max_new, tokenizer, progress=say.line)
     if args.json:

@@ -33,9 +33,10 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
     add_flags(p, HTTP, ["host", "port"])
-    add_flags(p, ServeConfig, ["max_len", "max_queue"], DEFAULTS)
+    add_flags(p, ServeConfig, ["max_len", "max_queue", "max_adapters", "max_adapter_rank",
+                               "adapter_targets"], DEFAULTS)
     add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes",
-                        "compile_cache"])
+                        "compile_cache", "allow_adapter_updates"])
     p.set_defaults(func=run)
 
 
@@ -102,11 +103,13 @@ def run(args) -> int:
     # The shortest prompt bucket and decode; longer buckets compile on use.
     with say("compiling the first prompt bucket and decode"):
         server.warmup([1], say.line)
-    layout = server.describe() + (f" from {config.source.adapter}"
-                                  if config.source.adapter else "")
+    src = config.source
+    layout = server.describe() + (f" from {src.unnamed_adapter}" if src.unnamed_adapter else
+                                  "".join(f"; {n}={d}" for n, d in src.named_adapters()))
     app = create_app(server, tokenizer, _model_name(config),
                      load_chat_template(config.source.model_dir), config.http.request_timeout,
-                     layout, config.http.max_request_bytes)
+                     layout, config.http.max_request_bytes,
+                     adapter_updates=config.http.allow_adapter_updates)
 
     class Uvicorn(uvicorn.Server):
         async def startup(self, sockets=None):

@@ -24,7 +24,8 @@ NOTES = {
 }
 # Fields no serving flag sets: the strategy (serving runs tensor parallel; the Python API
 # may pick another) and the engine fields only ``serve`` has (``serve_cmd``).
-NOT_FLAGS = {"strategy", "max_len", "max_queue"}
+NOT_FLAGS = {"strategy", "max_len", "max_queue", "max_adapters", "max_adapter_rank",
+             "adapter_targets"}
 WEIGHTS = ("checkpoint", "model", "model_dir")   # one of them names the weights
 
 
@@ -71,7 +72,8 @@ def choose_layout(config: ServeConfig, longest: int, max_new_tokens: int):
                             mesh_sizes=lay.mesh_sizes() if lay.mesh else None,
                             replicas=lay.replicas, context_attention=lay.context_attention,
                             pool={**config.engine.pool.engine_kw(),
-                                  "dtype": config.engine.dtype})
+                                  "dtype": config.engine.dtype,
+                                  "quantize": config.engine.quantize})
     return config.replace(mesh=choice.mesh, replicas=choice.replicas), choice
 
 

@@ -75,7 +75,8 @@ def run(args) -> int:
         print(f"triax train: multi-process ({how})", file=sys.stderr)
     if run_cfg.plan == "auto":
         from triax.planner.auto import choose_train
-        choice = choose_train(run_cfg, given)
+        from triax.planner.auto_mixed import choose_mixed
+        choice = (choose_mixed if run_cfg.plan_gpu else choose_train)(run_cfg, given)
         if main:
             print(json.dumps(choice.to_json(), indent=2) if args.json else choice.describe(),
                   file=sys.stdout if args.dry_run or args.json else sys.stderr)

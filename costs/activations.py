@@ -226,7 +226,8 @@ def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     """The pipeline executor's activation buffers on one stage, asked of the executor
     (``pipeline.buffer_sizes.activation_buffer_bytes``: the schedule's slot counts × the traced
     residual shapes, nothing allocated), and the residual set an op's layer loop
-    materialises beside them when a chunk holds several layers (``loop``). The residuals are
+    materialises beside them when a chunk holds several layers (``loop``), and with uneven
+    stages the layer slot's conditional's own copy of one layer's (``slot``). The residuals are
     traced whole over ``tensor``; XLA splits them over it as it splits the layer's weights,
     so they are divided by ``tensor`` (the activations passed between stages are not
     split)."""
@@ -236,7 +237,7 @@ def pipeline_buffer_bytes(w: Workload, lay: Layout) -> float:
     rows = ceil_div(w.batch // lay.batch_shards, config.num_microbatches(lay.pipe))
     exe = ExecConfig(PRECISIONS[w.dtype], w.remat)
     buf = activation_buffer_bytes(w.cfg, lay.pipe, config, exe, rows, w.seq)   # cached there
-    return (buf["stash"] + buf["loop"]) / lay.tensor + buf["inbox"]
+    return (buf["stash"] + buf["loop"] + buf["slot"]) / lay.tensor + buf["inbox"]
 
 
 def _inference_activations(w: Workload, lay: Layout) -> float:

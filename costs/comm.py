@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from triax.costs.fp8 import SCALE_BYTES, gather_bytes, scale_reductions
 from triax.costs.hardware import Cluster, Link
 from triax.models.lora import is_adapter_path, pair_leaf
 from triax.models.moe import capacity
@@ -114,6 +115,10 @@ def traffic(w: Workload, lay: Layout) -> dict[str, AxisTraffic]:
         out["expert"].add("all-to-all", _moe_buffer(w, lay), 2 * layers * (passes + recomputed))
     if "context" in out and w.train:
         _context_axis(w, lay, out["context"], layers)
+    scales = scale_reductions(w, layers)   # fp8's current scales: one amax each
+    for axis in rules.mesh_axes("batch") if scales else ():
+        if axis in out:
+            out[axis].add("all-reduce", SCALE_BYTES, scales)
     return out
 
 
@@ -354,8 +359,9 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
             t.add("all-to-all", tokens * w.cfg.embed_dim * w.dtype_bytes, 1 + grad)
             continue
         t.add("reduce-scatter" if split else "all-reduce", full * FP32, grad)
-        if split:
-            t.add("all-gather", full * w.dtype_bytes, 2 if path.startswith("blocks/") else 1)
+        if split:   # under fp8 a projection weight is gathered as its e4m3 bytes
+            t.add("all-gather", full * gather_bytes(w, path),
+                  2 if path.startswith("blocks/") else 1)
 
 
 # ---- placement on links ------------------------------------------------------------------

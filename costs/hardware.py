@@ -17,6 +17,7 @@ Users add devices, links and clusters in a TOML file (see ``load_catalog``)::
     memory_gb = 32
     bf16_tflops = 200
     fp32_tflops = 50
+    fp8_tflops = 400     # optional: float8 units (--precision fp8's projections)
     hbm_gbps = 1000
     form_factor = "pcie"  # sxm | oam | pcie
     pcie = "pcie4"
@@ -68,9 +69,18 @@ class Device:
     form_factor: FormFactor
     fabric: Optional[str] = None   # intra-node link name for SXM/OAM parts
     pcie: str = "pcie5"            # host/peer link name for PCIe parts
+    flops_fp8: float = 0.0         # dense float8 tensor FLOP/s; 0: no float8 units (bf16's)
 
     def peak_flops(self, dtype: str) -> float:
+        """The rate of a step's matmuls in ``dtype`` (fp8's run in bf16 but its block
+        projections: ``float8_flops``)."""
         return self.flops_fp32 if dtype == "fp32" else self.flops_bf16
+
+    @property
+    def float8_flops(self) -> float:
+        """The rate of ``--precision fp8``'s float8 projections: the float8 units', or bf16's
+        where the part has none (XLA then computes them in a wider type)."""
+        return self.flops_fp8 or self.flops_bf16
 
     @property
     def default_intra(self) -> str:
@@ -93,16 +103,22 @@ LINKS: dict[str, Link] = {l.name: l for l in (
 
 _S, _O, _P = FormFactor.SXM, FormFactor.OAM, FormFactor.PCIE
 DEVICES: dict[str, Device] = {d.name: d for d in (
-    Device("h100-80gb", 80 * GB, 989 * TFLOPS, 67 * TFLOPS, 3350 * GB, _S, "nvlink4", "pcie5"),
-    Device("h100-pcie", 80 * GB, 756 * TFLOPS, 51 * TFLOPS, 2000 * GB, _P, None, "pcie5"),
-    Device("h200", 141 * GB, 989 * TFLOPS, 67 * TFLOPS, 4800 * GB, _S, "nvlink4", "pcie5"),
+    Device("h100-80gb", 80 * GB, 989 * TFLOPS, 67 * TFLOPS, 3350 * GB, _S, "nvlink4", "pcie5",
+           1979 * TFLOPS),
+    Device("h100-pcie", 80 * GB, 756 * TFLOPS, 51 * TFLOPS, 2000 * GB, _P, None, "pcie5",
+           1513 * TFLOPS),
+    Device("h200", 141 * GB, 989 * TFLOPS, 67 * TFLOPS, 4800 * GB, _S, "nvlink4", "pcie5",
+           1979 * TFLOPS),
     Device("a100-40gb", 40 * GB, 312 * TFLOPS, 19.5 * TFLOPS, 1555 * GB, _S, "nvlink3", "pcie4"),
     Device("a100-80gb", 80 * GB, 312 * TFLOPS, 19.5 * TFLOPS, 2039 * GB, _S, "nvlink3", "pcie4"),
-    Device("b200-192gb", 192 * GB, 2250 * TFLOPS, 75 * TFLOPS, 8000 * GB, _S, "nvlink5", "pcie5"),
-    Device("rtx4090", 24 * GB, 165 * TFLOPS, 82.6 * TFLOPS, 1008 * GB, _P, None, "pcie4"),
-    Device("l40s", 48 * GB, 362 * TFLOPS, 91.6 * TFLOPS, 864 * GB, _P, None, "pcie4"),
+    Device("b200-192gb", 192 * GB, 2250 * TFLOPS, 75 * TFLOPS, 8000 * GB, _S, "nvlink5", "pcie5",
+           4500 * TFLOPS),
+    Device("rtx4090", 24 * GB, 165 * TFLOPS, 82.6 * TFLOPS, 1008 * GB, _P, None, "pcie4",
+           330 * TFLOPS),
+    Device("l40s", 48 * GB, 362 * TFLOPS, 91.6 * TFLOPS, 864 * GB, _P, None, "pcie4",
+           733 * TFLOPS),
     Device("mi300x", 192 * GB, 1307 * TFLOPS, 163.4 * TFLOPS, 5300 * GB, _O,
-           "infinity-fabric", "pcie5"),
+           "infinity-fabric", "pcie5", 2615 * TFLOPS),
 )}
 
 
@@ -211,7 +227,8 @@ def load_catalog(path: str | Path | None = None) -> Catalog:
             devices[name] = Device(
                 name, float(d["memory_gb"]) * GB, float(d["bf16_tflops"]) * TFLOPS,
                 float(d["fp32_tflops"]) * TFLOPS, float(d["hbm_gbps"]) * GB,
-                FormFactor(d.get("form_factor", "pcie")), d.get("fabric"), d.get("pcie", "pcie5"))
+                FormFactor(d.get("form_factor", "pcie")), d.get("fabric"), d.get("pcie", "pcie5"),
+                float(d.get("fp8_tflops", 0)) * TFLOPS)
     except KeyError as e:
         raise ValueError(f"hardware file {path}: missing field {e.args[0]!r}") from None
     cat = Catalog(devices, links)

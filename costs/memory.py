@@ -20,7 +20,8 @@ from triax.inference.errors import InferenceError
 from triax.inference.kv_pool import planned_pool   # the pool's one home (no engine needed)
 from triax.inference.pool_settings import PoolSettings
 from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elements,
-                                        local_param_elements, param_leaves)
+                                        local_param_elements, local_served_bytes,
+                                        param_leaves)
 from triax.costs.offload import planned_cost
 from triax.costs.speculative import draft_workload
 from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload, ceil_div
@@ -117,8 +118,9 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         acc = _stage_elements(w, lay) if pipelined_fsdp(w, lay) else o_local
         grads = acc * FP32 + _fresh_grad_elements(w, lay) * FP32
         optimizer = o_local * FP32 * ADAM_MOMENTS + 16     # + step counters
-    else:
-        params, grads, optimizer = p_local * w.dtype_bytes, 0.0, 0.0
+    else:   # served: each leaf as the engine places it (int8 projections under --quantize)
+        params = p_local * w.dtype_bytes if w.cfg is None else local_served_bytes(w, lay)
+        grads, optimizer = 0.0, 0.0
     acts = activation_bytes(w, lay)
     kv = kv_cache_bytes(w, lay)
     if not w.train and w.draft is not None:   # the draft's weights and pool beside these
@@ -214,6 +216,11 @@ def _fresh_grad_elements(w: Workload, lay: Layout) -> int:
     blocks = 1
     if lay.pipe > 1 and w.cfg is not None:
         blocks = _per_chunk(w, lay)
+        # uneven stages: B's layer slot is a conditional, whose gradient XLA returns in a
+        # buffer of its own before the loop stacks it (pipeline.buffer_sizes' ``slot``)
+        if StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                       counts=lay.stage_layers).slot_counts is not None:
+            blocks += 1
     if pipelined_fsdp(w, lay, "layer"):   # each block's reduce-scattered as it is made
         return _block_grad_elements(w, lay) + blocks * ceil_div(
             _block_grad_elements(w, lay), lay.data)

@@ -17,7 +17,9 @@ from typing import Optional
 
 import jax
 
+from triax.choices import PRECISIONS
 from triax.models.config import ModelConfig
+from triax.models.quantize import served_dtype
 from triax.models.lora import is_adapter_path
 from triax.pipeline.stage_layers import StageLayers, pipeline_strategy
 from triax.costs.workload import Layout, Workload, ceil_div, prod
@@ -55,10 +57,23 @@ def local_base_bytes(w: Workload, lay: Layout) -> int:
                for p, s, l in stored_leaves(w, lay) if not is_adapter_path(p.split("/")))
 
 
+def local_served_bytes(w: Workload, lay: Layout) -> int:
+    """Per-device bytes of the weights as an engine serves them in ``w.dtype``: each leaf in
+    its served dtype (``models.quantize.served_dtype``: int8 projections and their scales
+    as ``--quantize int8`` stores them, the float leaves in ``w.dtype``)."""
+    rules, dtype, dtypes = layout_rules(w, lay), PRECISIONS[w.dtype], _dtypes(w.cfg)
+    return sum(local_elements(s, l, rules, lay.sizes) * served_dtype(dtypes[p], dtype).itemsize
+               for p, s, l in stored_leaves(w, lay))
+
+
 @functools.lru_cache(maxsize=32)
-def _itemsizes(cfg: ModelConfig) -> dict[str, int]:
+def _dtypes(cfg: ModelConfig) -> dict[str, object]:
     flat = jax.tree_util.tree_flatten_with_path(abstract_model(cfg).shapes)[0]
-    return {path_str(p): s.dtype.itemsize for p, s in flat}
+    return {path_str(p): s.dtype for p, s in flat}
+
+
+def _itemsizes(cfg: ModelConfig) -> dict[str, int]:
+    return {p: d.itemsize for p, d in _dtypes(cfg).items()}
 
 
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:

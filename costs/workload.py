@@ -29,6 +29,7 @@ from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
 from triax.models.config import ModelConfig
+from triax.models.quantize import served_config
 from triax.models.loss import check_loss_chunks
 from triax.pipeline.schedules import ScheduleKind
 from triax.sharding.rules import Strategy, get_strategy
@@ -113,17 +114,20 @@ class Workload:
         """The one mapping from a serving engine's settings (an
         ``inference.engine.EngineConfig``) to what is planned: ``max_batch`` slots of
         ``max_len`` positions, its KV pool, the weights in the served ``dtype`` and the pool
-        in its ``kv_dtype`` (what the engine holds)."""
-        return cls.of(cfg, train=False, dtype=KV_PRECISION[ecfg.dtype], batch=ecfg.max_batch,
-                      seq=ecfg.max_len, backend=backend, kv_blocks=ecfg.kv_blocks,
-                      kv_memory=ecfg.kv_memory, kv_block_size=ecfg.block_size,
-                      kv_dtype=ecfg.kv_dtype)
+        in its ``kv_dtype`` (what the engine holds); the model as served (``--quantize``:
+        ``models.quantize.served_config``, its int8 leaves priced as stored)."""
+        return cls.of(served_config(cfg, ecfg.quantize), train=False,
+                      dtype=KV_PRECISION[ecfg.dtype], batch=ecfg.max_batch, seq=ecfg.max_len,
+                      backend=backend, kv_blocks=ecfg.kv_blocks, kv_memory=ecfg.kv_memory,
+                      kv_block_size=ecfg.block_size, kv_dtype=ecfg.kv_dtype)
 
     @property
     def run_label(self) -> str:
-        """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)."""
+        """How it runs, for the plan's sentences: ``remat full`` (``, loss in 16 chunks``)
+        (``, fp8``: float8 projections, which the search may choose)."""
         return f"remat {self.remat}" + (f", loss in {self.loss_chunks} chunks"
-                                        if self.loss_chunks > 1 else "")
+                                        if self.loss_chunks > 1 else "") \
+            + (", fp8" if self.dtype == choices.FP8 else "")
 
     @property
     def dtype_bytes(self) -> int:

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import numpy as np
 
+from triax.inference.chunked_prefill import ChunkedPrefill
 from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine, InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
@@ -32,7 +33,7 @@ from triax.inference.request import _Live
 from triax.inference.speculative import Round, spec_launch
 
 
-class Batching:
+class Batching(ChunkedPrefill):
     """The serving loop's steps; ``Server`` holds the state they use."""
 
     def _reap_cancelled(self) -> None:
@@ -75,7 +76,7 @@ class Batching:
                 continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
             # the fitting slot whose group caches the longest run of the prompt's blocks
-            looked = (self._lookups(eng, free, tokens)
+            looked = (self._lookups(eng, free, tokens, live.adapter)
                       if not reads_prompt(live.sampling or eng.sampling) else
                       [(i, ()) for i in free])   # its sampling reads every prompt token
             fits = [(i, shared) for i, shared in looked
@@ -109,7 +110,7 @@ class Batching:
         preempting by recompute where its group has none left (``_preempt``); the oldest
         and most important sequences are served first."""
         with self._lock:
-            running = sorted((x for x in self.slots[r] if x is not None), key=_Live.rank)
+            running = sorted((x for x in self._decoding(r) if x is not None), key=_Live.rank)
             for live in running:
                 if live not in self.slots[r]:
                     continue   # preempted for an earlier one
@@ -143,10 +144,12 @@ class Batching:
         self.queue.append(live)
 
     @staticmethod
-    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int]):
-        """``(slot, cached blocks)`` for each free slot: one lookup per row group."""
+    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int], adapter: int = 0):
+        """``(slot, cached blocks)`` for each free slot: one lookup per row group (blocks
+        keyed with ``adapter``'s salt: its KV differs from the base's)."""
         per = eng.ecfg.max_batch // eng.kv.groups
-        found = {g: eng.kv.lookup(g * per, prompt) for g in {i // per for i in free}}
+        salt = eng.adapter_keys[adapter] if adapter else b""
+        found = {g: eng.kv.lookup(g * per, prompt, salt) for g in {i // per for i in free}}
         return [(i, found[i // per]) for i in free]
 
     def _prefill_all(self) -> int:
@@ -156,20 +159,20 @@ class Batching:
                 slots, batch = self._admit(r, eng)
                 running = sum(s is not None for row in self.slots for s in row)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
+            # whole prompts, or this step's chunks of them (inference.chunked_prefill)
+            slots, batch, prompts, cached, final = self._prefill_work(r, eng, slots, batch)
             if not batch:
                 continue
             try:
-                toks = eng.prefill(slots, [np.asarray(x.tokens_to_prefill()) for x in batch],
-                                   [x.seed for x in batch], [x.sampling or eng.sampling
-                                                             for x in batch],
-                                   cached=[int(eng.kv.held[s]) * eng.kv.block_size
-                                           for s in slots],
-                                   prompt_lens=[len(x.result.prompt) for x in batch])
+                toks = eng.prefill(slots, prompts, [x.seed for x in batch],
+                                   [x.sampling or eng.sampling for x in batch], cached=cached,
+                                   prompt_lens=[len(x.result.prompt) for x in batch],
+                                   **self._adapters_kw([x.adapter for x in batch]))
             except Exception as e:
                 self._engine_failed(r, batch, e)
                 continue
-            launched.append((r, slots, batch, toks))
-        for r, slots, batch, toks in launched:
+            launched.append((r, slots, batch, toks, final))
+        for r, slots, batch, toks, final in launched:
             try:
                 toks, extra = split_tokens(toks)
             except Exception as e:  # an asynchronous device error surfaces here
@@ -177,6 +180,8 @@ class Batching:
                 continue
             now = time.perf_counter()
             for i, (slot, live, tok) in enumerate(zip(slots, batch, toks)):
+                if not final[i]:
+                    continue   # a chunk before its prompt's last: nothing sampled yet
                 res = live.result
                 res.replica, res.slot = r, slot
                 res.first_token = res.first_token or now   # once, resumed or not
@@ -192,7 +197,7 @@ class Batching:
         launched = []
         for r, eng in enumerate(self.engines):
             self._make_room(r, eng)
-            live = list(self.slots[r])  # only this thread fills or frees slots
+            live = self._decoding(r)  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             if not active.any():
                 continue

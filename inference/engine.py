@@ -47,9 +47,10 @@ from triax.inference.kv_pool import (decode_microbatches, kv_pool, kv_storage_dt
 from triax.inference.logprobs import prompt_logprobs, scatter_rows
 from triax.inference.penalties import TokenHistory
 from triax.inference.sampling import SamplingConfig, row_settings, sample_step
-from triax.inference.served_weights import cast_params, served_dtype
+from triax.inference.served_weights import place_params, served_dtype
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
+from triax.models.quantize import served_config
 from triax.models.decode import read_prefix, write_scratch
 from triax.models.runtime import ExecConfig
 from triax.models import runtime
@@ -76,9 +77,11 @@ class EngineConfig:
     dtype: str = "float32"       # served weights and compute: float32 | bfloat16
     kv_dtype: str = "auto"       # the pool: auto | float32 | bfloat16 | int8
     prefix_cache: bool = False   # share cached prompt blocks (inference.prefix_cache)
+    quantize: str = "none"       # none | int8: the block projections (models.quantize)
 
     def __post_init__(self):
         kv_storage_dtype(self.dtype, self.kv_dtype)   # names the flag and the choices
+        choices.check("quantize", self.quantize, choices.QUANTIZE)
 
     @property
     def cache_dtype(self) -> str:
@@ -98,7 +101,7 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
     """What an engine would hold on each device, known before it allocates anything: its
     shard of the weights and of the KV cache (k and v)."""
     st = get_strategy(strategy)
-    am = abstract_model(cfg)
+    am = abstract_model(served_config(cfg, ecfg.quantize))
     weights = sum(math.prod(sh.shard_shape(s.shape)) * served_dtype(s.dtype, ecfg.dtype).itemsize
                   for s, sh in zip(jax.tree.leaves(am.shapes),
                                    jax.tree.leaves(param_shardings(am, mesh, st))))
@@ -115,6 +118,7 @@ class Engine:
         if ecfg.max_len > cfg.max_seq_len:
             raise InferenceError(f"cache length max_len={ecfg.max_len} exceeds the model's "
                                  f"context max_seq_len={cfg.max_seq_len}; lower max_len")
+        given_cfg, cfg = cfg, served_config(cfg, ecfg.quantize)   # --quantize: int8 projections
         self.cfg, self.mesh, self.strategy = cfg, mesh, get_strategy(strategy)
         self.ecfg, self.sampling = ecfg, sampling
         self.exe = exe = dataclasses.replace(exe, compute_dtype=ecfg.dtype)
@@ -128,8 +132,8 @@ class Engine:
             lambda s, sh: jax.ShapeDtypeStruct(s.shape, served_dtype(s.dtype, ecfg.dtype),
                                                sharding=sh),
             self.am.shapes, self.param_shardings) if self.abstract \
-            else cast_params(jax.device_put(params, self.param_shardings), ecfg.dtype,
-                             self.param_shardings)
+            else place_params(params, given_cfg, self.am, mesh, self.strategy, ecfg.dtype,
+                              self.param_shardings)
         B = ecfg.max_batch
         self.pipelined = self.sizes["pipe"] > 1
         self.microbatches = decode_microbatches(mesh, ecfg.microbatches)
@@ -149,6 +153,14 @@ class Engine:
         self.prefix_cache = ecfg.prefix_cache and self.context is None
         self.kv = KVBlocks(self.pool.groups, self.pool.blocks, self.pool.block_size, B,
                            self.pool.max_blocks, self.prefix_cache)
+        # A LoRA table (many adapters, inference.adapter_table): each slot's adapter, and
+        # each adapter slot's prefix-cache salt.
+        self.table = cfg.lora is not None and cfg.lora.slots > 0
+        self.adapter_of = np.zeros(B, np.int32)
+        self.adapter_keys = [b""] * ((cfg.lora.slots + 1) if self.table else 1)
+        if self.table and (self.pipelined or self.context is not None):
+            raise InferenceError("many adapters (--adapter NAME=DIR) are served on tensor "
+                                 "and data layouts; drop pipe and context from --mesh")
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         self.lengths = np.zeros(B, np.int64)  # tokens held in each slot's cache
         self.history = TokenHistory(B, ecfg.max_len)   # what each slot saw (penalties)
@@ -188,7 +200,8 @@ class Engine:
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
         return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
-                                      self._rule(), rows, row, False)
+                                      self._rule(), rows, row, False, **self._adapter_kw(
+                                          "adapters_B", row))
 
     def recover(self) -> None:
         """After a failed prefill or decode: a fresh cache if the failed program consumed
@@ -199,9 +212,11 @@ class Engine:
 
     # ---- traced programs ---------------------------------------------------------------------
     def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
-                 rows=None, with_logits=False, S=0, start_b=None, read_bM=None):
-        # MoE: dropless, so padding and batch-mates take nothing
-        with runtime.using(moe_inference=True):
+                 rows=None, with_logits=False, S=0, start_b=None, read_bM=None,
+                 adapters_b=None):
+        # MoE: dropless, so padding and batch-mates take nothing; adapters_b: each row's
+        # adapter slot in a LoRA table
+        with runtime.using(moe_inference=True, adapter_rows=adapters_b):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
                                       seeds_b, rule, rows, with_logits, S, start_b, read_bM)
 
@@ -243,7 +258,7 @@ class Engine:
         return (cache, tok, last_bV) if with_logits else (cache, tok)
 
     def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
-                rows=None, slots_B=None, with_logits=False):
+                rows=None, slots_B=None, with_logits=False, adapters_B=None):
         """One step of a bucket of rows (``B`` here: the bucket's); with ``slots_B``, tokens
         (and logits, ``with_logits``) come back scattered to their slots (``max_batch``:
         padding, dropped)."""
@@ -251,7 +266,7 @@ class Engine:
         # (and split over pipeline stages and micro-batches like the pool).
         paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
                                                                *table_BM.shape))}
-        with runtime.using(moe_inference=True):
+        with runtime.using(moe_inference=True, adapter_rows=adapters_B):
             logits_B1V, paged = self._fwd(params, tokens_B[:, None], positions_B[:, None],
                                           paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
@@ -266,6 +281,10 @@ class Engine:
         logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
             logits_B1V[:, 0], mode="drop")
         return cache, tok_n, logits_nV
+
+    def _adapter_kw(self, name: str, rows) -> dict:
+        """The step's per-row adapter slots (a keyword argument) when there is a table."""
+        return {name: rows} if self.table else {}
 
     def _rule(self) -> SamplingConfig:
         return dataclasses.replace(self.sampling, stop_tokens=())
@@ -332,7 +351,7 @@ class Engine:
         return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
-                     with_logits=False, cached=None, prompt_lens=None):
+                     with_logits=False, cached=None, prompt_lens=None, adapters=None):
         """``cached``: each row's positions already in its blocks (whole cached blocks; the
         rest of its prompt computed); None: none cached (the plain program)."""
         n, P = len(prompts), self.pool.block_size
@@ -358,9 +377,12 @@ class Engine:
                 table[i, :start[i] // P] = self.pool.blocks
             extra = (start, read)
         self.compiles["prefill"].add((b, T, S) if S else (b, T))   # S: a cached prefix's
+        ad = np.zeros(b, np.int32)
+        ad[:n] = adapters if adapters is not None else 0
         self.cache, *out = self._prefill_jit(
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings, prompt_lens), with_logits, S, *extra)
+            self._rows(b, settings, prompt_lens), with_logits, S, *extra,
+            **self._adapter_kw("adapters_b", ad))
         return tuple(jax.tree.map(lambda x: x[:n], x) for x in out) if with_logits else \
             jax.tree.map(lambda x: x[:n], out[0])
 
@@ -373,7 +395,8 @@ class Engine:
     def prefill(self, slots: Sequence[int], prompts: Sequence[np.ndarray],
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
                 with_logits: bool = False, cached: Optional[Sequence[int]] = None,
-                prompt_lens: Optional[Sequence[int]] = None):
+                prompt_lens: Optional[Sequence[int]] = None,
+                adapters: Optional[Sequence[int]] = None):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
         ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
@@ -383,7 +406,9 @@ class Engine:
         positions of each prompt its slot already holds in shared blocks (``kv.lookup``,
         reserved with ``kv.reserve(..., shared=)``): only the rest is computed.
         ``prompt_lens``: each row's request prompt (a resumed row's ``prompts`` hold what it
-        generated too, which penalties count as output); default the whole row."""
+        generated too, which penalties count as output); default the whole row.
+        ``adapters``: each prompt's adapter slot in the LoRA table (default 0: none); its
+        rows keep it while they decode."""
         lens = [len(p) for p in prompts]
         cached = list(cached) if cached is not None and any(cached) else None
         for n in lens:
@@ -397,11 +422,13 @@ class Engine:
             self.history.start(s, p, k)
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
         T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
+        adapters = [0] * len(slots) if adapters is None else list(adapters)
+        self.adapter_of[list(slots)] = adapters
         out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
-                                prompt_lens)
+                                prompt_lens, adapters)
         self.lengths[list(slots)] = lens
-        for s, p in zip(slots, prompts):
-            self.kv.register(s, p)
+        for s, p, a in zip(slots, prompts, adapters):
+            self.kv.register(s, p, self.adapter_keys[a])
         return out
 
     def warmup(self, prompt_lengths: Sequence[int],
@@ -458,7 +485,8 @@ class Engine:
             self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
             self._rule(), self.history.seen_rows(
                 row_settings(configs, self.history.generated(s, real)), s, real),
-            rows.astype(np.int32), with_logits)
+            rows.astype(np.int32), with_logits,
+            **self._adapter_kw("adapters_B", np.where(real, self.adapter_of[s], 0)))
         return tuple(out) if with_logits else out[0]
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,

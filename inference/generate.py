@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from triax.hf.load import load as hf_load
 from triax.hf.load import read_model_config
 from triax.hf.peft import adapted_config, load_adapted
+from triax.inference.adapter_table import AdapterTable, planned_table, with_empty_table
 from triax.inference.checkpoint import load_params, read_checkpoint_config
 from triax.inference.draft_proposer import speculate
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
@@ -41,12 +42,12 @@ def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str,
                       longest: int, max_new_tokens: int, slots: int = SLOTS, kv_blocks: int = 0,
                       kv_memory: int = 0, block_size: int = KV_BLOCK_SIZE,
                       dtype: str = "float32", kv_dtype: str = "auto",
-                      prefix_cache: bool = False) -> EngineConfig:
+                      prefix_cache: bool = False, quantize: str = "none") -> EngineConfig:
     """Sequences just long enough for the longest request (rounded to 16, capped at the
     context); slots rounded up so they split over ``data`` (and pipeline micro-batches), on
     every replica when ``mesh_sizes`` lists one layout per replica; the KV pool's size
     (``inference.kv_pool``: blocks, or bytes per device; neither: slots × max_len's); the
-    served weights' and the pool's dtypes; prefix caching."""
+    served weights' and the pool's dtypes; prefix caching; the weights' quantization."""
     need = longest + max_new_tokens
     max_len = min(cfg.max_seq_len, 16 * math.ceil(need / 16))
     layouts = [mesh_sizes] if isinstance(mesh_sizes, Mapping) else list(mesh_sizes)
@@ -54,7 +55,7 @@ def engine_config_for(cfg, mesh_sizes: Mapping[str, int] | Sequence[Mapping[str,
     return EngineConfig(max_batch=unit * math.ceil(slots / unit), max_len=max_len,
                         min_bucket=min(16, max_len), kv_blocks=kv_blocks, kv_memory=kv_memory,
                         block_size=block_size, dtype=dtype, kv_dtype=kv_dtype,
-                        prefix_cache=prefix_cache)
+                        prefix_cache=prefix_cache, quantize=quantize)
 
 
 def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
@@ -72,14 +73,19 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     strategy = dataclasses.replace(get_strategy(lay.strategy),
                                    context_attention=check_scheme(lay.context_attention))
     meshes = replica_meshes(mesh_sizes, lay.replicas, devices)
-    pool = {**eng.pool.engine_kw(), "dtype": eng.dtype, "prefix_cache": eng.prefix_cache}
+    pool = {**eng.pool.engine_kw(), "dtype": eng.dtype, "prefix_cache": eng.prefix_cache,
+            "quantize": eng.quantize}
     if not eng.skip_memory_check:
         cfg = source_config(src)
         ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
         for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
             check_serving_memory(cfg, mesh, strategy, ecfg)
-    if src.adapter is not None:
-        cfg, params = load_adapted(src.model_dir, src.adapter, meshes[0], strategy)
+    if src.uses_table:   # many adapters: the base, and a table of zeros to load them into
+        base_cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
+        cfg = source_config(src)
+        params = with_empty_table(cfg, params)
+    elif src.unnamed_adapter is not None:
+        cfg, params = load_adapted(src.model_dir, src.unnamed_adapter, meshes[0], strategy)
     elif src.model_dir is not None:
         cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
     else:
@@ -88,6 +94,11 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
     ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
     server = Server.from_params(cfg, params, meshes, strategy, ecfg, config.sampling_config())
     server.max_queue = eng.max_queue
+    server.max_step_tokens = eng.max_step_tokens   # chunked prefill's budget (0: off)
+    if src.uses_table:
+        server.adapters = AdapterTable(cfg, base_cfg)
+        for name, directory in src.named_adapters():
+            server.load_adapter(name, directory)
     speculate(server.engines, eng, src.seed)   # --speculative (inference.speculative)
     return server
 
@@ -97,7 +108,10 @@ def source_config(src: Source):
     (what ``--plan auto`` plans for)."""
     if src.model_dir is not None:
         cfg = read_model_config(src.model_dir)
-        return cfg if src.adapter is None else adapted_config(cfg, src.adapter)
+        if src.uses_table:
+            return planned_table(cfg, src.named_adapters(), src.max_adapters,
+                                 src.max_adapter_rank, src.adapter_targets)
+        return cfg if src.unnamed_adapter is None else adapted_config(cfg, src.unnamed_adapter)
     if src.checkpoint is not None:
         return read_checkpoint_config(src.checkpoint)[0]
     if src.model is None:

@@ -68,19 +68,20 @@ class KVBlocks:
         parked = len(self.prefix[g].unused) if self.prefix else 0
         return len(self._free[g]) + parked - int((self.reserved[rows] - self.held[rows]).sum())
 
-    def lookup(self, slot: int, prompt: Sequence[int]) -> list[int]:
+    def lookup(self, slot: int, prompt: Sequence[int], salt: bytes = b"") -> list[int]:
         """The cached blocks of ``slot``'s group that hold ``prompt``'s first full blocks
-        (never its last token: its logits are what the prefill samples from)."""
+        (never its last token: its logits are what the prefill samples from); ``salt``:
+        what else the blocks' values depend on (a LoRA adapter's load)."""
         if self.prefix is None:
             return []
-        keys = block_keys(prompt[:len(prompt) - 1], self.block_size)
+        keys = block_keys(prompt[:len(prompt) - 1], self.block_size, salt)
         return self.prefix[self.group(slot)].match(keys)
 
-    def register(self, slot: int, prompt: Sequence[int]) -> None:
+    def register(self, slot: int, prompt: Sequence[int], salt: bytes = b"") -> None:
         """``slot``'s blocks now hold ``prompt``: key its full blocks for later prompts."""
         if self.prefix is not None:
             cache = self.prefix[self.group(slot)]
-            for i, key in enumerate(block_keys(prompt, self.block_size)):
+            for i, key in enumerate(block_keys(prompt, self.block_size, salt)):
                 cache.add(key, int(self.tables[slot, i]))
 
     def _parked(self, slot: int, shared: Sequence[int]) -> int:

@@ -28,9 +28,10 @@ from typing import Optional, Sequence
 import numpy as np
 
 
-def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained key of every full block of ``tokens``."""
-    out, parent = [], b""
+def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The chained key of every full block of ``tokens`` (``salt``: the chain's start, what
+    else the blocks depend on: a LoRA adapter's load; none for the base)."""
+    out, parent = [], salt
     arr = np.asarray(tokens, np.int64)
     for i in range(len(arr) // block_size):
         parent = hashlib.blake2b(parent + arr[i * block_size:(i + 1) * block_size].tobytes(),

@@ -61,6 +61,7 @@ class _Live:
     priority: int = 0        # lower runs first and is preempted last (vLLM's convention)
     passed: int = 0          # admissions that went past it while it did not fit
     admitted: int = 0        # when it last entered a slot (the server's admission count)
+    adapter: int = 0         # its LoRA adapter's slot in the engines' table (0: none)
 
     def rank(self) -> tuple[int, int]:
         """Queue order: priority, then arrival (a preempted request keeps its place)."""

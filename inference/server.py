@@ -5,7 +5,8 @@ pipeline-parallel inside). Replicas multiply throughput; they do **not** pool me
 replica must hold the whole model and its own KV cache.
 
 Every loop iteration: each replica admits waiting requests into its free slots, as many as
-its KV pool has blocks for (``triax.inference.batching``), and prefills them; then every
+its KV pool has blocks for (``triax.inference.batching``), and prefills them (whole, or in
+chunks within ``max_step_tokens`` a step: ``triax.inference.chunked_prefill``); then every
 replica with live slots decodes one token. All replicas' work is dispatched before any
 result is read, so the sub-meshes run concurrently. A sequence that stops frees its slot
 and its KV blocks at once, and the next iteration fills them.
@@ -38,17 +39,19 @@ import time
 from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
+from triax.inference.adapter_serving import AdapterServing
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
 from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.sampling import SamplingConfig
+from triax.inference.served_weights import bytes_per_device, describe_weights
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
 from triax.choices import MAX_BYPASS, SERVE_STRATEGY
 
 
-class Server(Batching):
+class Server(Batching, AdapterServing):
     """Continuous-batching request server over one or more replica engines.
 
     ``submit`` is thread-safe. Serve either with ``run()`` (blocks until everything queued,
@@ -57,8 +60,15 @@ class Server(Batching):
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
     def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
-                 max_bypass: int = MAX_BYPASS):
+                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0):
         self.engines = list(engines)
+        if max_step_tokens < 0:
+            raise InferenceError(f"max_step_tokens={max_step_tokens}: give a step's token "
+                                 f"budget, e.g. 512, or 0 to prefill whole prompts")
+        # prefill tokens + decode rows per replica step; 0: whole prompts at once
+        # (inference.chunked_prefill)
+        self.max_step_tokens = max_step_tokens
+        self.prefilling = [{} for _ in self.engines]   # slot -> a prompt still prefilling
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         # a request that does not fit lets this many later ones go first, then they wait
         self.max_bypass = max_bypass
@@ -72,6 +82,7 @@ class Server(Batching):
                       # automatic prefix caching: prompt tokens looked up, and found cached
                       "prefix_queries": 0, "prefix_hits": 0,
                       "preemptions": 0,   # sequences whose blocks were taken back
+                      "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, the slot table, results and futures: submitters and
@@ -84,6 +95,9 @@ class Server(Batching):
         self._loop = threading.Lock()  # held by whichever loop serves (run() or start())
         self._stopping = self._drain = False
         self._error: BaseException | None = None
+        # called on the serving thread after each prefill and decode phase: a listener
+        # hands that phase's streamed tokens on at once (serving.delivery)
+        self.phase_listeners: list[Callable[[], None]] = []
 
     @classmethod
     def from_params(cls, cfg: ModelConfig, params, meshes: Sequence, strategy=SERVE_STRATEGY,
@@ -115,7 +129,7 @@ class Server(Batching):
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
                sampling: Optional[SamplingConfig] = None,
                on_token: Optional[Callable[[int, float], None]] = None,
-               priority: int = 0) -> int:
+               priority: int = 0, adapter: Optional[str] = None) -> int:
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
@@ -126,7 +140,8 @@ class Server(Batching):
         the serving thread with each generated token as it is sampled (streaming); with
         ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
         ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``).
-        ``priority``: lower is admitted first and preempted last (default 0)."""
+        ``priority``: lower is admitted first and preempted last (default 0). ``adapter``:
+        the loaded LoRA adapter it runs with (``load_adapter``; None: the base model)."""
         prompt = self.check_request(prompt, max_new_tokens)
         max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
@@ -140,12 +155,13 @@ class Server(Batching):
             if self.max_queue is not None and len(self.queue) >= self.max_queue:
                 raise QueueFullError(f"{len(self.queue)} requests already wait (max_queue="
                                      f"{self.max_queue}); retry later")
+            slot = self._adapter_slot(adapter)
             rid = self._next_id
             self._next_id += 1
             self._futures[rid] = fut
             self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
                                     max_new_tokens, seed, sampling, on_token,
-                                    priority=int(priority)))
+                                    priority=int(priority), adapter=slot))
             self._wake.notify()
         return rid
 
@@ -260,13 +276,23 @@ class Server(Batching):
         return (f"{len(self.engines)} replica(s): "
                 + "; ".join(describe(e.mesh) for e in self.engines)
                 + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
-                f"positions; {self.dtype} weights; KV pool ({self.kv_dtype}) {pools}"
+                f"positions; {describe_weights(self.engines)}; KV pool ({self.kv_dtype}) {pools}"
                 + (f"; {lora.describe()}" if lora is not None else ""))
 
     @property
     def dtype(self) -> str:
         """The served weights' (and compute) dtype: ``bfloat16`` or ``float32``."""
         return self.engines[0].ecfg.dtype
+
+    @property
+    def quantize(self) -> str:
+        """The served weights' quantization (``--quantize``): ``none`` or ``int8``."""
+        return self.engines[0].ecfg.quantize
+
+    @property
+    def weight_bytes(self) -> int:
+        """The weights' bytes on each device as placed, the largest over the replicas."""
+        return max(bytes_per_device(e.params) for e in self.engines)
 
     @property
     def kv_dtype(self) -> str:
@@ -394,8 +420,10 @@ class Server(Batching):
                 return False
         t0 = time.perf_counter()
         prefilled = self._prefill_all()
+        self._phase_done()
         t1 = time.perf_counter()
         decoded = self._decode_all()
+        self._phase_done()
         t2 = time.perf_counter()
         if prefilled:
             self.stats["prefill_s"] += t1 - t0
@@ -403,6 +431,10 @@ class Server(Batching):
             self.stats["decode_s"] += t2 - t1
             self.stats["decode_steps"] += 1
         return True
+
+    def _phase_done(self) -> None:
+        for listener in self.phase_listeners:
+            listener()
 
     def _finish(self, live: _Live, reason: str, now: float) -> None:
         """Resolve a request's future with its ``Result`` and free its slot."""

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from triax.choices import BASE_DTYPES, MLP_TARGETS, PEFT_TARGETS
+from triax.choices import BASE_DTYPES, MLP_TARGETS, PEFT_TARGETS, QUANTIZE
 from triax.text.byte_tokenizer import BYTE_VOCAB
 
 
@@ -55,13 +55,17 @@ class MoEConfig:
 class LoraConfig:
     """Adapters of rank ``rank`` on the ``targets`` (PEFT module names), scaled
     ``alpha / rank``; the frozen base stored in ``base_dtype`` (``choices.BASE_DTYPES``);
-    ``dropout``: PEFT's ``lora_dropout`` on the adapters' input, in training steps only."""
+    ``dropout``: PEFT's ``lora_dropout`` on the adapters' input, in training steps only.
+    ``slots``: 0, one adapter (trained, or served with ``--adapter DIR``); N > 0, a serving
+    table of N adapters picked per row (``models.lora_table``), each of rank ``rank`` at
+    most (padded with zeros), its ``alpha / r`` folded into its B."""
 
     rank: int
     alpha: float = 16.0
     targets: tuple[str, ...] = PEFT_TARGETS
     base_dtype: str = "float32"
     dropout: float = 0.0
+    slots: int = 0
 
     def __post_init__(self):
         if self.rank < 1:
@@ -75,6 +79,8 @@ class LoraConfig:
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--lora-dropout {self.dropout:g}: must be in [0, 1) (the "
                              f"probability of zeroing an adapter input), e.g. 0.05")
+        if self.slots < 0:
+            raise ValueError(f"--max-adapters {self.slots}: must be >= 0")
         if self.base_dtype not in BASE_DTYPES:
             raise ValueError(f"--base-dtype {self.base_dtype!r}: choose one of "
                              f"{', '.join(BASE_DTYPES)}")
@@ -91,6 +97,9 @@ class LoraConfig:
         >>> LoraConfig(8, targets=("v_proj", "q_proj")).describe()
         'LoRA rank 8 (alpha 16) on q_proj,v_proj, base float32'
         """
+        if self.slots:
+            return (f"LoRA table of {self.slots} adapter slot(s), rank <= {self.rank} on "
+                    f"{','.join(self.targets)}")
         return (f"LoRA rank {self.rank} (alpha {self.alpha:g}) on {','.join(self.targets)}, "
                 f"base {self.base_dtype}" + (f", dropout {self.dropout:g}" if self.dropout else ""))
 
@@ -146,6 +155,9 @@ class ModelConfig:
     moe: Optional[MoEConfig] = None
     rope_scaling: Optional[RopeScaling] = None  # None: plain RoPE
     lora: Optional[LoraConfig] = None  # None: no adapters, everything trains
+    # Served weights (``--quantize``; ``models.quantize.served_config`` sets it): int8 block
+    # projections with per-output-channel scales. With LoRA the base says it (base_dtype).
+    quantize: str = "none"
 
     def __post_init__(self):
         for field in ("vocab_size", "embed_dim", "num_layers", "num_heads",
@@ -157,6 +169,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig {self.name!r}: num_heads={self.num_heads} must be a multiple of "
                 f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+        if self.quantize not in QUANTIZE:
+            raise ValueError(f"--quantize {self.quantize!r}: choose one of {', '.join(QUANTIZE)}")
+        if self.quantize != "none" and self.lora is not None:
+            raise ValueError(f"quantize={self.quantize!r} with LoRA: the base's storage is "
+                             f"LoraConfig.base_dtype's; give base_dtype={self.quantize!r}")
         on_experts = [t for t in (self.lora.targets if self.lora else ()) if t in MLP_TARGETS]
         if self.moe is not None and on_experts:
             raise ValueError(f"--lora-targets {','.join(on_experts)}: adapters on MoE expert "
@@ -207,12 +224,14 @@ class ModelConfig:
 
     @property
     def adapter_params(self) -> int:
-        """LoRA adapter parameters (0 without ``lora``): r·(in + out) per adapted projection."""
+        """LoRA adapter parameters (0 without ``lora``): r·(in + out) per adapted projection
+        (a serving table: per slot, and its slot 0 of zeros)."""
         if self.lora is None:
             return 0
         per_rank = sum(math.prod(i) + math.prod(o)
                        for i, _, o, _ in map(self.lora_io, self.lora.targets))
-        return self.num_layers * self.lora.rank * per_rank
+        rows = self.lora.slots + 1 if self.lora.slots else 1
+        return rows * self.num_layers * self.lora.rank * per_rank
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6·N_active plus causal attention (fwd+bwd). Under LoRA

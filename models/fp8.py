@@ -35,6 +35,25 @@ import jax.numpy as jnp
 from triax.models.axes import constrain
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2   # forward operands, backward gradients
+# Bytes per element of a projection weight where it is gathered (``gathered``: the e4m3
+# bytes, cast before the gather): what the planner prices FSDP's all-gathers at.
+WEIGHT_BYTES = jnp.dtype(E4M3).itemsize
+# The block's modules whose weights run through ``quantize.project`` (attention's q, k, v, o;
+# the dense MLP's fused gate|up and down): the matmuls ``--precision fp8`` runs in float8.
+PROJECTED_MODULES = ("attn", "mlp")
+
+
+def runs_in_fp8(path: str) -> bool:
+    """Whether the parameter at ``path`` (``blocks/attn/wq_DNH``, as the parameter tree
+    names it) of a dense block is a projection weight ``--precision fp8`` casts to e4m3
+    (not a norm scale, the embedding or the head; an MoE block's experts are not projected).
+
+    >>> [runs_in_fp8(p) for p in ("blocks/attn/wq_DNH", "blocks/mlp/w_in_D2F",
+    ...                           "blocks/attn_norm/scale", "head_DV")]
+    [True, True, False, False]
+    """
+    parts = path.split("/")
+    return len(parts) == 3 and parts[0] == "blocks" and parts[1] in PROJECTED_MODULES
 # A weight's logical dims -> the activation dims it meets in its matmul: where a gathered
 # weight lies (over ``tensor`` as the activations, whole over ``data``).
 ACTIVATION_TWIN = {"embed": "act_embed", "heads": "act_heads", "kv_heads": "act_kv_heads",

@@ -90,7 +90,7 @@ class Attention(nnx.Module):
         self.lora_k_proj = maybe_pair(cfg, "k_proj", rngs)
         self.lora_v_proj = maybe_pair(cfg, "v_proj", rngs)
         self.lora_o_proj = maybe_pair(cfg, "o_proj", rngs)
-        quantize_weights(self, cfg.lora, wq_DNH=1, wk_DKH=1, wv_DKH=1, wo_NHD=2)  # int8 base only
+        quantize_weights(self, cfg, wq_DNH=1, wk_DKH=1, wv_DKH=1, wo_NHD=2)  # int8 only
 
     def project_qkv(self, x_BTD, positions_BT, dtype):
         kv_out = ("batch", "seq", "act_kv_heads", "act_head_dim")
@@ -145,7 +145,7 @@ class MLP(nnx.Module):
         self.lora_gate_proj = maybe_pair(cfg, "gate_proj", rngs)
         self.lora_up_proj = maybe_pair(cfg, "up_proj", rngs)
         self.lora_down_proj = maybe_pair(cfg, "down_proj", rngs)
-        quantize_weights(self, cfg.lora, w_in_D2F=1, w_down_FD=1)
+        quantize_weights(self, cfg, w_in_D2F=1, w_down_FD=1)
 
     def __call__(self, x_BTD, dtype):
         gu, = project_in(x_BTD, [("BTD,DUF->BTUF", self, "w_in_D2F", ("embed", None, "mlp"),

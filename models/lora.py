@@ -35,6 +35,7 @@ from flax import nnx
 from triax.choices import PEFT_TARGETS
 from triax.models import runtime
 from triax.models.config import LoraConfig
+from triax.models.lora_table import LoraTable
 from triax.models.quantize import dequantized
 
 PREFIX = "lora_"
@@ -107,12 +108,14 @@ class LoraPair(nnx.Module):
                                                                                  dtype)
 
 
-def maybe_pair(cfg, target: str, rngs: nnx.Rngs) -> Optional[LoraPair]:
-    """A pair for ``target`` shaped as ``cfg.lora_io`` says when ``cfg.lora`` adapts it,
-    else None."""
+def maybe_pair(cfg, target: str, rngs: nnx.Rngs):
+    """A pair for ``target`` shaped as ``cfg.lora_io`` says when ``cfg.lora`` adapts it (a
+    serving table of them, ``models.lora_table.LoraTable``, when ``cfg.lora.slots``), else
+    None."""
     if cfg.lora is None or target not in cfg.lora.targets:
         return None
-    return LoraPair(*cfg.lora_io(target), cfg.lora, rngs, target)
+    kind = LoraTable if cfg.lora.slots else LoraPair
+    return kind(*cfg.lora_io(target), cfg.lora, rngs, target)
 
 
 def pair_leaf(path) -> Optional[tuple[str, str]]:

@@ -3,7 +3,8 @@
 The model's code is written once and runs anywhere; what changes from run to run (compute
 dtype and remat, the sharding layer's activation constraint and attention kernels, the MoE
 expert runner, a pipeline stage's per-layer parameter gather and slot count, the running
-layer, LoRA's dropout seeds, the collective-matmul projections) is a field of the one ``Runtime``. The callers that know (the
+layer, LoRA's dropout seeds, each row's adapter slot, the collective-matmul projections) is a
+field of the one ``Runtime``. The callers that know (the
 sharding layer, a pipeline stage, the engine, ``run_stack``) layer fields over the current
 runtime with :func:`using`; the model's code reads them through thin accessors
 (``axes.constrain``, ``attention.attention``, ``decode.cached_attention``,
@@ -80,6 +81,9 @@ class Runtime:
     layer: Optional[Any] = None       # inside run_stack's scan: the running layer's index
     # (seeds_BT, layer) while a block runs a training step with LoRA dropout (models.lora)
     lora_dropout: Optional[tuple] = None
+    # int32 [B] while a serving step runs a LoRA table (models.lora_table): each row's
+    # adapter slot (0: none); None: no row has an adapter
+    adapter_rows: Optional[Any] = None
     # replace models.projection's column-parallel projections of the residual stream and
     # its row-parallel projections back onto it (collective matmul; None: plain einsums)
     gather_matmul: Optional[Callable] = None

@@ -8,8 +8,8 @@ them. The planner asks this for every pipelined layout it weighs.
     >>> from triax.pipeline.pipelined import PipelineConfig
     >>> cfg = config.TINY.replace(num_layers=4)
     >>> b = activation_buffer_bytes(cfg, 2, PipelineConfig("1f1b", 4), ExecConfig(), 2, 16)
-    >>> sorted(b), b["stash"] > 0
-    (['inbox', 'loop', 'stash'], True)
+    >>> sorted(b), b["stash"] > 0, b["slot"]     # even stages: no slot conditional
+    (['inbox', 'loop', 'slot', 'stash'], True, 0)
 """
 from __future__ import annotations
 
@@ -52,6 +52,15 @@ def activation_buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConf
     loop (more than one layer per chunk; XLA inlines a one-trip loop): the loop's stacked
     residuals for one micro-batch, which F's loop emits before they are written into the
     slot and B's loop takes as inputs sliced out of it.
+
+    ``slot``: uneven stages only (``StageLayers.slot_counts``): each layer slot runs in a
+    conditional (``models.protocol.run_stack``'s ``lax.cond``, which skips a short stage's
+    padded slots), and XLA gives a conditional's results buffers of their own rather than
+    writing them into the loop's stack: F's slot returns one layer's residuals for one
+    micro-batch beside the stacked ones (B's returns one block's gradient beside the chunk's:
+    ``costs.memory``'s grads term). Compiled tiny ``3,1`` on ``data=4,pipe=2``: the slots'
+    conditionals return 248,320 B (F) and 147,968 B (B); with the skip switched off they are
+    gone and the peak drops by 374,280 B.
     """
     return dict(_buffer_bytes(cfg, stages, config, exe, rows, seq_len))
 
@@ -66,13 +75,30 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual,
                             counts=config.stage_layers).per_chunk
     inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
-    program = compile_program(schedule)
+    program = _program(schedule)
     layouts = slot_layouts(inputs, schedule.kind.split_backward) \
         if schedule.has_backward else None
     out = slot_buffer_bytes(program, layouts, nbytes(x))
     out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
         if per_chunk > 1 and schedule.has_backward else 0
+    uneven = StageLayers(cfg.num_layers, stages, schedule.virtual,
+                         counts=config.stage_layers).slot_counts is not None
+    out["slot"] = _layer_residual_bytes(cfg, exe, rows, seq_len) \
+        if uneven and schedule.has_backward else 0
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _program(schedule):
+    # Read only here; the planner prices many batch shapes on each schedule's one program.
+    return compile_program(schedule)
+
+
+def _layer_residual_bytes(cfg: ModelConfig, exe: ExecConfig, rows: int, seq_len: int) -> int:
+    """One layer's share of ``loop``: the residuals one layer of the loop keeps for one
+    micro-batch (the fit's step from two layers to three)."""
+    return _loop_residual_bytes(cfg, 3, exe, rows, seq_len) - \
+        _loop_residual_bytes(cfg, 2, exe, rows, seq_len)
 
 
 # Chunk sizes and micro-batch rows the chunk is traced at (see _slot_inputs).

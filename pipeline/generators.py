@@ -147,15 +147,16 @@ ZBV_PRIORITIES = tuple((b_first, f_key, b_key) for b_first in (True, False)
 def _zb_v_greedy(S: int, M: int, priority) -> Orders:
     C = V_CHUNKS * S
     orders: Orders = [[] for _ in range(S)]
-    done: dict[Op, int] = {}
     count = {(k, c): 0 for k in (F, B_IN, W) for c in range(C)}
     left, t = 3 * M * C, 0
     while left:
-        picks = [_zbv_pick(s, S, M, count, done, t, priority) for s in range(S)]
+        # Each (kind, chunk) runs its micro-batches in order, so "finished before tick t"
+        # is "counted before t": the counts at the tick's start stand in for finish times.
+        before = dict(count)
+        picks = [_zbv_pick(s, S, M, before, t, priority) for s in range(S)]
         for s, op in enumerate(picks):
             if op is not None:
                 orders[s].append(op)
-                done[op] = t
                 count[op.kind, op.chunk] += 1
                 left -= 1
         t += 1
@@ -164,10 +165,11 @@ def _zb_v_greedy(S: int, M: int, priority) -> Orders:
     return orders
 
 
-def _zbv_pick(s, S, M, count, done, t, priority):
+def _zbv_pick(s, S, M, count, t, priority):
     C = V_CHUNKS * S
     chunks = (s, C - 1 - s)
-    ready = lambda op: all(d in done and done[d] < t for d in prerequisites(op, C))  # noqa: E731
+    ready = lambda op: all(count[d.kind, d.chunk] > d.mb  # noqa: E731
+                           for d in prerequisites(op, C))
     cand = [Op(k, count[k, c], c) for c in chunks for k in (F, B_IN, W) if count[k, c] < M]
     cand = [op for op in cand if ready(op)]
     in_flight = sum(count[F, c] - count[W, c] for c in chunks)

@@ -24,10 +24,11 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 
+from triax.choices import FP8
 from triax.mesh import parse_mesh
 from triax.planner.evaluate import PlanResult
 from triax.costs.fits import device_capacity
@@ -42,6 +43,9 @@ from triax.sharding.introspect import MemoryReport, memory_from_compiled
 from triax.sharding.rules import ShardingError
 from triax.training.config import RunConfig
 from triax.units import human_bytes
+
+if TYPE_CHECKING:   # auto_mixed sets it; imported here only for the annotation
+    import triax.planner.mixed
 
 # Headroom kept below the budget: the allocator's fragmentation and the runtime's own
 # buffers (collective scratch, the host transfer of a batch) are not in memory_analysis.
@@ -122,10 +126,12 @@ OFFLOADS = (("optimizer",), ("optimizer", "params"))
 
 @functools.lru_cache(maxsize=16)
 def _searched(w: Workload, cluster: Cluster, remats: tuple[str, ...],
-              offloads: tuple[tuple[str, ...], ...] = ((),)) -> tuple[PlanResult, ...]:
+              offloads: tuple[tuple[str, ...], ...] = ((),),
+              precisions: tuple[str, ...] = ()) -> tuple[PlanResult, ...]:
     # One search per workload and devices: each budget only draws its line through it.
     # The budget is what the allocator gives, so the planner's fixed overhead is paid.
-    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats, offloads=offloads)
+    res = search(w, cluster, Assumptions(overhead_bytes=0), remats=remats, offloads=offloads,
+                 precisions=precisions)
     return tuple(res.fitting)
 
 
@@ -149,6 +155,7 @@ class AutoChoice:
     runner_up: Optional[PlanResult] = None
     refused: list[Refused] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
+    mixed: Optional["triax.planner.mixed.MixedPlan"] = None   # --plan-gpu's (auto_mixed)
 
     def to_json(self) -> dict:
         r = self.run
@@ -157,21 +164,25 @@ class AutoChoice:
                 "schedule": r.schedule if _pipe(r) > 1 else None,
                 "microbatches": r.microbatches if _pipe(r) > 1 else None,
                 "virtual": r.virtual if _pipe(r) > 1 else None,
-                "remat": r.remat, "loss_chunks": r.loss_chunks,
+                "remat": r.remat, "loss_chunks": r.loss_chunks, "precision": r.precision,
                 "context_attention": r.context_attention if _axis(r, "context") > 1 else None,
                 "tp_overlap": r.tp_overlap, "offload": r.offload or None,
                 "predicted_host_bytes": int(p.memory.host) if p else None,
                 "compiled_host_bytes": self.compiled.host_argument_bytes
                 if self.compiled else None,
-                "predicted_peak_bytes": int(p.memory.total) if p else None,
+                "predicted_peak_bytes": int(p.memory.total) if p else
+                (int(self.mixed.memory.modelled) if self.mixed else None),
                 "predicted_step_s": p.step_time_s if p else None,
                 "compiled_peak_bytes": self.compiled.peak_bytes if self.compiled else None,
                 "budget_bytes": self.budget.bytes, "usable_bytes": self.budget.usable,
                 "margin": FIT_MARGIN, "budget_source": self.budget.source,
                 "devices": self.devices, "objective": self.objective,
                 "runner_up": _brief(self.runner_up) if self.runner_up else None,
-                "refused": [{**_brief(x.plan), "compiled_peak_bytes": x.compiled_peak,
-                             "why": x.why} for x in self.refused],
+                "refused": [{**(_brief(x.plan) if x.plan else {}),
+                             "compiled_peak_bytes": x.compiled_peak, "why": x.why}
+                            for x in self.refused],
+                "stage_layers": r.stage_layers,
+                "mixed": self.mixed.to_json() if self.mixed else None,
                 "reasons": self.reasons}
 
     def describe(self) -> str:
@@ -222,12 +233,18 @@ def matches(p: PlanResult, run: RunConfig, given: frozenset, devices: int) -> bo
 
 
 def choose_train(run: RunConfig, given: frozenset, cfg=None,
-                 budget: Optional[Budget] = None) -> AutoChoice:
+                 budget: Optional[Budget] = None,
+                 cluster: Optional[tuple[Cluster, str]] = None) -> AutoChoice:
     """The training run ``--plan auto`` runs: the flags in ``given`` stay as given, the
-    search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc."""
+    search fills in the other layout fields (``verify.LAYOUT_FIELDS``); see the module doc.
+    ``cluster``: the devices to rank for and whose speeds (default ``present_cluster()``:
+    this process's devices, one node per process); its device count must be JAX's."""
     if run.objective != "throughput":
         raise ValueError(f"--objective {run.objective}: training ranks by throughput (tokens "
                          f"per second); --objective latency is for generate and serve")
+    if run.plan_gpu:
+        raise ValueError("--plan-gpu: mixed generations are laid out by "
+                         "planner.auto_mixed.choose_mixed, not choose_train")
     cfg = run.model_config() if cfg is None else cfg
     budget = budget or budget_for(run.device_memory)
     n = jax.device_count()
@@ -236,11 +253,16 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     if kept is not None:
         saved, why = kept
         return AutoChoice(saved, budget, devices, run.objective, reasons=[why])
-    cluster, speeds = present_cluster()
+    cluster, speeds = cluster or present_cluster()
+    if cluster.devices != n:
+        raise ValueError(f"--plan auto: the cluster has {cluster.devices} devices, JAX {n}")
     w = Workload.of_run(run, cfg, backend=jax.devices()[0].platform)
     remats = (run.remat,) if "remat" in given else ("none", "full")
     kept_off = ((run.offload_targets(),) if "offload" in given else ((),))
-    ranked = [p for p in _searched(w, cluster, remats, kept_off) if matches(p, run, given, n)]
+    # fp8 lowers the precision: a candidate only when the user opts in (--allow-fp8)
+    precisions = (FP8,) if run.allow_fp8 else ()
+    ranked = [p for p in _searched(w, cluster, remats, kept_off, precisions)
+              if matches(p, run, given, n)]
     if not ranked:
         fixed = ", ".join(f"--{f.replace('_', '-')} {getattr(run, f)}"
                           for f in LAYOUT_FIELDS if f in given)
@@ -252,7 +274,7 @@ def choose_train(run: RunConfig, given: frozenset, cfg=None,
     # Offload costs host-link time every step: offered only when no plan keeps the state on
     # the device (by compile), and only when --offload was not given.
     if choice.plan is None and "offload" not in given and offload_reason(w) is None:
-        offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS)
+        offloaded = [p for p in _searched(w, cluster, remats, OFFLOADS, precisions)
                      if matches(p, run, given, n)]
         over += _prove(choice, offloaded, cfg, speeds,
                        f"no plan of the {len(ranked)} that keep the state on the device fits "
@@ -357,7 +379,7 @@ def kept_plan(run: RunConfig) -> Optional[tuple[RunConfig, str]]:
         if step is None:
             return None
         saved = ckpt.read_meta(step).get("run") or {}
-    fields = {f: saved[f] for f in LAYOUT_FIELDS if f in saved}
+    fields = {f: saved[f] for f in (*LAYOUT_FIELDS, "stage_layers") if f in saved}
     kept = run.replace(**fields)
     return kept, (f"kept the plan saved with checkpoint step {step} in {run.checkpoint_dir}: "
                   f"--mesh {kept.mesh} --strategy {kept.strategy} --remat {kept.remat}"

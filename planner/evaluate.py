@@ -15,6 +15,7 @@ from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
 from triax.costs import comm
+from triax.costs.fp8 import compute_factor, priced
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions, Memory, estimate
 from triax.costs.offload import OffloadCost, host_link, planned_cost
@@ -95,6 +96,8 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
                                                                           lay.pipe)
         uneven = longest * lay.pipe / w.cfg.num_layers
     compute = flops / lay.devices * uneven / (peak * assume.compute_efficiency)
+    if priced(w):   # the block's projections at the float8 rate (costs.fp8)
+        compute *= compute_factor(w, cluster.device, flops)
     if w.train:
         compute *= 4 / 3 if w.remat == "full" else 1.0      # full remat reruns the forward
         if w.cfg is not None:   # a chunked loss reruns the head's forward (models.loss)

@@ -108,9 +108,8 @@ class MixedPlan:
             f"  Memory: {decimal_bytes(self.memory.total)} per device on every stage (the "
             f"executor pads each stage to the longest's {max(self.uneven)} layers); {fits} "
             + ", ".join(f"{d.name} {decimal_bytes(d.memory)}" for d in self.stages) + ". "
-            "Modelled too, and low for uneven stages by the layer slots' conditional "
-            "(compiled peaks ran 1.05-1.13x the model on tiny and small, docs/planner.md): "
-            "compile the run (triax inspect) to check.",
+            "Modelled too (compiled peaks within 8% of it on tiny and small, "
+            "docs/planner.md): --plan auto --plan-gpu compiles it before it runs.",
             f"  Run it: --mesh {lay.mesh_str} --strategy {lay.strategy.name} --schedule "
             f"{lay.schedule.value} --microbatches {lay.microbatches} --stage-layers {layers}"])
 

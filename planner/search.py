@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 from triax.pipeline import ScheduleKind, chunks_per_stage
 from triax.pipeline.pipelined import unpipelinable_mesh_reason
 from triax.planner.evaluate import PlanResult, evaluate
+from triax.choices import FP8
+from triax.costs.fp8 import fp8_reason
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions
 from triax.costs.offload import offload_reason
@@ -27,7 +29,7 @@ from triax.costs.workload import Layout, Workload, divisors
 from triax.sharding.collective_matmul import overlap_reason
 from triax.sharding.context import SCHEMES, zigzag_order
 from triax.sharding.rules import ShardingError, get_strategy
-from triax.training.config import TRAIN_SCHEDULES as TRAINABLE
+from triax.training.config import TRAIN_SCHEDULES as TRAINABLE, tp_overlap_reason
 
 # Every schedule a training step can run (``training.config.TRAIN_SCHEDULES``).
 TRAIN_SCHEDULES = tuple(ScheduleKind(name) for name in TRAINABLE)
@@ -216,25 +218,40 @@ def offload_variants(w: Workload, lay: Layout,
             yield dataclasses.replace(lay, offload=targets)
 
 
+def precision_variants(w: Workload, precisions: tuple[str, ...]) -> list[str]:
+    """``w``'s precision, then each of ``precisions`` the planner prices for it (fp8 only
+    where ``costs.fp8.fp8_reason`` is None): the search never lowers a precision on its
+    own, the caller opts in (``--plan auto --allow-fp8``)."""
+    out = [w.dtype]
+    for d in precisions:
+        if d not in out and (d != FP8 or fp8_reason(w) is None):
+            out.append(d)
+    return out
+
+
 def search(w: Workload, cluster: Cluster, assume: Optional[Assumptions] = None,
            remats: tuple[str, ...] = ("none", "full"),
            schemes: tuple[str, ...] = SCHEMES,
-           offloads: tuple[tuple[str, ...], ...] = ((),)) -> SearchResult:
+           offloads: tuple[tuple[str, ...], ...] = ((),),
+           precisions: tuple[str, ...] = ()) -> SearchResult:
     """Evaluate every layout (training also tries full remat; context layouts each of
-    ``schemes``; each with every host offload of ``offloads``, ``offload_variants``) and
-    sort the outcomes."""
+    ``schemes``; each with every host offload of ``offloads``, ``offload_variants``; each
+    in ``w``'s precision and in those of ``precisions``, ``precision_variants``) and sort
+    the outcomes."""
     why = next((offload_reason(w) for t in offloads if t), None)
     if why:
         raise ValueError(f"--offload: {why}")
     res = SearchResult()
     res.batch_rejected = sum(1 for d in divisors(cluster.devices) if w.batch % d)
     chunks = sorted({w.loss_chunks, long_sequence_loss_chunks(w.seq)})
-    workloads = [dataclasses.replace(w, remat=r, loss_chunks=c) for r in remats
+    workloads = [dataclasses.replace(w, remat=r, loss_chunks=c, dtype=d) for d in
+                 precision_variants(w, precisions) for r in remats
                  for c in chunks] if w.train and w.cfg is not None else [w]
     for lay in (v for base in layouts(w, cluster, res.not_runnable, res.not_searched, schemes)
                 for v in offload_variants(w, base, offloads)):
         for wr in workloads:
-            if not loss_chunks_keep_the_split(wr, lay):
+            if not loss_chunks_keep_the_split(wr, lay) or \
+                    tp_overlap_reason(lay.tp_overlap, wr.dtype):
                 continue
             try:
                 r = evaluate(wr, lay, cluster, assume)

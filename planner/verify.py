@@ -39,9 +39,10 @@ from triax.units import human_bytes
 
 def layout_fields(w: Workload, lay: Layout) -> dict:
     """The ``RunConfig`` fields that say how a plan is laid out and run (mesh, strategy,
-    schedule, micro-batches, chunks, remat, loss chunks, context scheme, host offload): what
+    schedule, micro-batches, chunks, remat, loss chunks, context scheme, host offload,
+    precision): what
     ``--plan auto`` fills in and ``run_config`` builds with."""
-    return dict(mesh=lay.mesh_str, offload=",".join(lay.offload),
+    return dict(mesh=lay.mesh_str, offload=",".join(lay.offload), precision=w.dtype,
                 strategy=lay.strategy.name, remat=w.remat, loss_chunks=w.loss_chunks,
                 context_attention=lay.context_attention, tp_overlap=lay.tp_overlap,
                 schedule=(lay.schedule or ScheduleKind.ONE_F_ONE_B).value,
@@ -56,7 +57,7 @@ def run_config(w: Workload, lay: Layout) -> RunConfig:
     if w.dtype not in PRECISIONS:
         raise ValueError(f"dtype {w.dtype!r}: choose one of {', '.join(PRECISIONS)}")
     return RunConfig(model=w.cfg.name, num_layers=w.cfg.num_layers, batch_size=w.batch,
-                     seq_len=w.seq, precision=w.dtype, attention=w.attention,
+                     seq_len=w.seq, attention=w.attention,
                      pipeline_fsdp=lay.pipeline_fsdp, **layout_fields(w, lay),
                      stage_layers=lay.stage_layers and ",".join(map(str, lay.stage_layers)),
                      **_lora_fields(w))

@@ -3,7 +3,8 @@
 The ``Server`` stays the one serving core: each choice of a request is ``submit``-ted with
 its own sampling and an ``on_token`` callback that feeds an asyncio queue
 (``serving.runs``), so streamed and non-streamed answers come from the same tokens; the
-completions and chat endpoints are ``serving.choices``. Besides them: ``/v1/models``,
+completions and chat endpoints are ``serving.choices``; a request's ``model`` names the base or
+a LoRA adapter, which ``serving.adapters`` loads and unloads. Besides them: ``/v1/models``,
 ``/tokenize`` and ``/detokenize`` (vLLM's shapes), ``/health`` and ``/metrics``.
 ``create_app(server, tokenizer, "tiny")`` gives the ASGI app; ``triax serve`` runs it on
 uvicorn (tests/test_serve_core.py drives it with FastAPI's ``TestClient``).
@@ -21,8 +22,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from triax.inference.errors import InferenceError
 from triax.inference.server import Server
-from triax.serving import choices, errors
+from triax.serving import adapters, choices, errors
 from triax.serving.chat_template import ChatTemplate, ChatTemplateError
+from triax.serving.delivery import Mailbox
 from triax.serving.metrics import Metrics
 from triax.serving.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                     TokenizeRequest)
@@ -48,6 +50,8 @@ class Serving:
 
     def __post_init__(self):
         self.metrics = Metrics(self.server)
+        self.mailbox = Mailbox()   # streamed tokens to the event loop, a wakeup per phase
+        self.server.phase_listeners.append(self.mailbox.flush)
         self._grammars: Optional[Grammars] = None
 
     @property
@@ -63,6 +67,10 @@ class Serving:
     def max_len(self) -> int:
         return min(e.ecfg.max_len for e in self.server.engines)
 
+    def adapter_for(self, model: Optional[str]) -> Optional[str]:
+        """The LoRA adapter a request's ``model`` names (None: the base; else a 404)."""
+        return adapters.resolve(self, model)
+
 
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """A rendered chat: its template already holds the special tokens (as HF's
@@ -73,10 +81,7 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
 
 
 def _check(st: Serving, req) -> None:
-    if req.model is not None and req.model != st.model_name:
-        raise APIError(404, f"model {req.model!r} is not served here; this server serves "
-                            f"{st.model_name!r} (GET /v1/models)", param="model",
-                       code="model_not_found")
+    adapters.resolve(st, req.model)
 
 
 def _timeout(st: Serving, request: Request) -> float:
@@ -112,10 +117,11 @@ def _encode_prompts(st: Serving, req: CompletionRequest) -> tuple[list[list[int]
 
 def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTemplate] = None,
                request_timeout: float = 600.0, layout: str = "",
-               max_request_bytes: int = errors.MAX_BODY_BYTES):
+               max_request_bytes: int = errors.MAX_BODY_BYTES, adapter_updates: bool = False):
     """The FastAPI app; its lifespan starts ``server`` serving and, at shutdown (SIGTERM), stops
     admitting and finishes what is in flight before returning. A request body over
-    ``max_request_bytes`` is answered 413."""
+    ``max_request_bytes`` is answered 413. ``adapter_updates``: the LoRA load and unload
+    endpoints answer (else 403, ``--allow-adapter-updates``)."""
     st = Serving(server, tokenizer, model_name, chat, request_timeout, layout)
 
     @contextlib.asynccontextmanager
@@ -133,6 +139,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
     app.state.serving = st
     errors.install(app)
     app.add_middleware(errors.BodyLimit, limit=max_request_bytes)
+    adapters.install(app, st, adapter_updates)
 
     @app.get("/health")
     async def health():
@@ -142,9 +149,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": st.model_name, "object": "model",
-                                            "created": 0, "owned_by": "triax",
-                                            "max_model_len": st.max_len}]}
+        return {"object": "list", "data": adapters.model_cards(st)}
 
     @app.get("/metrics")
     async def metrics():

@@ -70,16 +70,18 @@ def sampling_for(st, req, logprobs: bool, prompt_logprobs: bool = False) -> Samp
 def start_runs(st, prompts: list[list[int]], count: int, n: int, sampling, max_new: int,
                seed, stop, endpoint: str, timeout: float, keep: bool = True,
                per_run: Optional[Callable[[], SamplingConfig]] = None,
-               priority: int = 0) -> list[Run]:
+               priority: int = 0, adapter: Optional[str] = None) -> list[Run]:
     """``count`` runs per prompt (choice ``i·n + j``); all or none are submitted.
-    ``per_run``: each run's own sampling (a grammar's state is per choice)."""
+    ``per_run``: each run's own sampling (a grammar's state is per choice); ``adapter``:
+    the LoRA adapter the request's ``model`` names (None: the base)."""
     runs: list[Run] = []
     try:
         for i, p in enumerate(prompts):
             for j in range(count):
                 runs.append(Run(st, p, per_run() if per_run else sampling, max_new,
                                 choice_seed(seed, p, j), stop, endpoint, timeout,
-                                index=i * n + j, keep=keep, priority=priority))
+                                index=i * n + j, keep=keep, priority=priority,
+                                adapter=adapter))
     except BaseException:
         for r in runs:
             r.cancel()
@@ -87,10 +89,10 @@ def start_runs(st, prompts: list[list[int]], count: int, n: int, sampling, max_n
     return runs
 
 
-def _head(st, chat: bool) -> dict:
+def _head(st, chat: bool, model: Optional[str] = None) -> dict:
     return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}",
             "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": st.model_name}
+            "created": int(time.time()), "model": model or st.model_name}
 
 
 def _usage(prompts, runs) -> dict:
@@ -151,11 +153,11 @@ async def complete(st, req: CompletionRequest, prompts: list[list[int]], texts: 
                             prompt_logprobs=req.echo and k is not None)
     runs = start_runs(st, prompts, count, req.n, sampling, max(max_tokens, 1), req.seed,
                       req.stop_strings(), "completions", timeout, keep=max_tokens > 0,
-                      priority=req.priority)
+                      priority=req.priority, adapter=st.adapter_for(req.model))
     which = {id(r): i // count for i, r in enumerate(runs)}
     writer = {id(r): LogprobWriter(st.tokenizer, prompts[which[id(r)]], k or 0, req.echo)
               for r in runs}
-    head = _head(st, chat=False)
+    head = _head(st, chat=False, model=req.model)
 
     def choice(run, text, finish, lp_tokens, first):
         echo = texts[which[id(run)]] if req.echo and first else ""
@@ -233,9 +235,9 @@ async def chat(st, req: ChatRequest, prompt: list[int], timeout: float):
                                                        constraint=st.grammars.state(grammar)))
     runs = start_runs(st, [prompt], req.n, req.n, sampling, max_tokens or DEFAULT_MAX_TOKENS,
                       req.seed, req.stop_strings(), "chat", timeout, per_run=per_run,
-                      priority=req.priority)
+                      priority=req.priority, adapter=st.adapter_for(req.model))
     writer = {id(r): LogprobWriter(st.tokenizer, prompt, req.top_logprobs or 0) for r in runs}
-    head = _head(st, chat=True)
+    head = _head(st, chat=True, model=req.model)
 
     def logprobs(run, toks):
         return {"content": writer[id(run)].chat(toks)} if req.logprobs else None

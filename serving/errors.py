@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from triax.serve_config import HTTP
 from triax.serving.protocol import UNSUPPORTED
 
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
           405: "invalid_request_error", 408: "timeout_error", 413: "invalid_request_error",
           429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 MAX_BODY_BYTES = HTTP().max_request_bytes   # a request body's bytes at most, by default

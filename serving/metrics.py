@@ -42,6 +42,11 @@ class _CoreCounters:
                                  "the served weights' dtype", labels=["kv_dtype", "dtype"])
         pool.add_metric([self.server.kv_dtype, self.server.dtype], self.server.kv_pool_bytes)
         yield pool
+        weights = GaugeMetricFamily("triax_weight_bytes", "served weight bytes per device as "
+                                    "placed (the largest replica's), labelled with their "
+                                    "dtype and --quantize", labels=["dtype", "quantize"])
+        weights.add_metric([self.server.dtype, self.server.quantize], self.server.weight_bytes)
+        yield weights
 
 _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
 

@@ -26,9 +26,10 @@ from triax.mesh.build import AXES as MESH_AXES
 
 MeshAxes = Union[None, str, tuple[str, ...]]
 
-# ``lora_rank`` (an adapter's rank, models.lora) is in no table: replicated everywhere.
+# ``lora_rank`` (an adapter's rank, models.lora) and ``adapter_slots`` (a serving table's
+# adapters, models.lora_table) are in no table: replicated everywhere.
 PARAM_AXES = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "experts",
-              "expert_mlp", "norm", "lora_rank")
+              "expert_mlp", "norm", "lora_rank", "adapter_slots")
 ACTIVATION_AXES = ("batch", "seq", "res_seq", "kv_seq", "act_embed", "act_heads", "act_kv_heads",
                    "act_head_dim", "act_mlp", "act_vocab", "act_experts", "capacity",
                    "kv_blocks")

@@ -28,6 +28,8 @@ TRAIN = lambda args: run_config_and_given(args)   # noqa: E731
     (["train", "--mesh", "data=8", "--pipeline-fsdp", "layer"], "--pipeline-fsdp has no effect"),
     (["train", "--mesh", "data=4,tensor=2", "--microbatches", "4"], "--microbatches has no"),
     (["train", "--objective", "latency"], "--objective has no effect without --plan auto"),
+    (["train", "--allow-fp8"], "--allow-fp8 has no effect without --plan auto"),
+    (["train", "--plan-gpu", "h100-80gb:4,a100-80gb:4"], "--plan-gpu has no effect without"),
 ])
 def test_train_names_the_inert_flag(argv, flag):
     msgs = _warned(argv, TRAIN)
@@ -41,6 +43,7 @@ def test_train_names_the_inert_flag(argv, flag):
     ["train", "--schedule", "gpipe"],             # the mesh is picked later: may have pipe
     ["train", "--mesh", "pipe=-1", "--virtual", "2"],
     ["train", "--plan", "auto", "--objective", "throughput"],
+    ["train", "--plan", "auto", "--allow-fp8"],
 ])
 def test_no_warning_when_the_flag_acts(argv):
     assert _warned(argv, TRAIN) == []

@@ -77,29 +77,31 @@ def test_pipeline_memory_and_comm_are_derived_not_fitted(devices, key):
         assert predicted[axis] == pytest.approx(hlo_bytes, rel=0.10), axis
 
 
-# Uneven stages, the stack whole on every pipe rank: (layers, data, pipe, counts).
+# Uneven stages: (layers, data, pipe, counts). Compiled over modelled peak:
 UNEVEN_CASES = {
-    # 1.066: the blocks stored stage by stage, split over pipe (StageLayers.store; 1.0999
-    # while the stack was kept whole on every pipe rank). The rest is the layer slot's
-    # conditional: 0.997 with the skip switched off (docs/planner.md).
+    # 0.994 (1.066 without the layer slot's conditional, pipeline.buffer_sizes' ``slot``
+    # and its gradient; 1.0999 while the stack was kept whole on every pipe rank).
     "tiny-3-1": (4, 4, 2, (3, 1)),
-    # 1.049. 1.18 while the executor stacked per-stage concatenations, which XLA built as
-    # one replicated [S, Lc] copy per stage.
+    # 0.971 (1.049 without the slot's terms; 1.18 while the executor stacked per-stage
+    # concatenations, which XLA built as one replicated [S, Lc] copy per stage).
     "tiny-2-1-2-1": (6, 2, 4, (2, 1, 2, 1)),
 }
+# Tighter than the pipelined rows' 10%: without the slot's terms both rows fail it.
+UNEVEN_REL = 0.04
 
 
 @pytest.mark.parametrize("key", list(UNEVEN_CASES))
 def test_uneven_stage_memory_matches_compile(devices, key):
-    """The peak within the pipelined rows' 10%. The data-axis traffic is not checked: the
-    model predicts 2.3x the HLO's for uneven stages (not fixed)."""
+    """The peak within 4% (the pipelined rows' 10% with margin). The data-axis traffic is
+    not checked: the model predicts 2.3x the HLO's for uneven stages (not fixed)."""
     layers, data, pipe, counts = UNEVEN_CASES[key]
     w = Workload.of(config.get("tiny", num_layers=layers), train=True, dtype="fp32",
                     batch=16, seq=32, backend="cpu")
     lay = Layout(data=data, pipe=pipe, strategy="dp", schedule=ScheduleKind.ONE_F_ONE_B,
                  microbatches=4, stage_layers=counts)
     got = compile_figures(w, lay)
-    assert estimate(w, lay).modelled == pytest.approx(got["memory"]["peak_bytes"], rel=0.10)
+    assert estimate(w, lay).modelled == pytest.approx(got["memory"]["peak_bytes"],
+                                                      rel=UNEVEN_REL)
 
 
 @pytest.fixture(scope="module")

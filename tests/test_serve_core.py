@@ -34,6 +34,7 @@ class FakeEngine:
         self.recovered = 0
         self.prefix_cache = False
         self.pool = SimpleNamespace(dtype="float32", bytes_per_device=lambda: 0)
+        self.params = {}   # no weights: triax_weight_bytes reads 0
 
     def release(self, slot):
         self.kv.release(slot)

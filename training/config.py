@@ -52,6 +52,15 @@ TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.F
 _f = spec   # a field with its CLI help (and optional ``choices``) in metadata
 
 
+def tp_overlap_reason(tp_overlap: bool, precision: str) -> Optional[str]:
+    """Why ``--tp-overlap`` does not run in ``precision`` (None: it does): the rings carry
+    the compute dtype's weights, not float8 (``models.projection``)."""
+    if tp_overlap and precision == choices.FP8:
+        return ("--tp-overlap runs its collective matmuls in the compute dtype, not float8: "
+                "drop --tp-overlap or use --precision bf16")
+    return None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """Everything that defines a training run (saved as JSON in every checkpoint)."""
@@ -142,6 +151,15 @@ class RunConfig:
     plan: str = shared("plan", "flags")
     objective: str = shared("objective", "throughput")
     device_memory: Optional[str] = shared("device_memory", None)
+    plan_gpu: Optional[str] = _f(None, "with --plan auto: the devices present are mixed "
+                                       "generations, KIND:COUNT groups in pipeline order, "
+                                       "e.g. h100-80gb:4,a100-80gb:4 (one pipeline stage "
+                                       "per group, layers sized by speed within every "
+                                       "group's memory; docs/planner.md)")
+    allow_fp8: bool = _f(False, "with --plan auto: the search may also choose --precision fp8 "
+                                "(the block's matmuls in float8) where the planner prices it "
+                                "faster, proved by compile like every plan; without it the "
+                                "precision stays --precision's")
     log_json: Optional[str] = _f(None, "write one JSON object per optimizer step to FILE")
     tensorboard: Optional[str] = _f(None, "write TensorBoard logs to DIR (needs tensorboardX)")
     progress: bool = _f(True, "progress bar")
@@ -154,9 +172,9 @@ class RunConfig:
         choices.parse_offload(self.offload)   # a part that is not state fails here
         if self.device_memory is not None:
             self.device_memory_bytes()   # a bad size fails here, naming the flag
-        if self.tp_overlap and self.precision == "fp8":   # the rings carry bf16/fp32 weights
-            raise ValueError("--tp-overlap runs its collective matmuls in the compute dtype, "
-                             "not float8: drop --tp-overlap or use --precision bf16")
+        why = tp_overlap_reason(self.tp_overlap, self.precision)
+        if why:
+            raise ValueError(why)
         if self.stage_layers is not None:   # the stage count (the mesh's pipe) is checked
             counts = self.stage_counts()    # by check_pipeline, the model's layers there too
             try:
@@ -164,10 +182,11 @@ class RunConfig:
                              ScheduleKind.parse(self.schedule).split_backward)
             except ValueError as e:
                 raise ValueError(f"--stage-layers: {e}") from None
-            if self.plan == "auto":   # the search lays out even stages only
-                raise ValueError("--stage-layers fixes uneven stages, which --plan auto does "
-                                 "not search: use --plan flags with --mesh (triax plan --gpu "
-                                 "KIND:N,KIND:N proposes a split)")
+            if self.plan == "auto" and not self.plan_gpu:   # even stages but for groups
+                raise ValueError("--stage-layers fixes uneven stages, which --plan auto lays "
+                                 "out only for mixed generations: give --plan-gpu "
+                                 "KIND:N,KIND:N, or use --plan flags with --mesh (triax plan "
+                                 "--gpu KIND:N,KIND:N proposes a split)")
         needs_lora = [flag for flag, on in (("adapter", self.adapter),
                                             ("base-dtype", self.base_dtype != "float32"),
                                             ("lora-dropout", self.lora_dropout != 0)) if on]

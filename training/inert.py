@@ -47,4 +47,10 @@ def inert_flags(run: "RunConfig", given: Iterable[str]) -> list[str]:
                 for f in LORA if f in given]
     if run.plan != "auto" and "objective" in given:
         out.append("--objective has no effect without --plan auto (it ranks the search)")
+    if run.plan != "auto" and "plan_gpu" in given:
+        out.append("--plan-gpu has no effect without --plan auto (triax plan --gpu "
+                   "KIND:N,KIND:N proposes a split for --plan flags)")
+    if run.plan != "auto" and "allow_fp8" in given:
+        out.append("--allow-fp8 has no effect without --plan auto (give --precision fp8 to "
+                   "train in float8)")
     return out
