@@ -16,8 +16,9 @@ step's proposals.
 
 Proposers: ``ngram`` (prompt lookup, ``inference.ngram_proposer``) and ``draft`` (a small
 model with its own paged cache on the same mesh, ``inference.draft_proposer``). Rows whose
-sampling reads the tokens seen (penalties, ``logit_bias``, ``min_tokens``, a grammar) are not
-speculated: a step with one of them live is a plain decode step (``usable``).
+sampling reads the tokens seen (penalties, ``logit_bias``, ``min_tokens``, a grammar), and rows
+served with a LoRA adapter of a table (``inference.adapter_table``), are not speculated: a
+step with one of them live is a plain decode step (``Speculator.usable``).
 
 Exactness (``tests/test_speculative.py``): greedy rows emit plain decoding's tokens; sampled
 rows emit them too under ``ngram`` (the coupled rule draws with plain decoding's keys) and
@@ -112,7 +113,13 @@ class Speculator:
         self.stats = {"rounds": 0, "proposed": 0, "accepted": 0}
 
     def usable(self, settings: Sequence[SamplingConfig], active) -> bool:
-        return all(usable(settings[i]) for i in np.flatnonzero(active))
+        """Whether this step may speculate: every active row's sampling allows it
+        (``usable``) and none runs a LoRA adapter of a table (the verify pass does not apply
+        per-row adapters)."""
+        rows = np.flatnonzero(active)
+        if getattr(self.engine, "table", False) and self.engine.adapter_of[rows].any():
+            return False
+        return all(usable(settings[i]) for i in rows)
 
     # ---- traced --------------------------------------------------------------------------
     def _verify(self, params, cache, table_RM, last_R, positions_RT, base_R, n_R, seeds_R,
