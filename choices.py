@@ -87,6 +87,7 @@ SLOTS = 8
 # first; then nothing behind it is (``inference.batching``: the age bound).
 MAX_BYPASS = 8
 SERVE_DTYPES = ("bfloat16", "float32")
+SPECULATIVE = ("off", "ngram", "draft")   # speculative decoding (inference.speculative)
 SERVE_DTYPE = "bfloat16"
 KV_DTYPES = ("auto", "bfloat16", "float32", "int8")
 KV_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from triax import configs
-from triax.choices import QUANTIZE, SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS, check
+from triax.choices import (QUANTIZE, SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS,
+                           SPECULATIVE, check)
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -196,6 +197,14 @@ class Engine:
                                           "with Retry-After", default_help="unbounded")
     stop_token: tuple[int, ...] = spec((), "token id that ends a sequence (repeatable; 257 is "
                                            "EOS)")
+    speculative: str = spec("off", "speculative decoding: ngram (prompt lookup) or draft (a "
+                                   "small model, --draft-model); the target verifies "
+                                   "--num-speculative-tokens proposals per step in one pass",
+                            choices=SPECULATIVE)
+    num_speculative_tokens: int = spec(4, "tokens proposed per row and step (--speculative)")
+    draft_model: Optional[str] = spec(None, "the draft of --speculative draft: a preset, a "
+                                            "training checkpoint or a Hugging Face directory "
+                                            "(the target's vocabulary)", metavar="SOURCE")
     skip_memory_check: bool = spec(False, "load even when a replica's weights and KV cache per "
                                           "device exceed a device's memory "
                                           "($TRIAX_DEVICE_MEMORY sets a device's bytes)")
@@ -204,8 +213,14 @@ class Engine:
         object.__setattr__(self, "stop_token", tuple(self.stop_token))
         check("dtype", self.dtype, SERVE_DTYPES)
         check("quantize", self.quantize, QUANTIZE)
+        check("speculative", self.speculative, SPECULATIVE)
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("--speculative draft needs --draft-model SOURCE, and only it "
+                             "takes one")
         check_fields(self, {"slots": (*GE1, "give the decode slots, e.g. --slots 8"),
                             "max_len": (*GE0, "give KV positions, or 0 for the context"),
+                            "num_speculative_tokens": (*GE1, "give the proposals per step, "
+                                                              "e.g. 4"),
                             "max_step_tokens": (*GE0, "give a step's tokens, e.g. "
                                                       "--max-step-tokens 512, or 0 for whole "
                                                       "prompts"),
@@ -302,6 +317,8 @@ class ServeConfig:
         if self.sampling.temperature == 0:
             out += [f"--{f.replace('_', '-')} has no effect with greedy decoding (give "
                     f"--temperature T > 0 to sample)" for f in ("top_k", "top_p") if f in given]
+        if self.engine.speculative == "off" and "num_speculative_tokens" in given:
+            out.append("--num-speculative-tokens has no effect without --speculative")
         if lay.plan != "auto" and "objective" in given:
             out.append("--objective has no effect without --plan auto (it ranks the search)")
         if lay.plan != "auto" and self.engine.skip_memory_check and "device_memory" in given:

@@ -13,6 +13,8 @@ checks the top plans by compiling them on simulated CPU devices. Its flags are
 """
 from __future__ import annotations
 
+import dataclasses
+
 import argparse
 import json
 from typing import NamedTuple, Optional
@@ -60,6 +62,7 @@ def add_parser(sub) -> None:
     add_flags(p, PlanConfig, ["gpu", "gpus_per_node", "nodes"])
     add_run_flags(p, RUN_FLAGS, notes=PLAN_NOTES, aliases={"precision": ("--dtype",)})
     add_flags(p, KVPool, notes={"kv_blocks": PLAN_NOTES["kv_blocks"]})
+    add_flags(p, PlanConfig, ["speculative_tokens", "acceptance_rate", "draft_model"])
     add_flags(p, PlanConfig, ["schedule", "microbatches", "top", "verify", "hardware"])
     add_json(p)
     p.set_defaults(func=run)
@@ -166,6 +169,11 @@ def run(args) -> int:
     w = Workload.of_run(run_cfg, _model_config(inp), train=not pc.inference,
                         params=int(pc.params) if pc.params else None,
                         pool=PoolSettings.of(inp.pool))
+    if pc.speculative_tokens or pc.draft_model:   # speculative decoding (costs.speculative)
+        from triax.models import config as presets
+        w = dataclasses.replace(w, spec_k=pc.speculative_tokens or 4,
+                                acceptance=pc.acceptance_rate,
+                                draft=presets.get(pc.draft_model) if pc.draft_model else None)
     if pc.gpu and ":" in pc.gpu:
         return _mixed(args, inp, w, cat)
     if pc.gpu:

@@ -35,6 +35,12 @@ class PlanConfig:
     schedule: Optional[str] = spec(None, "pipeline schedule for --mesh with pipe > 1",
                                    choices=tuple(k.value for k in ScheduleKind))
     microbatches: Optional[int] = spec(None, "micro-batches for --mesh with pipe > 1")
+    speculative_tokens: int = spec(0, "with --inference: speculative decoding's proposals "
+                                      "verified per step (0: off)")
+    acceptance_rate: float = spec(0.7, "with --speculative-tokens: the chance each proposal "
+                                       "is kept")
+    draft_model: Optional[str] = spec(None, "with --speculative-tokens: the draft preset whose "
+                                            "steps and memory are priced (none: n-gram lookup)")
     top: int = spec(3, "plans to show")
     verify: bool = spec(False, "compile the top plans on simulated CPU devices and compare")
     hardware: Optional[str] = spec(None, "TOML file of extra devices, links and clusters")
@@ -48,3 +54,6 @@ class PlanConfig:
             "top": (*GE1, "give how many plans to show, e.g. --top 3")})
         if self.train and self.inference:
             raise ValueError("give one of --train and --inference")
+        if (self.speculative_tokens or self.draft_model) and not self.inference:
+            raise ValueError("--speculative-tokens and --draft-model plan serving: add "
+                             "--inference")

@@ -23,6 +23,7 @@ from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elem
                                         local_param_elements, local_served_bytes,
                                         param_leaves)
 from triax.costs.offload import planned_cost
+from triax.costs.speculative import draft_workload
 from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload, ceil_div
 from triax.pipeline.stage_layers import StageLayers, stack_kept_whole
 from triax.sharding.rules import ShardingError
@@ -122,6 +123,9 @@ def estimate(w: Workload, lay: Layout, assume: Optional[Assumptions] = None) -> 
         grads, optimizer = 0.0, 0.0
     acts = activation_bytes(w, lay)
     kv = kv_cache_bytes(w, lay)
+    if not w.train and w.draft is not None:   # the draft's weights and pool beside these
+        d = estimate(draft_workload(w), lay, assume)
+        params, kv = params + d.params, kv + d.kv_cache
     block = _block_weights(w, lay, p_local) + _stage_copy_elements(w, lay) * (
         FP32 if w.train else w.dtype_bytes)
     mem = Memory(params, grads, optimizer, acts, kv, 0.0, block)

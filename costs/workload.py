@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Optional
 
 from triax import choices
 from triax.choices import KV_DTYPES, KV_PRECISION, PRECISION_BYTES, PRECISIONS
+from triax.costs.speculative import check_speculative
 from triax.inference.pool_settings import PoolSettings
 from triax.mesh.build import AXES
 from triax.models.attention import resolve
@@ -64,6 +65,11 @@ class Workload:
     kv_memory: int = 0
     kv_block_size: int = choices.KV_BLOCK_SIZE
     kv_dtype: str = "auto"         # what the pool stores (--kv-dtype; auto: `dtype`'s)
+    # Speculative decoding (costs.speculative): k proposals verified per decode step, each
+    # kept with probability `acceptance`, by a `draft` model (None: n-gram lookup, no weights).
+    spec_k: int = 0
+    acceptance: float = 0.0
+    draft: Optional[ModelConfig] = None
 
     @classmethod
     def of(cls, cfg: Optional[ModelConfig], params: Optional[int] = None, **kw) -> "Workload":
@@ -79,6 +85,7 @@ class Workload:
         choices.check("kv_dtype", kw.get("kv_dtype", "auto"), KV_DTYPES)
         resolve(kw.get("attention", "auto"))   # an unknown --attention names the choices
         check_loss_chunks(kw.get("loss_chunks", 1), kw.get("seq", 2048))
+        check_speculative(kw.get("spec_k", 0), kw.get("acceptance", 0.0))
         return cls(cfg, int(params or cfg.num_params), **kw)
 
     @classmethod

@@ -30,6 +30,7 @@ from triax.inference.engine import Engine, InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
 from triax.inference.penalties import reads_prompt
 from triax.inference.request import _Live
+from triax.inference.speculative import Round, spec_launch
 
 
 class Batching(ChunkedPrefill):
@@ -204,11 +205,17 @@ class Batching(ChunkedPrefill):
             seeds = np.array([s.seed if s else 0 for s in live], np.int32)
             settings = [(s.sampling if s else None) or eng.sampling for s in live]
             try:
-                launched.append((r, active, live, eng.decode(last, active, seeds, settings)))
+                spec = getattr(eng, "speculator", None)   # inference.speculative
+                launched.append((r, active, live, spec_launch(spec, live, last, seeds, settings)
+                                 if spec is not None and spec.usable(settings, active) else
+                                 eng.decode(last, active, seeds, settings)))
             except Exception as e:
                 self._engine_failed(r, [s for s in live if s is not None], e)
         for r, active, live, toks in launched:
             try:
+                if isinstance(toks, Round):
+                    self._accept_round(r, live, self.engines[r].speculator.collect(toks))
+                    continue
                 toks, extra = split_tokens(toks)
             except Exception as e:
                 self._engine_failed(r, [s for s in live if s is not None], e)
@@ -218,6 +225,16 @@ class Batching(ChunkedPrefill):
                 self.stats["decode_tokens"] += 1
                 self._accept(r, int(slot), int(toks[slot]), now, row_entry(extra, int(slot)))
         return len(launched)
+
+    def _accept_round(self, r: int, live, got: dict) -> None:
+        """A speculative step's tokens, each slot's in order, until its request ends."""
+        now = time.perf_counter()
+        for slot, (toks, entries) in got.items():
+            for tok, entry in zip(toks, entries):
+                if self.slots[r][slot] is not live[slot]:
+                    break   # finished (stop, length, cancelled) at an earlier token
+                self.stats["decode_tokens"] += 1
+                self._accept(r, slot, tok, now, entry)
 
     def _accept(self, r: int, slot: int, tok: int, now: float, logprob=None) -> None:
         """Record a sampled token (and its ``logprob`` entry, for requests that ask); finish

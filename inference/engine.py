@@ -169,6 +169,7 @@ class Engine:
                                     static_argnums=(7, 9, 10))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
         self.compiles = {"prefill": set(), "decode": set()}
+        self.speculator = None   # speculative decoding's steps (inference.speculative)
 
     @classmethod
     def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy=SERVE_STRATEGY, **kw):
@@ -452,6 +453,8 @@ class Engine:
             if progress is not None:
                 progress(f"compiled {what} ({i}/{len(runs)}) in "
                          f"{time.perf_counter() - t0:.1f} s")
+        if self.speculator is not None:   # its verify (and draft) programs too
+            self.speculator.warmup(prompt_lengths, progress)
 
     def _decode_buckets(self) -> tuple[int, ...]:
         """Rows per row group a decode step may run: powers of two, capped at its slots."""

@@ -17,6 +17,7 @@ from triax.hf.load import read_model_config
 from triax.hf.peft import adapted_config, load_adapted
 from triax.inference.adapter_table import AdapterTable, planned_table, with_empty_table
 from triax.inference.checkpoint import load_params, read_checkpoint_config
+from triax.inference.draft_proposer import speculate
 from triax.inference.engine import EngineConfig, InferenceError, held_bytes_per_device
 from triax.inference.kv_pool import kv_pool
 from triax.inference.replicas import replica_meshes
@@ -98,6 +99,7 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
         server.adapters = AdapterTable(cfg, base_cfg)
         for name, directory in src.named_adapters():
             server.load_adapter(name, directory)
+    speculate(server.engines, eng, src.seed)   # --speculative (inference.speculative)
     return server
 
 

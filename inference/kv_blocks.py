@@ -139,6 +139,19 @@ class KVBlocks:
             self.held[slot] += 1
         self.reserved[slot] = max(self.reserved[slot], self.held[slot])
 
+    def shrink(self, slot: int, positions: int) -> None:
+        """Give back ``slot``'s blocks past those ``positions`` need (speculative decoding's
+        rollback: blocks taken for proposals that were rejected)."""
+        g, n = self.group(slot), self.need(positions)
+        while self.held[slot] > n:
+            self.held[slot] -= 1
+            b = int(self.tables[slot, self.held[slot]])
+            self.tables[slot, self.held[slot]] = self.blocks
+            self.refs[g, b] -= 1
+            if not self.refs[g, b]:
+                self._free[g].append(b)
+        self.reserved[slot] = min(int(self.reserved[slot]), max(n, int(self.held[slot])))
+
     def release(self, slot: int) -> None:
         """Give back every block ``slot`` holds or reserved (its sequence ended)."""
         if not self.busy(slot):

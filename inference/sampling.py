@@ -117,25 +117,34 @@ def row_keys(seed: int, request_seeds_B, positions_B):
         request_seeds_B, positions_B)
 
 
+def filtered_logits(logits_BV, rows):
+    """Each row's logits as it samples them: over its temperature, its top-k and top-p
+    filters applied (the tokens filtered out at -inf); greedy rows (temperature 0) are
+    unscaled. ``categorical`` over these is the row's draw; their softmax is its
+    distribution (what speculative decoding's rejection rule compares)."""
+    t_B, k_B, p_B = rows["temperature"], rows["top_k"], rows["top_p"]
+    V = logits_BV.shape[-1]
+    x_BV = logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None]
+    sorted_BV = jnp.sort(x_BV, axis=-1)[:, ::-1]
+    k_eff = jnp.where((k_B <= 0) | (k_B >= V), V, k_B)
+    kth = jnp.take_along_axis(sorted_BV, (k_eff - 1)[:, None], axis=-1)
+    x_BV = jnp.where(x_BV < kth, -jnp.inf, x_BV)
+    sorted_BV = jnp.where(jnp.arange(V)[None] < k_eff[:, None], sorted_BV, -jnp.inf)
+    probs = jax.nn.softmax(sorted_BV, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    cutoff = jnp.min(jnp.where(before < p_B[:, None], sorted_BV, jnp.inf), axis=-1,
+                     keepdims=True)
+    return jnp.where((p_B < 1.0)[:, None] & (x_BV < cutoff), -jnp.inf, x_BV)
+
+
 def _sample_rows(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows):
     """Each row with its own temperature, top-k and top-p (a request's own settings); a row
     whose temperature is 0 takes the argmax. Same filters as the static path, per row."""
-    t_B, k_B, p_B = rows["temperature"], rows["top_k"], rows["top_p"]
+    t_B = rows["temperature"]
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def drawn(_):
-        V = logits_BV.shape[-1]
-        x_BV = logits_BV / jnp.where(t_B > 0, t_B, 1.0)[:, None]
-        sorted_BV = jnp.sort(x_BV, axis=-1)[:, ::-1]
-        k_eff = jnp.where((k_B <= 0) | (k_B >= V), V, k_B)
-        kth = jnp.take_along_axis(sorted_BV, (k_eff - 1)[:, None], axis=-1)
-        x_BV = jnp.where(x_BV < kth, -jnp.inf, x_BV)
-        sorted_BV = jnp.where(jnp.arange(V)[None] < k_eff[:, None], sorted_BV, -jnp.inf)
-        probs = jax.nn.softmax(sorted_BV, axis=-1)
-        before = jnp.cumsum(probs, axis=-1) - probs
-        cutoff = jnp.min(jnp.where(before < p_B[:, None], sorted_BV, jnp.inf), axis=-1,
-                         keepdims=True)
-        x_BV = jnp.where((p_B < 1.0)[:, None] & (x_BV < cutoff), -jnp.inf, x_BV)
+        x_BV = filtered_logits(logits_BV, rows)
         keys = row_keys(cfg.seed, request_seeds_B, positions_B)
         tok = jax.vmap(jax.random.categorical)(keys, x_BV).astype(jnp.int32)
         return jnp.where(t_B > 0, tok, greedy_B)

@@ -451,6 +451,14 @@ class Server(Batching, AdapterServing):
 
     # ---- figures -----------------------------------------------------------------------------
     @property
+    def speculative_stats(self) -> dict:
+        """Speculative decoding over all replicas (``inference.speculative``): ``rounds``
+        (row-steps verified), ``proposed`` and ``accepted`` tokens; zeros without it."""
+        got = [e.speculator.stats for e in self.engines
+               if getattr(e, "speculator", None) is not None]
+        return {k: sum(s[k] for s in got) for k in ("rounds", "proposed", "accepted")}
+
+    @property
     def prefill_tokens_per_s(self) -> float:
         """Prompt tokens per second so far."""
         return self.stats["prefill_tokens"] / max(self.stats["prefill_s"], 1e-9)

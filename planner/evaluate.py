@@ -10,7 +10,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from triax.models.loss import chunk_recompute_flops
@@ -19,6 +19,7 @@ from triax.costs.fp8 import compute_factor, priced
 from triax.costs.hardware import Cluster
 from triax.costs.memory import Assumptions, Memory, estimate
 from triax.costs.offload import OffloadCost, host_link, planned_cost
+from triax.costs.speculative import draft_workload, expected_tokens
 from triax.planner.op_costs import measured_bubble, work_factor
 from triax.costs.workload import Layout, Workload, ceil_div
 from triax.units import decimal_bytes
@@ -108,12 +109,20 @@ def _busy_seconds(w: Workload, lay: Layout, mem: Memory, cluster: Cluster,
                                  w.remat)
         return compute, bubble, compute / (1.0 - bubble)
     # Decode: each micro-batch's pass on a stage reads the stage's weights and KV cache.
+    # Speculative decoding (costs.speculative): the pass verifies k + 1 positions per row
+    # (k + 1 times the FLOPs, the same bytes read), after the draft's k steps.
+    drafted = 0.0
+    if w.draft is not None and w.spec_k:
+        dw = draft_workload(w)
+        dmem = estimate(dw, lay, assume)
+        drafted = w.spec_k * _busy_seconds(dw, lay, dmem, cluster, assume)[2]
+        mem = replace(mem, params=mem.params - dmem.params, kv_cache=mem.kv_cache - dmem.kv_cache)
+    compute *= w.spec_k + 1
     M = max(lay.microbatches, 1)
     read = (mem.params + mem.kv_cache) / cluster.device.hbm_bandwidth
     per_mb = max(compute / M, read)
     ticks = M + lay.pipe - 1
-    busy = ticks * per_mb
-    return compute, 1.0 - M * per_mb / busy, busy
+    return compute, 1.0 - M / ticks, ticks * per_mb + drafted
 
 
 def attention_seconds(w: Workload, lay: Layout, cluster: Cluster,
@@ -177,7 +186,7 @@ def evaluate(w: Workload, lay: Layout, cluster: Cluster,
     step = busy + exposed + (off.seconds if off else 0.0)
     peak = cluster.device.peak_flops(w.dtype)
     mfu = step_flops(w) / (step * lay.devices * peak)
-    tokens = w.batch * (w.seq if w.train else 1)
+    tokens = w.batch * (w.seq if w.train else expected_tokens(w.spec_k, w.acceptance))
     return PlanResult(w, lay, mem, traffic, seconds, compute, sum(seconds.values()), bubble,
                       step, mfu, tokens / step, mem.total <= cluster.device.memory,
                       cluster.device.memory, off)

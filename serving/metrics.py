@@ -25,6 +25,18 @@ class _CoreCounters:
                                   "the prefix cache", value=stats["prefix_queries"])
         yield CounterMetricFamily("triax_prefix_cache_hits", "prompt tokens found in the "
                                   "prefix cache (not prefilled)", value=stats["prefix_hits"])
+        spec = self.server.speculative_stats
+        yield CounterMetricFamily("triax_speculative_proposed_tokens", "tokens proposed to "
+                                  "the target (speculative decoding)", value=spec["proposed"])
+        yield CounterMetricFamily("triax_speculative_accepted_tokens", "proposed tokens the "
+                                  "target kept", value=spec["accepted"])
+        yield GaugeMetricFamily("triax_speculative_acceptance_rate", "accepted / proposed "
+                                "tokens so far (0 before any)",
+                                value=spec["accepted"] / max(spec["proposed"], 1))
+        yield GaugeMetricFamily("triax_speculative_mean_accepted_length", "tokens a row emits "
+                                "per verify step: 1 + accepted proposals per step (0 before "
+                                "any)", value=(spec["rounds"] + spec["accepted"])
+                                / max(spec["rounds"], 1))
         pool = GaugeMetricFamily("triax_kv_pool_bytes", "KV pool bytes per device (k, v and "
                                  "an int8 pool's scales), labelled with what it stores and "
                                  "the served weights' dtype", labels=["kv_dtype", "dtype"])
