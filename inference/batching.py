@@ -1,21 +1,10 @@
-"""One serving iteration of ``Server``: admission by free KV blocks, prefill, decode.
+"""One serving iteration of ``Server``: every replica admits and prefills, then decodes.
 
-Nothing is reserved up front. A waiting request is admitted into a free decode slot of a
-replica when that slot's row group of the KV pool has the blocks of its prompt (and of the
-first token after it); it takes more blocks as it grows (``KVBlocks.grow``). When a running
-sequence needs a block and its group has none left, the running request of that group with
-the lowest priority (the largest ``priority``), the newest among equals, is **preempted by
-recompute**: its blocks go back and it returns to the queue in its old place; readmitted,
-its prompt and every token it generated so far are prefilled again (its cached blocks, with
-prefix caching, need no recompute) and it goes on exactly where it stopped: the same
-positions, the same seeds, so greedy and sampled tokens alike are those of a run without
-pressure.
-
-The queue is served by priority, then arrival. A request that does not fit yet lets smaller
-ones behind it that do fit go first, but only ``max_bypass`` times: then nothing behind it is
-admitted until it fits (so nothing starves). With prefix caching, the slot whose group holds
-the longest cached run of the prompt's first blocks is chosen; those blocks are shared, and
-only the rest of the prompt is prefilled.
+Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits waiting requests into its
+free slots by free KV blocks and preempts by recompute when a group runs out; its ``Engine``
+runs the steps. All replicas' work is dispatched before any result is read, so the sub-meshes
+run concurrently. Sampled tokens are accepted here: streamed, checked against stop tokens and
+grammars, and a finished request frees its slot.
 """
 from __future__ import annotations
 
@@ -25,16 +14,95 @@ from typing import Sequence
 import numpy as np
 
 from triax.inference.chunked_prefill import ChunkedPrefill
-from triax.inference.context_length import positions_needed
-from triax.inference.engine import Engine, InferenceError
+from triax.inference.errors import InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
-from triax.inference.penalties import reads_prompt
 from triax.inference.request import _Live
 from triax.inference.speculative import Round, spec_launch
 
 
 class Batching(ChunkedPrefill):
     """The serving loop's steps; ``Server`` holds the state they use."""
+
+    @property
+    def slots(self) -> list[list[_Live | None]]:
+        """Each replica's decode slots: the request each holds (None: free)."""
+        return [sch.slots for sch in self.schedulers]
+
+    @property
+    def slot_uses(self) -> list[list[int]]:
+        """Each replica's slots: how many requests each has served."""
+        return [sch.slot_uses for sch in self.schedulers]
+
+    @property
+    def prefilling(self) -> list[dict]:
+        """Each replica's prompts still prefilling, by slot (``inference.chunked_prefill``)."""
+        return [sch.prefilling for sch in self.schedulers]
+
+    def _idle(self) -> bool:  # caller holds the lock
+        return not self.queue and all(s is None for row in self.slots for s in row)
+
+    def _serve_forever(self) -> None:
+        try:
+            while True:
+                with self._wake:
+                    while self._idle() and not self._stopping:
+                        self._wake.wait()
+                    if self._stopping and (self._idle() or not self._drain):
+                        return
+                self._step()
+        except BaseException as e:  # the callers waiting on futures must hear of it
+            self._fail(e, fatal=True)
+        finally:
+            self._loop.release()
+
+    def _fail(self, exc: BaseException, fatal: bool = False) -> None:
+        """Fail every unfinished request with ``exc`` and free its slot."""
+        with self._lock:
+            if fatal:
+                self._error = exc
+            self.queue.clear()
+            for sch in self.schedulers:
+                sch.clear()
+            futures, self._futures = self._futures, {}
+            self._failed.update(dict.fromkeys(futures, exc))
+        for fut in futures.values():
+            fut.set_exception(exc)
+
+    def _step(self) -> bool:
+        """One iteration (prefill free slots, decode live ones); False when idle."""
+        self._reap_cancelled()
+        with self._lock:
+            if self._idle():
+                return False
+        t0 = time.perf_counter()
+        prefilled = self._prefill_all()
+        self._phase_done()
+        t1 = time.perf_counter()
+        decoded = self._decode_all()
+        self._phase_done()
+        t2 = time.perf_counter()
+        if prefilled:
+            self.stats["prefill_s"] += t1 - t0
+        if decoded:
+            self.stats["decode_s"] += t2 - t1
+            self.stats["decode_steps"] += 1
+        return True
+
+    def _phase_done(self) -> None:
+        for listener in self.phase_listeners:
+            listener()
+
+    def _finish(self, live: _Live, reason: str, now: float) -> None:
+        """Resolve a request's future with its ``Result`` and free its slot."""
+        res = live.result
+        res.finish_reason, res.done = reason, now
+        with self._lock:
+            self.results[res.request_id] = res
+            if res.replica >= 0 and self.slots[res.replica][res.slot] is live:
+                self.schedulers[res.replica].free(res.slot)   # its KV blocks back
+            fut = self._futures.pop(res.request_id, None)
+        if fut is not None:
+            fut.set_result(res)  # outside the lock: a done-callback may submit again
 
     def _reap_cancelled(self) -> None:
         """Free the slots of cancelled requests (only the serving thread frees slots)."""
@@ -54,109 +122,19 @@ class Batching(ChunkedPrefill):
                 rid = live.result.request_id
                 live.result.replica = r
                 if live in self.slots[r]:
-                    slot = self.slots[r].index(live)
-                    self.slots[r][slot] = None
-                    self.engines[r].release(slot)
+                    self.schedulers[r].free(self.slots[r].index(live))
                 self._failed[rid] = err
                 fut = self._futures.pop(rid, None)
                 if fut is not None:
                     fut.set_exception(err)
         self.engines[r].recover()
 
-    def _admit(self, r: int, eng: Engine) -> tuple[list[int], list[_Live]]:
-        """Waiting requests into replica ``r``'s free slots, by priority then arrival, each
-        with its prompt's KV blocks (the caller holds the lock)."""
-        free = [i for i, s in enumerate(self.slots[r]) if s is None]
-        slots, batch, waiting = [], [], []
-        for live in sorted(self.queue, key=_Live.rank):
-            if not free:
-                break
-            whole = positions_needed(len(live.result.prompt), live.max_new)
-            if eng.kv.need(whole) > eng.kv.blocks:
-                continue   # a smaller replica's group could never hold it all: others will
-            tokens = live.tokens_to_prefill()
-            # the fitting slot whose group caches the longest run of the prompt's blocks
-            looked = (self._lookups(eng, free, tokens, live.adapter)
-                      if not reads_prompt(live.sampling or eng.sampling) else
-                      [(i, ()) for i in free])   # its sampling reads every prompt token
-            fits = [(i, shared) for i, shared in looked
-                    if eng.kv.can_reserve(i, len(tokens) + 1, shared)]
-            if not fits:   # not enough blocks free yet
-                waiting.append(live)
-                continue
-            if any(w.passed >= self.max_bypass for w in waiting):
-                break   # one was passed over enough: the rest wait for it
-            for w in waiting:   # a later request goes first
-                w.passed += 1
-            slot, shared = max(fits, key=lambda f: len(f[1]))
-            eng.kv.reserve(slot, len(tokens), shared)
-            res = live.result
-            if not res.preemptions:
-                res.cached_tokens = len(shared) * eng.kv.block_size
-            if eng.prefix_cache:
-                self.stats["prefix_queries"] += len(tokens)
-                self.stats["prefix_hits"] += len(shared) * eng.kv.block_size
-            self.queue.remove(live)
-            free.remove(slot)
-            self._admissions += 1
-            live.admitted = self._admissions
-            self.slots[r][slot] = live
-            slots.append(slot)
-            batch.append(live)
-        return slots, batch
-
-    def _make_room(self, r: int, eng: Engine) -> None:
-        """Give every running sequence of replica ``r`` the block its next token needs,
-        preempting by recompute where its group has none left (``_preempt``); the oldest
-        and most important sequences are served first."""
-        with self._lock:
-            running = sorted((x for x in self._decoding(r) if x is not None), key=_Live.rank)
-            for live in running:
-                if live not in self.slots[r]:
-                    continue   # preempted for an earlier one
-                slot = self.slots[r].index(live)
-                positions = int(eng.lengths[slot]) + 1
-                while (eng.kv.need(positions) > eng.kv.held[slot]
-                       and eng.kv.available(slot) < 1):
-                    victim = self._victim(r, eng, slot)
-                    self._preempt(r, victim)
-                    if victim == slot:
-                        break
-                if self.slots[r][slot] is live:
-                    eng.kv.grow(slot, positions)
-
-    def _victim(self, r: int, eng: Engine, slot: int) -> int:
-        """The slot of ``slot``'s row group to preempt: lowest priority, then newest."""
-        per = eng.ecfg.max_batch // eng.kv.groups
-        g = slot // per
-        group = [i for i in range(g * per, (g + 1) * per) if self.slots[r][i] is not None]
-        return max(group, key=lambda i: (self.slots[r][i].priority,
-                                         self.slots[r][i].admitted))
-
-    def _preempt(self, r: int, slot: int) -> None:
-        """Take ``slot``'s blocks back and requeue its request (the caller holds the lock);
-        readmitted, it recomputes its prompt and tokens so far and goes on."""
-        live = self.slots[r][slot]
-        self.slots[r][slot] = None
-        self.engines[r].release(slot)
-        live.result.preemptions += 1
-        self.stats["preemptions"] += 1
-        self.queue.append(live)
-
-    @staticmethod
-    def _lookups(eng: Engine, free: Sequence[int], prompt: Sequence[int], adapter: int = 0):
-        """``(slot, cached blocks)`` for each free slot: one lookup per row group (blocks
-        keyed with ``adapter``'s salt: its KV differs from the base's)."""
-        per = eng.ecfg.max_batch // eng.kv.groups
-        salt = eng.adapter_keys[adapter] if adapter else b""
-        found = {g: eng.kv.lookup(g * per, prompt, salt) for g in {i // per for i in free}}
-        return [(i, found[i // per]) for i in free]
-
     def _prefill_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
             with self._lock:  # take requests, claim their slots and blocks in one step
-                slots, batch = self._admit(r, eng)
+                slots, batch = self.schedulers[r].admit(self.queue, self.max_bypass,
+                                                        self.stats)
                 running = sum(s is not None for row in self.slots for s in row)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
             # whole prompts, or this step's chunks of them (inference.chunked_prefill)
@@ -196,7 +174,8 @@ class Batching(ChunkedPrefill):
     def _decode_all(self) -> int:
         launched = []
         for r, eng in enumerate(self.engines):
-            self._make_room(r, eng)
+            with self._lock:
+                self.schedulers[r].make_room(self._decoding(r), self.queue, self.stats)
             live = self._decoding(r)  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             if not active.any():

@@ -1,15 +1,13 @@
-"""Serving: a request queue, R replica engines, continuous batching into free decode slots.
+"""Serving: a request queue, R replicas, continuous batching into free decode slots.
 
-Each replica is an ``Engine`` on its own sub-mesh with a full copy of the model (tensor- or
-pipeline-parallel inside). Replicas multiply throughput; they do **not** pool memory: every
-replica must hold the whole model and its own KV cache.
-
-Every loop iteration: each replica admits waiting requests into its free slots, as many as
-its KV pool has blocks for (``triax.inference.batching``), and prefills them (whole, or in
-chunks within ``max_step_tokens`` a step: ``triax.inference.chunked_prefill``); then every
-replica with live slots decodes one token. All replicas' work is dispatched before any
-result is read, so the sub-meshes run concurrently. A sequence that stops frees its slot
-and its KV blocks at once, and the next iteration fills them.
+Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its slots, admission by free
+KV blocks, preemption) over an ``Engine`` (block tables and buckets over a ``ModelRunner``:
+the weights and jitted programs) on its own sub-mesh with a full copy of the model.
+Replicas multiply throughput; they do **not** pool memory. Every loop iteration
+(``triax.inference.batching``) each replica admits and prefills (whole prompts, or chunks
+within ``max_step_tokens``: ``triax.inference.chunked_prefill``), then decodes one token;
+a sequence that stops frees its slot and blocks at once. ``serving/`` reads only this
+class's public limits (``max_len``, ``slots_per_replica``, ``dtype``, adapters).
 
     >>> import jax
     >>> from triax.models import config
@@ -44,6 +42,7 @@ from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
 from triax.inference.request import QueueFullError, Result, _Live, default_seed
+from triax.inference.scheduler import Scheduler
 from triax.inference.sampling import SamplingConfig
 from triax.inference.served_weights import bytes_per_device, describe_weights
 from triax.models.config import ModelConfig
@@ -65,17 +64,13 @@ class Server(Batching, AdapterServing):
         if max_step_tokens < 0:
             raise InferenceError(f"max_step_tokens={max_step_tokens}: give a step's token "
                                  f"budget, e.g. 512, or 0 to prefill whole prompts")
-        # prefill tokens + decode rows per replica step; 0: whole prompts at once
-        # (inference.chunked_prefill)
+        # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
-        self.prefilling = [{} for _ in self.engines]   # slot -> a prompt still prefilling
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         # a request that does not fit lets this many later ones go first, then they wait
         self.max_bypass = max_bypass
-        self._admissions = 0
         self.queue: collections.deque[_Live] = collections.deque()
-        self.slots: list[list[_Live | None]] = [[None] * e.ecfg.max_batch for e in self.engines]
-        self.slot_uses = [[0] * e.ecfg.max_batch for e in self.engines]
+        self.schedulers = [Scheduler(e) for e in self.engines]   # one per replica
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0, "generated_tokens": 0,
@@ -95,8 +90,7 @@ class Server(Batching, AdapterServing):
         self._loop = threading.Lock()  # held by whichever loop serves (run() or start())
         self._stopping = self._drain = False
         self._error: BaseException | None = None
-        # called on the serving thread after each prefill and decode phase: a listener
-        # hands that phase's streamed tokens on at once (serving.delivery)
+        # called after each prefill and decode phase: streams its tokens (serving.delivery)
         self.phase_listeners: list[Callable[[], None]] = []
 
     @classmethod
@@ -255,11 +249,20 @@ class Server(Batching, AdapterServing):
         """The sampling a request gets unless it says its own (the engines' default)."""
         return self.engines[0].sampling
 
+    @property
+    def lora(self):
+        """The served LoRA adapters' config (``models.config``), None without adapters."""
+        return self.engines[0].cfg.lora
+
+    def check_token_ids(self, prompt: Sequence) -> list[int]:
+        """The prompt as ints; ``InferenceError`` for an id outside the vocabulary."""
+        return self.engines[0].check_token_ids(prompt)
+
     def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
         """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
         ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
         ``inference.context_length``) that ``submit`` would raise."""
-        prompt = self.engines[0].check_token_ids(prompt)
+        prompt = self.check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
         except TypeError:
@@ -272,7 +275,7 @@ class Server(Batching, AdapterServing):
         """Each replica's layout, slots, sequence length and KV pool, in one line."""
         from triax.mesh import describe
         pools = ", ".join(f"{e.kv.total} blocks × {e.kv.block_size}" for e in self.engines)
-        lora = self.engines[0].cfg.lora   # adapters served unmerged: say which
+        lora = self.lora   # adapters served unmerged: say which
         return (f"{len(self.engines)} replica(s): "
                 + "; ".join(describe(e.mesh) for e in self.engines)
                 + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
@@ -378,76 +381,6 @@ class Server(Batching, AdapterServing):
 
     def __exit__(self, *exc) -> None:
         self.stop(drain=exc[0] is None)
-
-    def _idle(self) -> bool:  # caller holds the lock
-        return not self.queue and all(s is None for row in self.slots for s in row)
-
-    def _serve_forever(self) -> None:
-        try:
-            while True:
-                with self._wake:
-                    while self._idle() and not self._stopping:
-                        self._wake.wait()
-                    if self._stopping and (self._idle() or not self._drain):
-                        return
-                self._step()
-        except BaseException as e:  # the callers waiting on futures must hear of it
-            self._fail(e, fatal=True)
-        finally:
-            self._loop.release()
-
-    def _fail(self, exc: BaseException, fatal: bool = False) -> None:
-        """Fail every unfinished request with ``exc`` and free its slot."""
-        with self._lock:
-            if fatal:
-                self._error = exc
-            self.queue.clear()
-            for eng, row in zip(self.engines, self.slots):
-                for slot, live in enumerate(row):
-                    if live is not None:
-                        eng.release(slot)
-            self.slots = [[None] * len(row) for row in self.slots]
-            futures, self._futures = self._futures, {}
-            self._failed.update(dict.fromkeys(futures, exc))
-        for fut in futures.values():
-            fut.set_exception(exc)
-
-    def _step(self) -> bool:
-        """One iteration (prefill free slots, decode live ones); False when idle."""
-        self._reap_cancelled()
-        with self._lock:
-            if self._idle():
-                return False
-        t0 = time.perf_counter()
-        prefilled = self._prefill_all()
-        self._phase_done()
-        t1 = time.perf_counter()
-        decoded = self._decode_all()
-        self._phase_done()
-        t2 = time.perf_counter()
-        if prefilled:
-            self.stats["prefill_s"] += t1 - t0
-        if decoded:
-            self.stats["decode_s"] += t2 - t1
-            self.stats["decode_steps"] += 1
-        return True
-
-    def _phase_done(self) -> None:
-        for listener in self.phase_listeners:
-            listener()
-
-    def _finish(self, live: _Live, reason: str, now: float) -> None:
-        """Resolve a request's future with its ``Result`` and free its slot."""
-        res = live.result
-        res.finish_reason, res.done = reason, now
-        with self._lock:
-            self.results[res.request_id] = res
-            if res.replica >= 0 and self.slots[res.replica][res.slot] is live:
-                self.slots[res.replica][res.slot] = None
-                self.engines[res.replica].release(res.slot)   # its KV blocks back
-            fut = self._futures.pop(res.request_id, None)
-        if fut is not None:
-            fut.set_result(res)  # outside the lock: a done-callback may submit again
 
     # ---- figures -----------------------------------------------------------------------------
     @property
