@@ -68,7 +68,7 @@ def run(args) -> int:
     src = config.source
     with say(f"loading {src.model or src.model_dir or src.checkpoint}"):
         server = build_server(config, longest, max_new)
-    lora = server.engines[0].cfg.lora
+    lora = server.lora
     if lora is not None:
         say.line(f"serving {lora.describe()}"
                  + (f" from {src.unnamed_adapter}" if src.unnamed_adapter else "")

@@ -65,7 +65,7 @@ class Serving:
 
     @property
     def max_len(self) -> int:
-        return min(e.ecfg.max_len for e in self.server.engines)
+        return self.server.max_len
 
     def adapter_for(self, model: Optional[str]) -> Optional[str]:
         """The LoRA adapter a request's ``model`` names (None: the base; else a 404)."""
@@ -108,7 +108,7 @@ def _encode_prompts(st: Serving, req: CompletionRequest) -> tuple[list[list[int]
             texts.append(p)
         else:
             try:
-                ids.append(st.server.engines[0].check_token_ids(p))
+                ids.append(st.server.check_token_ids(p))
             except InferenceError as e:
                 raise APIError(400, str(e), param="prompt", code="invalid_prompt") from None
             texts.append(st.tokenizer.decode(list(p)) if req.echo else "")
@@ -196,7 +196,7 @@ def create_app(server: Server, tokenizer, model_name: str, chat: Optional[ChatTe
     async def detokenize(req: DetokenizeRequest):
         _check(st, req)
         try:
-            ids = st.server.engines[0].check_token_ids(req.tokens)
+            ids = st.server.check_token_ids(req.tokens)
         except InferenceError as e:
             raise APIError(400, str(e), param="tokens", code="invalid_value") from None
         return {"prompt": st.tokenizer.decode(ids)}
