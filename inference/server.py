@@ -67,8 +67,7 @@ class Server(Batching, AdapterServing):
         # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
-        # a request that does not fit lets this many later ones go first, then they wait
-        self.max_bypass = max_bypass
+        self.max_bypass = max_bypass  # later requests one that does not fit lets go first
         self.queue: collections.deque[_Live] = collections.deque()
         self.schedulers = [Scheduler(e) for e in self.engines]   # one per replica
         self.results: dict[int, Result] = {}
@@ -80,8 +79,7 @@ class Server(Batching, AdapterServing):
                       "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
-        # One lock guards the queue, the slot table, results and futures: submitters and
-        # observers touch them from other threads while the serving loop runs.
+        # One lock guards the queue, slots, results and futures (other threads read them).
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # a request arrived, or stop()
         self._futures: dict[int, Future] = {}          # unfinished requests
