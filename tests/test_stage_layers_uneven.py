@@ -117,7 +117,8 @@ def test_the_flag_reaches_the_pipeline_and_the_saved_config():
                                          r"count per pipeline stage, comma-separated"):
         RunConfig.of(stage_layers="3;1")
     with pytest.raises(ValueError, match=r"--stage-layers fixes uneven stages, which --plan "
-                                         r"auto does not search: use --plan flags"):
+                                         r"auto lays out only for mixed generations: give "
+                                         r"--plan-gpu"):
         run.replace(plan="auto")
     with pytest.raises(ValueError, match=r"--stage-layers 3,1 needs a pipelined mesh "
                                          r"\(pipe >= 2\), got pipe=1; add pipe=2"):
