@@ -1,5 +1,5 @@
-"""Every strategy on several meshes equals the single-device step: loss, every gradient, and
-the parameters after 3 optimizer steps (fp32)."""
+"""Every strategy, on meshes that use each axis it names, equals the single-device step: loss,
+every gradient, and the parameters after 3 optimizer steps (fp32)."""
 import dataclasses
 import re
 
