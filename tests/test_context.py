@@ -21,8 +21,16 @@ B, T = 2, 16
 
 
 def make(scheme, strategy="dp", devices=None, **mesh):
+    """A Trainer whose step's metrics carry the gradients: one compile gives the loss and
+    gradients at the initial parameters (step 0's) and the 3 steps, and is the program the
+    HLO tests read (the gradients are one more output; K/V move the same)."""
     st = dataclasses.replace(get_strategy(strategy), context_attention=scheme)
-    return Trainer(CFG, make_mesh(devices=devices, **mesh), st)
+
+    def loss_and_grad(params, batch):
+        (loss, aux), grads = jax.value_and_grad(tr.loss_fn(), has_aux=True)(params, batch)
+        return (loss, {**aux, "grads": grads}), grads
+    tr = Trainer(CFG, make_mesh(devices=devices, **mesh), st, loss_and_grad=loss_and_grad)
+    return tr
 
 
 def packed(trainer, seed=0):
@@ -35,17 +43,15 @@ def packed(trainer, seed=0):
     return b
 
 
-def run(trainer, n_steps=0, pack=False):
+def run(trainer, n_steps=3, pack=False):
+    """Step 0's loss and gradients (from its metrics) and the parameters after ``n_steps``."""
     state = trainer.init(seed=0)
-    batches = [packed(trainer, i) if pack else trainer.example_batch(B, T, seed=i)
-               for i in range(max(n_steps, 1))]
-    (loss, _), grads = trainer.grads(state["params"], batches[0])
-    params = None
-    if n_steps:
-        for b in batches:
-            state, _ = trainer.step(state, b)
-        params = jax.device_get(state["params"])
-    return float(loss), jax.device_get(grads), params
+    metrics = []
+    for i in range(n_steps):
+        b = packed(trainer, i) if pack else trainer.example_batch(B, T, seed=i)
+        state, m = trainer.step(state, b)
+        metrics.append(jax.device_get(m))
+    return float(metrics[0]["loss"]), metrics[0]["grads"], jax.device_get(state["params"])
 
 
 def check(out, ref):

@@ -1,8 +1,8 @@
 """``--lora-dropout p``: PEFT's ``B(A(dropout(x)))·alpha/r`` in training steps, with masks
 drawn from per-token seeds of the step (``models.lora.dropout_seeds``) and the layer's index
-in the whole stack, so dp, fsdp_tp and tensor × pipe (1F1B, ZB-H1's split backward, ZB-V in
-its routed V, interleaved over padded chunks) equal one device with dropout on (loss,
-adapter gradients, 3 steps; fp32); eval and decode never drop."""
+in the whole stack, so fsdp_tp and tensor × pipe (1F1B over uneven stages, ZB-H1's split
+backward, ZB-V in its routed V, interleaved over padded chunks) equal one device with dropout
+on (loss, adapter gradients, 3 steps; fp32); eval and decode never drop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,9 +25,10 @@ DROP3 = DROP.replace(num_layers=3)
 PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0))
 B, T, STEPS = 8, 12, 3
 TP_PIPE = dict(data=2, pipe=2, tensor=2)
-CASES = {"dp": (DROP, dict(data=8), "dp", None),
-         "fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
-         "tp_pipe_1f1b": (DROP, TP_PIPE, "tp", PipelineConfig("1f1b")),
+# One compile per case, so no two cases run the same path: fsdp_tp splits the batch (and
+# its per-token seeds) over data as dp on data=8 would; the uneven 1F1B case runs 1F1B's
+# schedule with a stage-to-layer offset as the even split (layers 2-3 on stage 1) would.
+CASES = {"fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
          "tp_pipe_zbh1_padded": (DROP3, TP_PIPE, "tp", PipelineConfig("zb-h1")),
          "tp_pipe_zbv": (DROP, TP_PIPE, "tp", PipelineConfig("zb-v")),
          "tp_pipe_interleaved_padded": (DROP3, TP_PIPE, "tp",

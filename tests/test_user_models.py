@@ -31,14 +31,30 @@ def mixer_trainer(mesh, strategy="dp", **kw):
                                    rules=MIXER_RULES, **kw)
 
 
+def with_grads(trainer_for, mesh, strategy="dp", **kw):
+    """``trainer_for``'s Trainer whose step's metrics carry the gradients: one compile checks
+    the loss and gradients (step 0's, at the initial parameters) and the 3 steps."""
+    def loss_and_grad(params, batch):
+        (loss, aux), grads = jax.value_and_grad(tr.loss_fn(), has_aux=True)(params, batch)
+        return (loss, {**aux, "grads": grads}), grads
+    tr = trainer_for(mesh, strategy, loss_and_grad=loss_and_grad, **kw)
+    return tr
+
+
 def run(trainer, batches, n_steps=3):
+    """Loss and grads at the initial parameters, the losses of ``n_steps`` steps and the
+    parameters after them: from the step's metrics for a ``with_grads`` trainer (one
+    compile), else from ``Trainer.grads`` (``n_steps=0``: the pipelined ones)."""
     state = trainer.init(seed=0)
-    (loss, _), grads = trainer.grads(state["params"], batches[0])
-    losses = []
+    if n_steps == 0:
+        (loss, _), grads = trainer.grads(state["params"], batches[0])
+        return float(loss), jax.device_get(grads), [], None
+    metrics = []
     for b in batches[:n_steps]:
-        state, metrics = trainer.step(state, b)
-        losses.append(float(metrics["loss"]))
-    return float(loss), jax.device_get(grads), losses, jax.device_get(state["params"])
+        state, m = trainer.step(state, b)
+        metrics.append(jax.device_get(m))
+    losses = [float(m["loss"]) for m in metrics]
+    return losses[0], metrics[0]["grads"], losses, jax.device_get(state["params"])
 
 
 def placed(trainer) -> dict:
@@ -61,13 +77,13 @@ MIXER_BATCHES = [mixer_batch(MIXER, B, seed=i) for i in range(3)]
 
 @pytest.fixture(scope="module")
 def vit_reference(devices):
-    return run(vit_trainer(make_mesh(devices=devices[:1])), VIT_BATCHES)
+    return run(with_grads(vit_trainer, make_mesh(devices=devices[:1])), VIT_BATCHES)
 
 
 @pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8),
                                                   ("fsdp_tp", 2, 4)])
 def test_vit_strategy_matches_single_device(vit_reference, strategy, data, tensor):
-    trainer = vit_trainer(make_mesh(data=data, tensor=tensor), strategy)
+    trainer = with_grads(vit_trainer, make_mesh(data=data, tensor=tensor), strategy)
     check_same(run(trainer, VIT_BATCHES), vit_reference, f"vit {strategy} ({data}x{tensor})")
 
 
@@ -83,8 +99,8 @@ def test_vit_parameters_are_placed_by_the_rules(devices):
 
 
 def test_mixer_with_its_own_names_matches_single_device(devices):
-    ref = run(mixer_trainer(make_mesh(devices=devices[:1])), MIXER_BATCHES)
-    got = run(mixer_trainer(make_mesh(data=2, tensor=4), "fsdp_tp"), MIXER_BATCHES)
+    ref = run(with_grads(mixer_trainer, make_mesh(devices=devices[:1])), MIXER_BATCHES)
+    got = run(with_grads(mixer_trainer, make_mesh(data=2, tensor=4), "fsdp_tp"), MIXER_BATCHES)
     check_same(got, ref, "mixer fsdp_tp")
 
 
