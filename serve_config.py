@@ -144,17 +144,8 @@ class Layout:
 
     def device_memory_bytes(self) -> Optional[int]:
         """``--device-memory`` in bytes (None: not given)."""
-        from triax.units import parse_bytes
-        if self.device_memory is None:
-            return None
-        try:
-            n = parse_bytes(self.device_memory)
-        except ValueError as e:
-            raise ValueError(f"--device-memory: {e}") from None
-        if n <= 0:
-            raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
-                             f"--device-memory 40GiB")
-        return n
+        from triax.units import device_memory_bytes
+        return device_memory_bytes(self.device_memory)
 
     def mesh_sizes(self):
         """``--mesh`` as sizes: one replica's dict, or a list with one per replica (``;``);

@@ -65,3 +65,17 @@ def parse_bytes(text: str) -> int:
     except (KeyError, ValueError):
         raise ValueError(f"size {text!r}: give a number with an optional unit (B, KB, MB, "
                          f"GB, TB, or KiB, MiB, GiB, TiB), e.g. 5GB") from None
+
+
+def device_memory_bytes(text: Optional[str]) -> Optional[int]:
+    """``--device-memory`` in bytes (None: not given), refused naming the flag; the one check
+    ``train`` (``RunConfig``) and ``serve`` (``ServeConfig``) share."""
+    if text is None:
+        return None
+    try:
+        n = parse_bytes(text)
+    except ValueError as e:
+        raise ValueError(f"--device-memory: {e}") from None
+    if n <= 0:
+        raise ValueError(f"--device-memory {text}: must be > 0, e.g. --device-memory 40GiB")
+    return n

@@ -22,7 +22,7 @@ from triax.config_fields import shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 from triax.pipeline.schedules import ScheduleKind
 from triax.pipeline.stage_counts import check_counts, parse_counts
-from triax.units import parse_bytes
+from triax.units import device_memory_bytes
 
 # Schedules a training step can run (forward-only is for evaluation and inference).
 TRAIN_SCHEDULES = tuple(k.value for k in ScheduleKind if k is not ScheduleKind.FORWARD_ONLY)
@@ -267,16 +267,7 @@ class Planner:
 
     def device_memory_bytes(self) -> Optional[int]:
         """``--device-memory`` in bytes (None: not given)."""
-        if self.device_memory is None:
-            return None
-        try:
-            n = parse_bytes(self.device_memory)
-        except ValueError as e:
-            raise ValueError(f"--device-memory: {e}") from None
-        if n <= 0:
-            raise ValueError(f"--device-memory {self.device_memory}: must be > 0, e.g. "
-                             f"--device-memory 40GiB")
-        return n
+        return device_memory_bytes(self.device_memory)
 
 
 @dataclass(frozen=True)
