@@ -88,6 +88,8 @@ SLOTS = 8
 MAX_BYPASS = 8
 SERVE_DTYPES = ("bfloat16", "float32")
 SPECULATIVE = ("off", "ngram", "draft")   # speculative decoding (inference.speculative)
+# Which replicas ``triax serve`` compiles before it is ready (``inference.warm_start``).
+WARMUP = ("auto", "all", "first")
 SERVE_DTYPE = "bfloat16"
 KV_DTYPES = ("auto", "bfloat16", "float32", "int8")
 KV_PRECISION = {"float32": "fp32", "bfloat16": "bf16", "int8": "int8"}

@@ -23,7 +23,7 @@ from typing import Optional
 
 from triax import configs
 from triax.choices import (QUANTIZE, SERVE_DTYPE, SERVE_DTYPES, SERVE_STRATEGY, SLOTS,
-                           SPECULATIVE, check)
+                           SPECULATIVE, WARMUP, check)
 from triax.config_fields import KVPool, shared, spec
 from triax.configs import GE0, GE1, GT0, check_fields
 
@@ -258,6 +258,10 @@ class HTTP:
                                               "('off': none)",
                                         default_help="$JAX_COMPILATION_CACHE_DIR, else "
                                                      "~/.cache/triax/xla", metavar="DIR")
+    warmup: str = spec("auto", "which replicas compile every prompt and decode bucket before "
+                               "ready: all | first (the rest on first use) | auto (first when "
+                               "its programs all came from --compile-cache, else all)",
+                       choices=WARMUP)
     served_model_name: Optional[str] = spec(None, "the model name requests give",
                                             default_help="--model's preset, or --model-dir's "
                                                          "folder name")
@@ -280,6 +284,7 @@ class HTTP:
                                                                "8000 (0: any)"),
             "request_timeout": (*GT0, "give seconds, e.g. --request-timeout 600"),
             "max_request_bytes": (*GE1, "give bytes, e.g. --max-request-bytes 16777216")})
+        check("warmup", self.warmup, WARMUP)
 
 
 @dataclass(frozen=True)

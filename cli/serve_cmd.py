@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
     add_flags(p, ServeConfig, ["max_len", "max_queue", "max_adapters", "max_adapter_rank",
                                "adapter_targets"], DEFAULTS)
     add_flags(p, HTTP, ["request_timeout", "served_model_name", "max_request_bytes",
-                        "compile_cache", "allow_adapter_updates"])
+                        "compile_cache", "warmup", "allow_adapter_updates"])
     p.set_defaults(func=run)
 
 
@@ -87,6 +87,7 @@ def run(args) -> int:
     import uvicorn  # after the device count is set: the app's modules start JAX
 
     from triax.inference.generate import build_server
+    from triax.inference.warm_start import warm_replicas
     from triax.serving.app import create_app
     from triax.serving.chat_template import load_chat_template
     tokenizer = load_tokenizer_for(config.source)
@@ -100,9 +101,10 @@ def run(args) -> int:
             return 0
     with say(f"loading {_model_name(config)}"):
         server = build_server(config, longest=longest, max_new_tokens=0)
-    # The shortest prompt bucket and decode; longer buckets compile on use.
+    # The shortest prompt bucket and decode; longer buckets compile on use, and so may
+    # replicas after the first (--warmup, inference.warm_start).
     with say("compiling the first prompt bucket and decode"):
-        server.warmup([1], say.line)
+        warm_replicas(server, [1], config.http.warmup, say.line)
     src = config.source
     layout = server.describe() + (f" from {src.unnamed_adapter}" if src.unnamed_adapter else
                                   "".join(f"; {n}={d}" for n, d in src.named_adapters()))

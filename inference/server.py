@@ -35,7 +35,7 @@ import operator
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from triax.inference.adapter_serving import AdapterServing
 from triax.inference.batching import Batching
@@ -106,16 +106,18 @@ class Server(Batching, AdapterServing):
         return cls.from_params(cfg, params, meshes, strategy, **kw)
 
     def warmup(self, prompt_lengths: Sequence[int],
-               progress: Optional[Callable[[str], None]] = None) -> None:
-        """Compile every replica's programs for these prompt lengths before serving;
-        ``progress(line)`` hears each one (``Engine.warmup``), named by its replica."""
+               progress: Optional[Callable[[str], None]] = None,
+               replicas: Optional[Iterable[int]] = None) -> None:
+        """Compile every replica's programs (``replicas``: those, counted from 0) for these
+        prompt lengths before serving; ``progress(line)`` hears each one (``Engine.warmup``),
+        named by its replica. ``inference.warm_start`` picks the replicas for ``serve``."""
         if self._loop.locked() or self.free_slots < self.total_slots:
             raise InferenceError("warmup() needs an idle server (no live requests, not "
                                  "serving in the background); call it before start()")
         n = len(self.engines)
-        for i, eng in enumerate(self.engines, 1):
-            eng.warmup(prompt_lengths, progress and (
-                lambda line, i=i: progress(f"replica {i}/{n}: {line}")))
+        for i in (range(n) if replicas is None else replicas):
+            self.engines[i].warmup(prompt_lengths, progress and (
+                lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")))
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
