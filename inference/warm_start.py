@@ -5,11 +5,12 @@ exclude compiling. With the persistent compile cache warm (a second start), noth
 compiled, yet each program still costs its trace, its lowering to StableHLO and the cache's
 retrieval and deserialisation (measured on ``tiny``: ≈0.19 CPU s a program, half of it the
 lowering), and every replica pays it again: its programs name other devices, so JAX traces,
-lowers and looks each up anew. ``auto`` therefore warms the first replica and, when each of
-its programs came from the persistent cache (a warm start), leaves the others' to their first
-use, which then costs that retrieval, not a compile; on a cold cache (or none) every replica
-is warmed, so serving never stalls on a compile. ``all``: every replica before ready;
-``first``: the first only, whatever the cache holds.
+lowers and looks each up anew. ``auto`` therefore warms the first replica of each layout
+and, when each of its programs came from the persistent cache (a warm start), leaves that
+layout's other replicas to their first use, which then costs that retrieval, not a compile;
+on a cold cache (or none) every replica is warmed, so serving never stalls on a compile.
+``all``: every replica before ready; ``first``: each layout's first only, whatever the
+cache holds.
 
     >>> from triax.inference.warm_start import lazy_rest
     >>> lazy_rest("auto", hits=8, misses=0), lazy_rest("auto", hits=0, misses=8)
@@ -52,19 +53,27 @@ def cache_lookups():
 
 def warm_replicas(server, prompt_lengths: Sequence[int], policy: str = "auto",
                   progress: Optional[Callable[[str], None]] = None) -> list[int]:
-    """Warm ``server``'s first replica, then the rest unless ``policy`` leaves them to their
-    first use (module docstring); the replicas warmed, counted from 0."""
+    """Warm the first replica of each layout in ``server``, then that layout's others unless
+    ``policy`` leaves them to their first use (module docstring); the replicas warmed,
+    counted from 0. A layout's cache hits say nothing of another's programs, so the first
+    replica of every distinct layout is warmed."""
     check("warmup", policy, WARMUP)
-    n = len(server.engines)
-    with cache_lookups() as seen:
-        server.warmup(prompt_lengths, progress, replicas=[0])
-    if n == 1:
-        return [0]
-    if lazy_rest(policy, seen[HIT], seen[MISS]):
-        if progress is not None:
-            why = ("--warmup first" if policy == "first" else
-                   f"replica 1's {seen[HIT]} programs came from the compile cache")
-            progress(f"replicas 2-{n}: each program on its first use ({why})")
-        return [0]
-    server.warmup(prompt_lengths, progress, replicas=range(1, n))
-    return list(range(n))
+    layouts: dict = {}
+    for i, eng in enumerate(server.engines):
+        layouts.setdefault(tuple(eng.mesh.shape.items()), []).append(i)
+    warmed = []
+    for first, *rest in layouts.values():
+        with cache_lookups() as seen:
+            server.warmup(prompt_lengths, progress, replicas=[first])
+        warmed.append(first)
+        if rest and lazy_rest(policy, seen[HIT], seen[MISS]):
+            if progress is not None:
+                why = ("--warmup first" if policy == "first" else
+                       f"replica {first + 1}'s {seen[HIT]} compiles came from the compile "
+                       f"cache")
+                progress(f"replica(s) {', '.join(str(i + 1) for i in rest)}: each program "
+                         f"on its first use ({why})")
+        elif rest:
+            server.warmup(prompt_lengths, progress, replicas=rest)
+            warmed += rest
+    return sorted(warmed)

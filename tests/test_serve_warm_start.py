@@ -1,6 +1,6 @@
 """``triax serve --warmup`` (``inference.warm_start``): on a warm persistent compile cache
-only the first replica compiles before ready, the rest on first use, serving the same
-tokens; a cold cache warms them all; the flag is checked."""
+only the first replica of each layout compiles before ready, the rest on first use, serving
+the same tokens; a cold cache warms them all; the flag is checked."""
 import jax
 import numpy as np
 import pytest
@@ -24,8 +24,10 @@ def params():
 
 
 def _server(params):
-    """Two one-device replicas, new engines (new jitted programs) each call."""
-    return Server.from_params(CFG, params, replica_meshes({}, 2, jax.devices()[:2]), ecfg=ECFG)
+    """Replicas on one device, on tensor=2, on one device: two layouts; new engines (new
+    jitted programs) each call."""
+    meshes = replica_meshes([{}, {"tensor": 2}, {}], None, jax.devices()[:4])
+    return Server.from_params(CFG, params, meshes, ecfg=ECFG)
 
 
 def _greedy(engine, steps: int = 3) -> list[int]:
@@ -40,13 +42,14 @@ def test_a_warm_cache_leaves_later_replicas_to_first_use_with_the_same_tokens(pa
     if not jax.config.jax_compilation_cache_dir:
         pytest.skip("no persistent compile cache (tests/suite_env.py sets one)")
     first = _server(params)
-    assert warm_replicas(first, [1], "all") == [0, 1]   # fills the cache if it was cold
+    assert warm_replicas(first, [1], "all") == [0, 1, 2]   # fills the cache if it was cold
     assert all(e.compiles["decode"] for e in first.engines)
     second = _server(params)   # a second start: every program is in the persistent cache
     with cache_lookups() as seen:
-        assert warm_replicas(second, [1], "auto") == [0]
+        # tensor=2 is another layout: replica 1's hits say nothing of its programs
+        assert warm_replicas(second, [1], "auto") == [0, 1]
     assert seen[HIT] > 0 and seen[MISS] == 0
-    ready, lazy = second.engines
+    ready, _, lazy = second.engines
     assert ready.compiles["decode"] and ready.compiles["prefill"]
     assert not lazy.compiles["decode"] and not lazy.compiles["prefill"]
     assert _greedy(lazy) == _greedy(ready), "a replica warmed on first use served other tokens"
