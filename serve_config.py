@@ -259,8 +259,9 @@ class HTTP:
                                         default_help="$JAX_COMPILATION_CACHE_DIR, else "
                                                      "~/.cache/triax/xla", metavar="DIR")
     warmup: str = spec("auto", "which replicas compile every prompt and decode bucket before "
-                               "ready: all | first (the rest on first use) | auto (first when "
-                               "its programs all came from --compile-cache, else all)",
+                               "ready: all | first (each layout's first; the rest on first "
+                               "use) | auto (first when its programs all came from "
+                               "--compile-cache, else all)",
                        choices=WARMUP)
     served_model_name: Optional[str] = spec(None, "the model name requests give",
                                             default_help="--model's preset, or --model-dir's "

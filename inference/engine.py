@@ -153,6 +153,8 @@ class Engine(ModelRunner):
             self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
             self._rows(b, settings, prompt_lens), with_logits, S, *extra,
             **self._adapter_kw("adapters_b", ad))
+        if n == 0:   # the warm-up's: a slice to no rows would be a program of its own
+            return out
         return tuple(jax.tree.map(lambda x: x[:n], x) for x in out) if with_logits else \
             jax.tree.map(lambda x: x[:n], out[0])
 
