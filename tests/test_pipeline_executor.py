@@ -21,7 +21,8 @@ def reference():
 
 
 # Each case is one compiled program (~5 s of CPU): uneven layer counts ride on cases that
-# also check a schedule and a stage count. 1F1B on 2 stages: test_3d_mesh_train_step.
+# also check a schedule and a stage count, all at 6 layers (one one-device reference for
+# them). 1F1B on 2 stages: test_3d_mesh_train_step.
 CASES = [  # (schedule, S, M, v, L)
     ("gpipe", 2, 2, 1, 2),
     ("1f1b", 4, 8, 1, 6),          # uneven: 6 layers on 4 stages (two identity pads)
@@ -29,7 +30,7 @@ CASES = [  # (schedule, S, M, v, L)
     ("zb-h1", 4, 4, 1, 4),
     ("zb-v", 2, 4, 1, 4),          # V: chunks routed from storage, the loss on stage 0
     ("zb-v", 4, 4, 1, 6),          # V over 4 stages, uneven: 8 chunks for 6 layers (pads)
-    ("interleaved", 2, 2, 2, 3),   # uneven chunks: 4 chunks for 3 layers
+    ("interleaved", 2, 2, 2, 6),   # uneven chunks: 4 chunks of 2 for 6 layers (two pads)
 ]
 
 
