@@ -67,12 +67,13 @@ def test_fsdp_memory_is_total_over_n(devices):
     cfg = config.TINY.replace(num_layers=2)
     mesh = make_mesh(data=8)
     trainer = Trainer(cfg, mesh, "fsdp")
-    mem = memory_from_compiled(trainer.lower(B, T).compile())
+    compiled = trainer.lower(B, T).compile()   # one compile: its memory and its collectives
+    mem = memory_from_compiled(compiled)
     state_bytes = 3 * 4 * cfg.num_params  # params + Adam mu + nu, fp32
     batch_bytes = 2 * B * T * 4 // 8
     ideal = state_bytes / 8 + batch_bytes
     assert abs(mem.argument_bytes - ideal) <= 0.10 * ideal, (mem.argument_bytes, ideal)
-    cols = step_collectives(cfg, mesh, "fsdp")
+    cols = collectives_from_compiled(compiled, mesh)
     assert count(cols, "all-gather", "data") > 0
     # The gradients are reduced over data (XLA's CPU backend all-reduces, then slices),
     # every one but the embedding table's (its lookup exchanges activations instead): far

@@ -20,16 +20,21 @@ CFG = config.TINY.replace(num_layers=1)
 B, T = 2, 16
 
 
-def make(scheme, strategy="dp", devices=None, **mesh):
-    """A Trainer whose step's metrics carry the gradients: one compile gives the loss and
+def with_grads(loss_and_grad):
+    """Report the gradients among the metrics: one compile of the step gives the loss and
     gradients at the initial parameters (step 0's) and the 3 steps, and is the program the
     HLO tests read (the gradients are one more output; K/V move the same)."""
-    st = dataclasses.replace(get_strategy(strategy), context_attention=scheme)
-
-    def loss_and_grad(params, batch):
-        (loss, aux), grads = jax.value_and_grad(tr.loss_fn(), has_aux=True)(params, batch)
+    def f(params, batch):
+        (loss, aux), grads = loss_and_grad(params, batch)
         return (loss, {**aux, "grads": grads}), grads
-    tr = Trainer(CFG, make_mesh(devices=devices, **mesh), st, loss_and_grad=loss_and_grad)
+    return f
+
+
+def make(scheme, strategy="dp", devices=None, cfg=CFG, **mesh):
+    """A Trainer whose step's metrics carry the gradients (``with_grads``)."""
+    st = dataclasses.replace(get_strategy(strategy), context_attention=scheme)
+    lg = lambda p, b: jax.value_and_grad(tr.loss_fn(), has_aux=True)(p, b)  # noqa: E731
+    tr = Trainer(cfg, make_mesh(devices=devices, **mesh), st, loss_and_grad=with_grads(lg))
     return tr
 
 
@@ -43,13 +48,16 @@ def packed(trainer, seed=0):
     return b
 
 
-def run(trainer, n_steps=3, pack=False):
-    """Step 0's loss and gradients (from its metrics) and the parameters after ``n_steps``."""
-    state = trainer.init(seed=0)
+def run(trainer, n_steps=3, pack=False, init=None, rows=B, step=None):
+    """Step 0's loss and gradients (from its metrics) and the parameters after ``n_steps``,
+    from ``init`` (a host train state: the reference's, so no init compiles) or seed 0;
+    ``step``: a compiled step to run instead of the trainer's."""
+    state = trainer.init(seed=0) if init is None else \
+        jax.device_put(init, trainer.state_shardings)
     metrics = []
     for i in range(n_steps):
-        b = packed(trainer, i) if pack else trainer.example_batch(B, T, seed=i)
-        state, m = trainer.step(state, b)
+        b = packed(trainer, i) if pack else trainer.example_batch(rows, T, seed=i)
+        state, m = (step or trainer.step)(state, trainer.shard_batch(b))
         metrics.append(jax.device_get(m))
     return float(metrics[0]["loss"]), metrics[0]["grads"], jax.device_get(state["params"])
 
@@ -62,13 +70,25 @@ def check(out, ref):
 
 
 @pytest.fixture(scope="module")
-def reference(devices):
-    return run(make("ring", devices=devices[:1]), n_steps=3)
+def one_device(devices):
+    """The one-device trainer and its initial train state on the host (every run's)."""
+    tr = make("ring", devices=devices[:1])
+    return tr, jax.device_get(tr.init(seed=0))
 
 
 @pytest.fixture(scope="module")
-def reference_packed(devices):
-    return run(make("ring", devices=devices[:1]), n_steps=3, pack=True)
+def init(one_device):
+    return one_device[1]
+
+
+@pytest.fixture(scope="module")
+def reference(one_device):
+    return run(one_device[0], n_steps=3, init=one_device[1])
+
+
+@pytest.fixture(scope="module")
+def reference_packed(one_device):
+    return run(one_device[0], n_steps=3, pack=True, init=one_device[1])
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +96,8 @@ def ring8():
     return make("ring", context=8)
 
 
-def test_ring_context8_matches_single_device(reference, ring8):
-    check(run(ring8, n_steps=3), reference)
+def test_ring_context8_matches_single_device(reference, init, ring8):
+    check(run(ring8, n_steps=3, init=init), reference)
 
 
 @pytest.mark.parametrize("scheme, strategy, mesh", [
@@ -85,9 +105,10 @@ def test_ring_context8_matches_single_device(reference, ring8):
     ("all-gather", "dp", dict(context=2, data=2)),
     ("ring", "fsdp_tp", dict(context=2, tensor=2, data=2)),
 ], ids=["all-gather-context8", "all-gather-context2-data2", "ring-context2-tensor2-data2"])
-def test_matches_single_device(reference, devices, scheme, strategy, mesh):
+def test_matches_single_device(reference, init, devices, scheme, strategy, mesh):
     n = int(np.prod(list(mesh.values())))
-    check(run(make(scheme, strategy, devices=devices[:n], **mesh), n_steps=3), reference)
+    check(run(make(scheme, strategy, devices=devices[:n], **mesh), n_steps=3, init=init),
+          reference)
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +117,9 @@ def all_gather4():
 
 
 @pytest.mark.parametrize("scheme", ["ring", "all-gather"])
-def test_packed_sequences_context4_matches(reference_packed, all_gather4, scheme):
+def test_packed_sequences_context4_matches(reference_packed, init, all_gather4, scheme):
     tr = all_gather4 if scheme == "all-gather" else make(scheme, context=4, data=2)
-    check(run(tr, n_steps=3, pack=True), reference_packed)
+    check(run(tr, n_steps=3, pack=True, init=init), reference_packed)
 
 
 def test_ring_moves_kv_by_collective_permute_over_context_only(ring8):
@@ -147,27 +168,20 @@ def test_pipe2_context2_ring_matches(devices):
     """The ring inside the pipeline's tick conditionals, in the zigzag layout: equal to one
     device (loss, gradients, 3 steps), collective-permutes over ``context`` in the compiled
     program, and each op's skip branch running as many collective-permutes as its run
-    branch (``pipeline.permute_parity``: without that, XLA:CPU mixes the stages' sends)."""
-    from triax.pipeline.pipelined import PipelineConfig
+    branch (``pipeline.permute_parity``: without that, XLA:CPU mixes the stages' sends).
+    One compiled step (the gradients among its metrics) gives the numbers and the HLO."""
+    from triax.pipeline.pipelined import Pipeline, PipelineConfig
     from triax.sharding.introspect.branch_costs import op_conditionals
     cfg, rows = CFG.replace(num_layers=2), 4
     st = dataclasses.replace(get_strategy("dp"), context_attention="ring")
-
-    def go(tr):
-        state = tr.init(seed=0)
-        batches = [tr.example_batch(rows, T, seed=i) for i in range(3)]
-        args = (state["params"], tr.shard_batch(batches[0]))
-        compiled = tr.jitted_grads.lower(*args).compile()
-        (loss, _), g = compiled(*args)
-        for b in batches:
-            state, _ = tr.step(state, b)
-        return (float(loss), jax.device_get(g), jax.device_get(state["params"])), compiled
-
-    tr = Trainer(cfg, make_mesh(context=2, pipe=2, data=2), st,
-                 pipeline=PipelineConfig("1f1b", 2))
-    assert tr.context_layout == "zigzag"
-    out, compiled = go(tr)
-    check(out, go(Trainer(cfg, make_mesh(devices=devices[:1]), st))[0])
+    mesh = make_mesh(context=2, pipe=2, data=2)
+    assert Trainer(cfg, mesh, st, pipeline=PipelineConfig("1f1b", 2)).context_layout == "zigzag"
+    pipe = Pipeline(cfg, mesh, st, PipelineConfig("1f1b", 2))
+    tr = Trainer(cfg, mesh, pipe.strategy, loss_and_grad=with_grads(pipe.loss_and_grad))
+    ref = make("ring", devices=devices[:1], cfg=cfg)
+    init = jax.device_get(ref.init(seed=0))
+    compiled = tr.lower(rows, T).compile()
+    check(run(tr, init=init, rows=rows, step=compiled), run(ref, init=init, rows=rows))
     coll = collectives_from_compiled(compiled, tr.mesh)
     assert [c for c in coll if c.kind == "collective-permute" and c.axes == ("context",)], coll
     # No K/V gathered ([micro-batch rows, T, kv_heads, head_dim] fp32; the gathers over

@@ -64,9 +64,12 @@ def test_schedule_command_takes_the_kind_positionally(capsys):
 
 # ---- the executor against one device ---------------------------------------------------
 
-MESHES = {  # name: (mesh sizes, strategy, layers, micro-batches)
-    "pipe2-fsdp-tp": (dict(data=2, tensor=2, pipe=2), "fsdp_tp", 4, 4),
-    "pipe4-fsdp": (dict(data=2, pipe=4), "fsdp", 8, 8),
+# Both meshes run one 8-layer model on the same batches, so one one-device run serves
+# both; on pipe=2 each of the V's chunks holds 2 layers, on pipe=4 one.
+CFG = config.TINY.replace(num_layers=8)
+MESHES = {  # name: (mesh sizes, strategy, micro-batches)
+    "pipe2-fsdp-tp": (dict(data=2, tensor=2, pipe=2), "fsdp_tp", 4),
+    "pipe4-fsdp": (dict(data=2, pipe=4), "fsdp", 8),
 }
 
 
@@ -78,29 +81,38 @@ def _with_grads(loss_and_grad):
     return f
 
 
-def _run(tr):
+def _run(tr, init):
+    """Three steps from ``init`` (a host train state: the one-device trainer's, so one init
+    compile serves both runs)."""
     compiled = tr.lower(BATCH, T).compile()
-    state, metrics = tr.init(0), []
+    state, metrics = jax.device_put(init, tr.state_shardings), []
     for i in range(STEPS):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(BATCH, T, seed=i)))
         metrics.append(jax.device_get(m))
     return metrics, jax.device_get(state["params"]), compiled
 
 
-@pytest.fixture(scope="module", params=sorted(MESHES))
-def runs(request, devices):
-    """The pipelined run and the one-device run of the same model and batches."""
-    sizes, strategy, L, M = MESHES[request.param]
-    cfg = config.TINY.replace(num_layers=L)
+@pytest.fixture(scope="module")
+def reference(devices):
+    """The one-device run, and its initial train state on the host (the pipelined runs')."""
     one = make_mesh(devices=devices[:1])
-    ref = Trainer(cfg, one, "dp")
-    lg = lambda p, b: jax.value_and_grad(ref.loss_fn(), has_aux=True)(p, b)  # noqa: E731
-    reference = _run(Trainer(cfg, one, "dp", loss_and_grad=_with_grads(lg)))
+    loss = Trainer(CFG, one, "dp").loss_fn()
+    lg = lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)  # noqa: E731
+    tr = Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg))
+    init = jax.device_get(tr.init(0))
+    return init, _run(tr, init)
+
+
+@pytest.fixture(scope="module", params=sorted(MESHES))
+def runs(request, reference):
+    """The pipelined run and the one-device run of the same model and batches."""
+    sizes, strategy, M = MESHES[request.param]
     mesh = make_mesh(**sizes)
-    pipe = Pipeline(cfg, mesh, strategy, PipelineConfig("dualpipev", M))
+    pipe = Pipeline(CFG, mesh, strategy, PipelineConfig("dualpipev", M))
     assert pipe.schedule.kind.value == "dualpipev" and pipe.schedule.microbatches == M
-    tr = Trainer(cfg, mesh, pipe.strategy, loss_and_grad=_with_grads(pipe.loss_and_grad))
-    return request.param, _run(tr), reference
+    tr = Trainer(CFG, mesh, pipe.strategy, loss_and_grad=_with_grads(pipe.loss_and_grad))
+    init, ref_run = reference
+    return request.param, _run(tr, init), ref_run
 
 
 def test_dualpipev_equals_one_device(runs):

@@ -8,16 +8,13 @@ import re
 import jax
 import pytest
 
-from test_pipeline_moe import B, M, SIZES, T, _microbatch_rows, _reference_loss, _run, _with_grads
+from test_pipeline_moe import CFG, M, SIZES, _microbatch_rows, _reference_loss, _run, _with_grads
 from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
-from triax.models import config
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.sharding.introspect.branch_costs import OP_SCOPE
 from triax.sharding.introspect.hlo_text import compiled_text, parse_module
 from triax.training.step import Trainer
-
-CFG = config.TINY_MOE.replace(num_layers=4)
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +23,13 @@ def runs(devices):
     am = Trainer(CFG, one, "dp").abstract
     loss = _reference_loss(am, _microbatch_rows())
     lg = lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)  # noqa: E731
-    reference = _run(Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg)))
+    ref = Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg))
+    init = jax.device_get(ref.init(0))   # one init compile: the pipelined run starts here too
+    reference = _run(ref, init)
     mesh = make_mesh(**SIZES)
     pipe = Pipeline(CFG, mesh, "dp", PipelineConfig("dualpipev", M))
     tr = Trainer(CFG, mesh, pipe.strategy, loss_and_grad=_with_grads(pipe.loss_and_grad))
-    return _run(tr), reference
+    return _run(tr, init), reference
 
 
 def test_dualpipev_moe_equals_one_device(runs):

@@ -20,7 +20,9 @@ from triax.pipeline.schedules import ScheduleError
 from triax.sharding.introspect import collectives_from_compiled
 from triax.training.step import Trainer
 
-CFG = config.TINY_MOE.replace(num_layers=2)
+# 4 layers (2 per stage): the one-device reference is test_dualpipe_v_moe.py's program too,
+# which the suite's compile cache then holds once.
+CFG = config.TINY_MOE.replace(num_layers=4)
 B, T, M, STEPS = 16, 8, 4, 3
 SIZES = dict(data=2, pipe=2, expert=2)
 
@@ -58,9 +60,11 @@ def _reference_loss(am, rows):
     return loss
 
 
-def _run(tr):
+def _run(tr, init):
+    """Three steps from ``init`` (a host train state: the one-device trainer's, so one init
+    compile serves every run); per-step metrics, final parameters, the compiled step."""
     compiled = tr.lower(B, T).compile()
-    state, metrics = tr.init(0), []
+    state, metrics = jax.device_put(init, tr.state_shardings), []
     for i in range(STEPS):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))
         metrics.append(jax.device_get(m))
@@ -75,20 +79,22 @@ def reference(devices):
     assert sorted(rows.ravel()) == list(range(B))
     loss = _reference_loss(am, rows)
     lg = lambda p, b: jax.value_and_grad(loss, has_aux=True)(p, b)  # noqa: E731
-    return _run(Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg)))
+    tr = Trainer(CFG, one, "dp", loss_and_grad=_with_grads(lg))
+    init = jax.device_get(tr.init(0))
+    return init, _run(tr, init)
 
 
 @pytest.fixture(scope="module", params=["1f1b", "zb-h1"])
-def pipelined(request):
+def pipelined(request, reference):
     mesh = make_mesh(**SIZES)
     pipe = Pipeline(CFG, mesh, "dp", PipelineConfig(request.param, M))
     tr = Trainer(CFG, mesh, pipe.strategy, loss_and_grad=_with_grads(pipe.loss_and_grad))
-    return request.param, tr, _run(tr)
+    return request.param, tr, _run(tr, reference[0])
 
 
 def test_pipelined_moe_equals_one_device(reference, pipelined):
     kind, _, (metrics, params, _) = pipelined
-    ref_metrics, ref_params, _ = reference
+    ref_metrics, ref_params, _ = reference[1]
     for i, (m, r) in enumerate(zip(metrics, ref_metrics)):
         assert sorted(m) == sorted(r)
         assert m["moe_lb_loss"] > 0 and m["moe_z_loss"] > 0

@@ -20,21 +20,24 @@ CFG = config.TINY.replace(num_layers=2)
 B, T = 8, 16
 
 
-def loss_and_grads(trainer):
-    state = trainer.init(seed=0)
-    (loss, _), grads = trainer.grads(state["params"], trainer.example_batch(B, T, seed=0))
+def loss_and_grads(trainer, params):
+    (loss, _), grads = trainer.grads(params, trainer.example_batch(B, T, seed=0))
     return float(loss), jax.device_get(grads)
 
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return loss_and_grads(Trainer(CFG, make_mesh(devices=devices[:1]), "dp"))
+    """The one-device loss and gradients, and the parameters (on the host) every run takes:
+    one init compile for the file."""
+    tr = Trainer(CFG, make_mesh(devices=devices[:1]), "dp")
+    params = jax.device_get(tr.init(seed=0)["params"])
+    return (*loss_and_grads(tr, params), params)
 
 
 @pytest.mark.parametrize("strategy", ["tp_sp", "fsdp_tp_sp"])
 def test_sequence_parallel_matches_single_device(reference, strategy):
-    ref_loss, ref_grads = reference
-    loss, grads = loss_and_grads(Trainer(CFG, make_mesh(data=2, tensor=4), strategy))
+    ref_loss, ref_grads, params = reference
+    loss, grads = loss_and_grads(Trainer(CFG, make_mesh(data=2, tensor=4), strategy), params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="gradients")
 
@@ -77,9 +80,9 @@ def test_sequence_parallel_gathers_the_sequence_per_block(compiled):
 
 def test_pipelined_sequence_parallel_matches_single_device(reference):
     """data=2 × tensor=2 × pipe=2: the stages run the block with the residual stream split."""
-    ref_loss, ref_grads = reference
+    ref_loss, ref_grads, params = reference
     tr = Trainer(CFG, make_mesh(data=2, tensor=2, pipe=2), "tp_sp", pipeline=PipelineConfig())
-    loss, grads = loss_and_grads(tr)
+    loss, grads = loss_and_grads(tr, params)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="pipelined gradients")
 

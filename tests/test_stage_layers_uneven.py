@@ -3,6 +3,8 @@ rtol 1e-5) under 1F1B and GPipe, and on a 3D mesh under FSDP + TP; a short stage
 padded slots at run time (padded with real layers, the loss is still the model's) and in the
 compiled program (its ops' matmul FLOPs); bad counts are refused naming the fix; the flag
 reaches the pipeline and the checkpointed config."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,6 +37,13 @@ def trainer(cfg, kind, S, M, counts):
                    pipeline=PipelineConfig(kind, M, stage_layers=counts))
 
 
+@functools.cache
+def shared_trainer(cfg, kind, S, M, counts):
+    """One trainer per configuration for the file: the compiled-FLOPs test reads the program
+    the equivalence test ran (its jit's own cache, no second compile)."""
+    return trainer(cfg, kind, S, M, counts)
+
+
 @pytest.mark.parametrize("kind,S,M,counts", [
     ("1f1b", 2, 4, (3, 1)),
     ("gpipe", 2, 2, (1, 3)),
@@ -42,7 +51,7 @@ def trainer(cfg, kind, S, M, counts):
 ])
 def test_uneven_stages_equal_one_device(reference, kind, S, M, counts):
     cfg, params, batch, loss0, grads0 = reference(sum(counts))
-    tr = trainer(cfg, kind, S, M, counts)
+    tr = shared_trainer(cfg, kind, S, M, counts)
     assert tr.pipeline.layout.counts == counts
     assert tr.pipeline.layout.per_chunk == max(counts)
     (loss, _), grads = tr.grads(params, batch)
@@ -73,18 +82,24 @@ def test_padded_slots_are_skipped_at_run_time(reference, monkeypatch):
     np.testing.assert_allclose(float(loss), loss0, rtol=1e-5)
 
 
-def test_compiled_flops_show_the_short_stage_skips_its_padding():
-    """Per stage, the matmul FLOPs of one F and one B, read from the compiled step: the layer
-    slot's skip branch runs no matmul, so the 1-layer stage's F and B cost a third of the
-    3-layer stage's; the even split's stages each cost two layers' worth."""
-    cfg = config.TINY.replace(num_layers=4)
-    tr = trainer(cfg, "1f1b", 2, 4, (3, 1))
-    compiled = tr.lower(tr.example_batch(B, T)).compile()
+def _compiled_grads(tr, params, batch):
+    """The loss-and-gradient program ``tr.grads`` runs, compiled."""
+    return tr.jitted_grads.lower(params, tr.shard_batch(batch)).compile()
+
+
+def test_compiled_flops_show_the_short_stage_skips_its_padding(reference):
+    """Per stage, the matmul FLOPs of one F and one B, read from the compiled loss and
+    gradients: the layer slot's skip branch runs no matmul, so the 1-layer stage's F and B
+    cost a third of the 3-layer stage's; the even split's stages each cost two layers'
+    worth."""
+    cfg, params, batch, _, _ = reference(4)
+    # 1F1B (3, 1) on pipe=2: the first equivalence case's program, already compiled.
+    compiled = _compiled_grads(shared_trainer(cfg, "1f1b", 2, 4, (3, 1)), params, batch)
     flops = stage_op_flops(compiled, (3, 1), 3)
     for op in ("F", "B"):
         long, short = flops[op]
         assert short > 0 and long == 3 * short, (op, flops[op])
-    even = trainer(cfg, "1f1b", 2, 4, None).lower(tr.example_batch(B, T)).compile()
+    even = _compiled_grads(trainer(cfg, "1f1b", 2, 4, None), params, batch)
     with pytest.raises(ValueError, match="no layer-slot conditional"):
         stage_op_flops(even, (2, 2), 2)     # the even layout runs every slot: no conditional
 
