@@ -97,9 +97,17 @@ class KVBlocks:
     def busy(self, slot: int) -> bool:
         return bool(self.reserved[slot] or self.held[slot])
 
-    def can_reserve(self, slot: int, positions: int, shared: Sequence[int] = ()) -> bool:
+    def can_reserve(self, slot: int, positions: int, shared: Sequence[int] = (),
+                    keep: int = 0) -> bool:
+        """Whether ``reserve`` would succeed and still leave ``keep`` blocks of the group
+        (those the running sequences take next)."""
         new = self.need(positions) - len(shared) + self._parked(slot, shared)
-        return not self.busy(slot) and new <= self.available(slot)
+        return not self.busy(slot) and new + keep <= self.available(slot)
+
+    def next_blocks(self, slot: int, positions: int) -> int:
+        """Blocks ``slot`` must still take to hold ``positions`` (beyond its reservation)."""
+        return max(0, self.need(positions) - max(int(self.reserved[slot]),
+                                                 int(self.held[slot])))
 
     def reserve(self, slot: int, positions: int, shared: Sequence[int] = ()) -> None:
         """Set aside the blocks of ``positions`` for the sequence about to start in ``slot``,

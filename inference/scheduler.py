@@ -56,6 +56,7 @@ class Scheduler:
         each with its prompt's KV blocks; ``(slots, requests)`` admitted."""
         eng = self.engine
         free = [i for i, s in enumerate(self.slots) if s is None]
+        keep = self.next_blocks()
         slots, batch, waiting = [], [], []
         for live in sorted(queue, key=_Live.rank):
             if not free:
@@ -64,12 +65,13 @@ class Scheduler:
             if eng.kv.need(whole) > eng.kv.blocks:
                 continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
+            first = min(len(tokens) + 1, whole)   # its prompt and its first decode's position
             # the fitting slot whose group caches the longest run of the prompt's blocks
             looked = (self.lookups(free, tokens, live.adapter)
                       if not reads_prompt(live.sampling or eng.sampling) else
                       [(i, ()) for i in free])   # its sampling reads every prompt token
             fits = [(i, shared) for i, shared in looked
-                    if eng.kv.can_reserve(i, len(tokens) + 1, shared)]
+                    if eng.kv.can_reserve(i, first, shared, keep[eng.kv.group(i)])]
             if not fits:   # not enough blocks free yet
                 waiting.append(live)
                 continue
@@ -78,7 +80,7 @@ class Scheduler:
             for w in waiting:   # a later request goes first
                 w.passed += 1
             slot, shared = max(fits, key=lambda f: len(f[1]))
-            eng.kv.reserve(slot, len(tokens), shared)
+            eng.kv.reserve(slot, first, shared)
             res = live.result
             if not res.preemptions:
                 res.cached_tokens = len(shared) * eng.kv.block_size
@@ -94,6 +96,17 @@ class Scheduler:
             batch.append(live)
         return slots, batch
 
+    def next_blocks(self) -> list[int]:
+        """Per row group, the blocks its decoding sequences take in this step's decode
+        (``make_room``, after admission): admission leaves them, or the request it admits
+        would be preempted at once, its prefill wasted."""
+        kv, out = self.engine.kv, [0] * self.engine.kv.groups
+        for slot, live in enumerate(self.slots):
+            pending = self.prefilling.get(slot)
+            if live is not None and (pending is None or pending.live is not live):
+                out[kv.group(slot)] += kv.next_blocks(slot, int(self.engine.lengths[slot]) + 1)
+        return out
+
     def make_room(self, decoding: Sequence, queue, stats: dict) -> None:
         """Give every running sequence (``decoding``: the slots' requests, None where not
         decoding) the block its next token needs, preempting by recompute where its group
@@ -104,7 +117,7 @@ class Scheduler:
                 continue   # preempted for an earlier one
             slot = self.slots.index(live)
             positions = int(eng.lengths[slot]) + 1
-            while eng.kv.need(positions) > eng.kv.held[slot] and eng.kv.available(slot) < 1:
+            while eng.kv.next_blocks(slot, positions) > eng.kv.available(slot):
                 victim = self.victim(slot)
                 self.preempt(victim, queue, stats)
                 if victim == slot:
