@@ -2,8 +2,8 @@
 
 A replica's pool has ``groups`` row groups of ``blocks`` blocks each (``models.decode``: a
 slot's blocks come from its group, the slots split into contiguous groups). A sequence is
-admitted with a **reservation** (``reserve``: the blocks its prompt plus ``max_tokens`` may
-need, so it never waits for a block mid-stream and nothing is ever preempted), **takes**
+admitted with a **reservation** (``reserve``: blocks set aside for the positions it is about
+to fill; the serving scheduler reserves its prompt and first decoded position), **takes**
 blocks as it grows (``grow``), and gives them all back when it ends (``release``: finished,
 cancelled, failed or stopped). ``tables`` is the ``[slots, max_blocks]`` block table the
 engine's programs read; an entry equal to ``blocks`` is no block.

@@ -3,11 +3,13 @@
 ``Server`` keeps one ``Scheduler`` per replica over that replica's ``Engine`` (the host-side
 block tables and buckets over a ``ModelRunner``'s device programs). Nothing is reserved up
 front. A waiting request is admitted into a free decode slot when that slot's row group of
-the KV pool has the blocks of its prompt (and of the first token after it); it takes more
-blocks as it grows (``KVBlocks.grow``). When a running sequence needs a block and its group
-has none left, the running request of that group with the lowest priority (the largest
-``priority``), the newest among equals, is **preempted by recompute**: its blocks go back and
-it returns to the queue in its old place; readmitted, its prompt and every token it
+the KV pool has the blocks of its prompt (and of the first token after it: both reserved)
+beyond those the group's running sequences take in this step's decode (``next_blocks``; else
+it would be preempted at once, its prefill wasted); it takes more blocks as it grows
+(``KVBlocks.grow``). When a running sequence needs a block and its group has none left,
+the running request of that group with the lowest priority (the largest ``priority``), the
+newest among equals, is **preempted by recompute**: its blocks go back and it returns to
+the queue in its old place; readmitted, its prompt and every token it
 generated so far are prefilled again (its cached blocks, with prefix caching, need no
 recompute) and it goes on exactly where it stopped: the same positions, the same seeds, so
 greedy and sampled tokens alike are those of a run without pressure.
