@@ -16,7 +16,8 @@ the peak number of sequences in decode slots at once; the mean over every decode
 admission left requests queued (the phase where the cache, blocks or slots, is what limits
 concurrency); the ceiling of the all-steps mean (decoded tokens ÷ the decode steps the
 longest request needs whatever the cache: once only it is left, no cache runs more); the
-preemptions; wall time of the whole workload (compilation excluded, ``warmup``). Both
+preemptions; wall time of the whole workload (compilation excluded: ``warmup`` of every
+length a prefill may have, a preempted request's recompute included). Both
 runs' tokens are checked equal. ``--trace`` prints every step's (decoded, queued).
 
     python bench/kv_paging.py --paged-slots 32,64   # writes the "## Paged KV cache" section
@@ -75,7 +76,8 @@ class StepTrace:
 
 def serve(cfg, params, mesh, ecfg: EngineConfig, jobs) -> dict:
     server = Server.from_params(cfg, params, [mesh], "tp", ecfg)
-    server.warmup(sorted({len(p) for p, _ in jobs}))
+    # every length a prefill may have: a request preempted after g tokens recomputes n + g
+    server.warmup(sorted({n for p, k in jobs for n in range(len(p), len(p) + k)}))
     trace = StepTrace(server)
     t0 = time.perf_counter()
     ids = [server.submit(p, k) for p, k in jobs]
