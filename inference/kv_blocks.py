@@ -2,8 +2,8 @@
 
 A replica's pool has ``groups`` row groups of ``blocks`` blocks each (``models.decode``: a
 slot's blocks come from its group, the slots split into contiguous groups). A sequence is
-admitted with a **reservation** (``reserve``: the blocks its prompt plus ``max_tokens`` may
-need, so it never waits for a block mid-stream and nothing is ever preempted), **takes**
+admitted with a **reservation** (``reserve``: blocks set aside for the positions it is about
+to fill; the serving scheduler reserves its prompt and first decoded position), **takes**
 blocks as it grows (``grow``), and gives them all back when it ends (``release``: finished,
 cancelled, failed or stopped). ``tables`` is the ``[slots, max_blocks]`` block table the
 engine's programs read; an entry equal to ``blocks`` is no block.
@@ -97,9 +97,17 @@ class KVBlocks:
     def busy(self, slot: int) -> bool:
         return bool(self.reserved[slot] or self.held[slot])
 
-    def can_reserve(self, slot: int, positions: int, shared: Sequence[int] = ()) -> bool:
+    def can_reserve(self, slot: int, positions: int, shared: Sequence[int] = (),
+                    keep: int = 0) -> bool:
+        """Whether ``reserve`` would succeed and still leave ``keep`` blocks of the group
+        (those the running sequences take next)."""
         new = self.need(positions) - len(shared) + self._parked(slot, shared)
-        return not self.busy(slot) and new <= self.available(slot)
+        return not self.busy(slot) and new + keep <= self.available(slot)
+
+    def next_blocks(self, slot: int, positions: int) -> int:
+        """Blocks ``slot`` must still take to hold ``positions`` (beyond its reservation)."""
+        return max(0, self.need(positions) - max(int(self.reserved[slot]),
+                                                 int(self.held[slot])))
 
     def reserve(self, slot: int, positions: int, shared: Sequence[int] = ()) -> None:
         """Set aside the blocks of ``positions`` for the sequence about to start in ``slot``,

@@ -3,11 +3,13 @@
 ``Server`` keeps one ``Scheduler`` per replica over that replica's ``Engine`` (the host-side
 block tables and buckets over a ``ModelRunner``'s device programs). Nothing is reserved up
 front. A waiting request is admitted into a free decode slot when that slot's row group of
-the KV pool has the blocks of its prompt (and of the first token after it); it takes more
-blocks as it grows (``KVBlocks.grow``). When a running sequence needs a block and its group
-has none left, the running request of that group with the lowest priority (the largest
-``priority``), the newest among equals, is **preempted by recompute**: its blocks go back and
-it returns to the queue in its old place; readmitted, its prompt and every token it
+the KV pool has the blocks of its prompt (and of the first token after it: both reserved)
+beyond those the group's running sequences take in this step's decode (``next_blocks``; else
+it would be preempted at once, its prefill wasted); it takes more blocks as it grows
+(``KVBlocks.grow``). When a running sequence needs a block and its group has none left,
+the running request of that group with the lowest priority (the largest ``priority``), the
+newest among equals, is **preempted by recompute**: its blocks go back and it returns to
+the queue in its old place; readmitted, its prompt and every token it
 generated so far are prefilled again (its cached blocks, with prefix caching, need no
 recompute) and it goes on exactly where it stopped: the same positions, the same seeds, so
 greedy and sampled tokens alike are those of a run without pressure.
@@ -56,6 +58,7 @@ class Scheduler:
         each with its prompt's KV blocks; ``(slots, requests)`` admitted."""
         eng = self.engine
         free = [i for i, s in enumerate(self.slots) if s is None]
+        keep = self.next_blocks()
         slots, batch, waiting = [], [], []
         for live in sorted(queue, key=_Live.rank):
             if not free:
@@ -64,12 +67,13 @@ class Scheduler:
             if eng.kv.need(whole) > eng.kv.blocks:
                 continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
+            first = min(len(tokens) + 1, whole)   # its prompt and its first decode's position
             # the fitting slot whose group caches the longest run of the prompt's blocks
             looked = (self.lookups(free, tokens, live.adapter)
                       if not reads_prompt(live.sampling or eng.sampling) else
                       [(i, ()) for i in free])   # its sampling reads every prompt token
             fits = [(i, shared) for i, shared in looked
-                    if eng.kv.can_reserve(i, len(tokens) + 1, shared)]
+                    if eng.kv.can_reserve(i, first, shared, keep[eng.kv.group(i)])]
             if not fits:   # not enough blocks free yet
                 waiting.append(live)
                 continue
@@ -78,7 +82,7 @@ class Scheduler:
             for w in waiting:   # a later request goes first
                 w.passed += 1
             slot, shared = max(fits, key=lambda f: len(f[1]))
-            eng.kv.reserve(slot, len(tokens), shared)
+            eng.kv.reserve(slot, first, shared)
             res = live.result
             if not res.preemptions:
                 res.cached_tokens = len(shared) * eng.kv.block_size
@@ -94,6 +98,17 @@ class Scheduler:
             batch.append(live)
         return slots, batch
 
+    def next_blocks(self) -> list[int]:
+        """Per row group, the blocks its decoding sequences take in this step's decode
+        (``make_room``, after admission): admission leaves them, or the request it admits
+        would be preempted at once, its prefill wasted."""
+        kv, out = self.engine.kv, [0] * self.engine.kv.groups
+        for slot, live in enumerate(self.slots):
+            pending = self.prefilling.get(slot)
+            if live is not None and (pending is None or pending.live is not live):
+                out[kv.group(slot)] += kv.next_blocks(slot, int(self.engine.lengths[slot]) + 1)
+        return out
+
     def make_room(self, decoding: Sequence, queue, stats: dict) -> None:
         """Give every running sequence (``decoding``: the slots' requests, None where not
         decoding) the block its next token needs, preempting by recompute where its group
@@ -104,7 +119,7 @@ class Scheduler:
                 continue   # preempted for an earlier one
             slot = self.slots.index(live)
             positions = int(eng.lengths[slot]) + 1
-            while eng.kv.need(positions) > eng.kv.held[slot] and eng.kv.available(slot) < 1:
+            while eng.kv.next_blocks(slot, positions) > eng.kv.available(slot):
                 victim = self.victim(slot)
                 self.preempt(victim, queue, stats)
                 if victim == slot:

@@ -2,7 +2,9 @@
 blocks as they grow; when a group has none left the lowest-priority, newest running request
 is preempted by recompute and resumed exactly (greedy tokens equal the reference); the
 ``priority`` field orders admission and preemption; a small request that fits goes past a
-large one that does not, at most ``max_bypass`` times; the preemptions are counted."""
+large one that does not, at most ``max_bypass`` times; the preemptions are counted;
+admission leaves the blocks that the running sequences and its own first decode take next,
+so nothing is admitted only to be preempted at once."""
 import numpy as np
 import pytest
 
@@ -83,3 +85,44 @@ def test_a_small_request_goes_past_a_large_one_at_most_max_bypass_times(params, 
     assert results[big].tokens == reference[1]
     assert [results[i].tokens for i in small] == [reference[2][:4], reference[0][:4]]
     assert _done(server)
+
+
+# Prompts at and near block boundaries (blocks of 4): 16 tokens fill 4 blocks exactly, so
+# the first decode's position takes a 5th; 13 and 14 tokens need 4 blocks with that position.
+EDGE = [list(range(100, 116)), list(range(120, 133)), list(range(140, 154))]
+
+
+@pytest.fixture(scope="module")
+def edge_reference(params):
+    return greedy_reference(CFG, params, EDGE, NEW)[0]
+
+
+def test_admission_reserves_the_first_decode_position(params, edge_reference, devices):
+    """16 tokens: 5 blocks with its first decode's position, reserved at admission; the 13
+    behind it (4 blocks) then waits (3 free) instead of being admitted into the 5th block,
+    prefilled and preempted at the first decode."""
+    server = _server(params, devices)
+    ids = [server.submit(EDGE[0], 4), server.submit(EDGE[1], 4)]
+    server._step()
+    assert [x.result.request_id for x in server.queue] == [ids[1]]
+    results = server.run()
+    assert [results[i].tokens for i in ids] == [edge_reference[0][:4], edge_reference[1][:4]]
+    assert server.stats["preemptions"] == 0 and _done(server)
+
+
+def test_admission_leaves_the_blocks_running_sequences_take_next(params, edge_reference,
+                                                                 devices):
+    """13 tokens, 4 blocks; after 3 steps its next decode (position 16) takes a 5th. The 14
+    arriving then needs the 4 free blocks: admitted, it would be preempted in the same step
+    for that 5th block; it waits for it instead."""
+    server = _server(params, devices)
+    first = server.submit(EDGE[1], NEW)
+    for _ in range(3):
+        server._step()
+    second = server.submit(EDGE[2], NEW)
+    server._step()
+    assert [x.result.request_id for x in server.queue] == [second]
+    assert server.engines[0].kv.held.max() == 5
+    results = server.run()
+    assert [results[i].tokens for i in (first, second)] == edge_reference[1:]
+    assert server.stats["preemptions"] == 0 and _done(server)
