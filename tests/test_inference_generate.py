@@ -32,7 +32,7 @@ def reference(params):
 LAYOUTS = {  # name: (one replica's mesh, replicas)
     "single": ({}, 1),
     "tensor8": ({"tensor": 8}, 1),
-    "2rep_x_tensor2": ({"tensor": 2}, 2),
+    "4rep_x_tensor2": ({"tensor": 2}, 4),
     "pipe2_x_tensor2": ({"pipe": 2, "tensor": 2}, 1),
     "data2_pipe2_tensor2": ({"data": 2, "pipe": 2, "tensor": 2}, 1),
 }
