@@ -106,8 +106,7 @@ def specs(server):
     out = {}
     for name, draft in (("ngram", None),
                         ("draft", load_draft("tiny", CFG, mesh, "tp", seed=1, num_layers=1)),
-                        ("self", load_draft("tiny", CFG, mesh, "tp", seed=0,
-                                            num_layers=CFG.num_layers))):
+                        ("self", DraftWeights(CFG, server.engines[0].params))):
         engines = server.engines if draft is None else server.engines[:1]
         attach(engines, SpeculativeConfig("ngram" if draft is None else "draft", 3,
                                                  None if draft is None else "tiny"),
@@ -299,13 +298,14 @@ def test_bad_settings_are_named():
         SpeculativeConfig("draft", 4)
 
 
-def test_draft_sampling_matches_plain_sampling():
+def test_draft_sampling_matches_plain_sampling(server):
     """End to end through the engine: 800 seeded requests at temperature 1, top-k 3, served
     plainly and with a draft near the target (its weights perturbed: some proposals kept,
     some not); the joint law of their second and third tokens (the first speculative
     round's) agrees by a two-sample chi-square."""
-    server = Server.from_seed(CFG, mesh_sizes={"tensor": 1}, devices=jax.devices()[:1],
-                              ecfg=EngineConfig(max_batch=32, max_len=16, min_bucket=16))
+    server = Server.from_params(CFG, server.engines[0].params,   # the seed-0 weights
+                                [make_mesh(devices=jax.devices()[:1])],
+                                ecfg=EngineConfig(max_batch=32, max_len=16, min_bucket=16))
     hot, n = SamplingConfig(temperature=1.0, top_k=3), 800
 
     def tokens():
@@ -332,14 +332,16 @@ def test_draft_sampling_matches_plain_sampling():
     assert chi2 < df + 4 * np.sqrt(2 * df), f"chi-square {chi2:.1f} on {df} degrees of freedom"
 
 
-def test_under_pool_pressure_with_prefix_cache():
+def test_under_pool_pressure_with_prefix_cache(server):
     """A pool of 7 blocks of 8 for 2 slots (a sequence ends at 5 blocks): sequences are
     preempted and recomputed, prompts share cached blocks, verify steps take blocks past
     their rows' lengths and give the rejected ones back; greedy tokens are plain decoding's
     and every block comes back."""
-    server = Server.from_seed(CFG, mesh_sizes={"tensor": 1}, devices=jax.devices()[:1],
-                              ecfg=EngineConfig(max_batch=2, max_len=48, min_bucket=16,
-                                                kv_blocks=7, block_size=8, prefix_cache=True))
+    server = Server.from_params(CFG, server.engines[0].params,   # the seed-0 weights
+                                [make_mesh(devices=jax.devices()[:1])],
+                                ecfg=EngineConfig(max_batch=2, max_len=48, min_bucket=16,
+                                                  kv_blocks=7, block_size=8,
+                                                  prefix_cache=True))
     prompts = [list(range(100, 116)) + p for p in PROMPTS]   # two blocks in common
 
     def serve():
