@@ -55,7 +55,7 @@ def test_train_stderr_holds_only_triax_lines(trained):
 def test_generate_from_checkpoint_stderr_holds_only_triax_lines(trained):
     cwd, _ = trained
     done = _triax("generate", "--checkpoint", "ck", "--prompt", "ab", "--max-new-tokens", "2",
-                  "--mesh", "data=2", cwd=cwd)
+                  "--mesh", "data=2", "--slots", "2", cwd=cwd)   # a row per shard: 2 programs
     assert "ab" in done.stdout
     assert not _foreign(done.stderr), done.stderr
     # It says what it does as it goes: the load, then each program compiled, with times.

@@ -1,4 +1,4 @@
-"""Continuous batching over 4 replicas: every request completes with its own tokens,
+"""Continuous batching over 2 replicas (each compiles its own programs): every request completes with its own tokens,
 independent of arrival order, finished slots are reused, and shapes compile once per bucket."""
 import random
 
@@ -29,7 +29,7 @@ def _requests(n=50, seed=0):
 def setup(devices):
     params = jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
                                         "tp", seed=1))
-    server = Server.from_params(CFG, params, replica_meshes({}, 4, devices[:4]),
+    server = Server.from_params(CFG, params, replica_meshes({}, 2, devices[:2]),
                                 ecfg=EngineConfig(max_batch=4, max_len=32, min_bucket=16))
     reqs = _requests()
     ref, _ = greedy_reference(CFG, params, [p for p, _ in reqs], MAX_NEW)
@@ -53,8 +53,8 @@ def test_fifty_requests_complete_with_their_own_tokens(setup):
         assert r.tokens == ref[i][:n], f"request {i}"
         assert 0 <= r.ttft_s <= r.done - r.submitted and r.tokens_per_s > 0
     uses = np.array(server.slot_uses)
-    assert uses.sum() == 50 and uses.max() > 1          # 16 slots served 50 requests
-    assert {r.replica for r in out.values()} == {0, 1, 2, 3}
+    assert uses.sum() == 50 and uses.max() > 1          # 8 slots served 50 requests
+    assert {r.replica for r in out.values()} == {0, 1}
     for eng in server.engines:   # decode: one shape per bucket of live rows (1, 2, 4), all
         #                            compiled by the warm-up; prefill per batch and length
         assert eng._decode_jit._cache_size() == len(eng._decode_buckets()) == 3

@@ -8,14 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from triax.inference.draft_proposer import draft_for, load_draft
-from triax.inference.engine import EngineConfig
+from triax.inference.draft_proposer import DraftWeights, draft_for, load_draft
+from triax.inference.engine import Engine, EngineConfig
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.ngram_proposer import propose
 from triax.inference.rejection import rejection_accept
 from triax.inference.sampling import SamplingConfig, row_keys
 from triax.inference.server import Server
 from triax.inference.speculative import SpeculativeConfig, attach
+from triax.mesh import make_mesh
 from triax.models import config
 
 CFG = config.TINY.replace(num_layers=2)
@@ -105,8 +106,7 @@ def specs(server):
     out = {}
     for name, draft in (("ngram", None),
                         ("draft", load_draft("tiny", CFG, mesh, "tp", seed=1, num_layers=1)),
-                        ("self", load_draft("tiny", CFG, mesh, "tp", seed=0,
-                                            num_layers=CFG.num_layers))):
+                        ("self", DraftWeights(CFG, server.engines[0].params))):
         engines = server.engines if draft is None else server.engines[:1]
         attach(engines, SpeculativeConfig("ngram" if draft is None else "draft", 3,
                                                  None if draft is None else "tiny"),
@@ -224,14 +224,16 @@ def test_flags_attach_and_metrics(server, specs):
     assert mean == pytest.approx(1 + st["accepted"] / st["rounds"]) and mean > 1
 
 
-def test_greedy_ngram_on_pipeline_and_context_layouts():
+def test_greedy_ngram_on_pipeline_and_context_layouts(server, plain):
     """The verify pass through the pipeline's forward-only schedule (pipe=2) and over a
     context-split pool (context=2), with n-gram proposals and a draft: greedy tokens are
-    plain decoding's."""
-    server = Server.from_seed(CFG, mesh_sizes=[{"pipe": 2}, {"context": 2}],
-                              devices=jax.devices()[4:8],
-                              ecfg=EngineConfig(max_batch=2, max_len=32, min_bucket=16))
-    plain = [r.tokens for r in _serve(server, {}, None)]
+    plain decoding's (the module server's, tensor=2: layouts agree). The pipeline's two
+    micro-batches take a slot each; the context replica has one slot (one decode bucket)."""
+    params, devs = server.engines[0].params, jax.devices()
+    server = Server([Engine(CFG, params, make_mesh(pipe=2, devices=devs[4:6]),
+                            ecfg=EngineConfig(max_batch=2, max_len=32, min_bucket=16)),
+                     Engine(CFG, params, make_mesh(context=2, devices=devs[6:8]),
+                            ecfg=EngineConfig(max_batch=1, max_len=32, min_bucket=16))])
     attach(server.engines, SpeculativeConfig("ngram", 3))
     ids = [server.submit(p, NEW) for p in PROMPTS]
     res = server.run()
@@ -239,9 +241,9 @@ def test_greedy_ngram_on_pipeline_and_context_layouts():
     assert {res[i].replica for i in ids} == {0, 1}
     assert all(e.speculator.stats["accepted"] > 0 for e in server.engines)
     # a draft (the target's own weights: every proposal kept) on the same two layouts
-    for eng in server.engines:
-        same = load_draft("tiny", CFG, eng.mesh, eng.strategy, seed=0, num_layers=CFG.num_layers)
-        attach([eng], SpeculativeConfig("draft", 3, "tiny"), draft_for(same))
+    for eng in server.engines:   # (load_draft's own init is the module fixture's "self")
+        attach([eng], SpeculativeConfig("draft", 3, "tiny"),
+               draft_for(DraftWeights(CFG, eng.params)))
     ids = [server.submit(p, NEW) for p in PROMPTS]
     res = server.run()
     assert [res[i].tokens for i in ids] == plain, "a draft changed pipeline/context tokens"
@@ -286,7 +288,6 @@ def test_bad_settings_are_named():
     from hf_fixtures import fixture
 
     from triax.inference.errors import InferenceError
-    from triax.mesh import make_mesh
     with pytest.raises(InferenceError, match="vocabulary of 320 ids and the target 264"):
         load_draft(fixture("llama"), CFG, make_mesh(devices=jax.devices()[:1]), "tp")
     with pytest.raises(InferenceError, match="--num-speculative-tokens 0"):
@@ -297,14 +298,14 @@ def test_bad_settings_are_named():
         SpeculativeConfig("draft", 4)
 
 
-def test_draft_sampling_matches_plain_sampling():
+def test_draft_sampling_matches_plain_sampling(server):
     """End to end through the engine: 800 seeded requests at temperature 1, top-k 3, served
     plainly and with a draft near the target (its weights perturbed: some proposals kept,
     some not); the joint law of their second and third tokens (the first speculative
     round's) agrees by a two-sample chi-square."""
-    from triax.inference.draft_proposer import DraftWeights
-    server = Server.from_seed(CFG, mesh_sizes={"tensor": 1}, devices=jax.devices()[:1],
-                              ecfg=EngineConfig(max_batch=32, max_len=16, min_bucket=16))
+    server = Server.from_params(CFG, server.engines[0].params,   # the seed-0 weights
+                                [make_mesh(devices=jax.devices()[:1])],
+                                ecfg=EngineConfig(max_batch=32, max_len=16, min_bucket=16))
     hot, n = SamplingConfig(temperature=1.0, top_k=3), 800
 
     def tokens():
@@ -314,8 +315,8 @@ def test_draft_sampling_matches_plain_sampling():
     plain = tokens()
     eng = server.engines[0]
     key = jax.random.PRNGKey(1)
-    noise = jax.tree.map(lambda x: x * (1 + 0.2 * jax.random.normal(key, x.shape, x.dtype)),
-                         eng.params)
+    noise = jax.jit(jax.tree_util.Partial(jax.tree.map, lambda x: x * (
+        1 + 0.2 * jax.random.normal(key, x.shape, x.dtype))))(eng.params)   # one program
     attach([eng], SpeculativeConfig("draft", 2, "tiny"), draft_for(DraftWeights(CFG, noise)))
     spec = tokens()
     st = eng.speculator.stats
@@ -331,13 +332,16 @@ def test_draft_sampling_matches_plain_sampling():
     assert chi2 < df + 4 * np.sqrt(2 * df), f"chi-square {chi2:.1f} on {df} degrees of freedom"
 
 
-def test_under_pool_pressure_with_prefix_cache():
-    """A pool of 7 blocks of 8 for 4 slots: sequences are preempted and recomputed, prompts
-    share cached blocks, verify steps take blocks past their rows' lengths and give the
-    rejected ones back; greedy tokens are plain decoding's and every block comes back."""
-    server = Server.from_seed(CFG, mesh_sizes={"tensor": 1}, devices=jax.devices()[:1],
-                              ecfg=EngineConfig(max_batch=4, max_len=48, min_bucket=16,
-                                                kv_blocks=7, block_size=8, prefix_cache=True))
+def test_under_pool_pressure_with_prefix_cache(server):
+    """A pool of 7 blocks of 8 for 2 slots (a sequence ends at 5 blocks): sequences are
+    preempted and recomputed, prompts share cached blocks, verify steps take blocks past
+    their rows' lengths and give the rejected ones back; greedy tokens are plain decoding's
+    and every block comes back."""
+    server = Server.from_params(CFG, server.engines[0].params,   # the seed-0 weights
+                                [make_mesh(devices=jax.devices()[:1])],
+                                ecfg=EngineConfig(max_batch=2, max_len=48, min_bucket=16,
+                                                  kv_blocks=7, block_size=8,
+                                                  prefix_cache=True))
     prompts = [list(range(100, 116)) + p for p in PROMPTS]   # two blocks in common
 
     def serve():
