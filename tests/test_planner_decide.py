@@ -87,9 +87,10 @@ def _cli(capsys, *args):
 
 
 def test_cli_json_contract(capsys):
+    # test_pcie_keeps_tp_at_most_two's llama3-8b job: its pipelined plans' traces shared.
     rc, out, _ = _cli(capsys, "--model", "llama3-8b", "--train", "--gpu", "h100-80gb",
-                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "16",
-                      "--seq-len", "2048", "--top", "2", "--json")
+                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "64",
+                      "--seq-len", "4096", "--dtype", "bf16", "--top", "2", "--json")
     d = json.loads(out)
     assert rc == 0 and set(d) >= {"model", "min_devices_for_weights", "plans", "reasoning"}
     assert set(d["model"]) >= {"params", "weight_bytes"}
