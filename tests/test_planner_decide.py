@@ -15,6 +15,7 @@ from triax.costs import hardware
 from triax.planner.recommend import plan
 from triax.costs.memory import estimate, min_devices_for_weights
 from triax.costs.pipeline_math import microbatch_constraint, peak_in_flight
+from triax.sharding.partition import abstract_model
 from triax.planner.search import layouts, long_sequence_loss_chunks, loss_chunks_keep_the_split
 from triax.costs.workload import Layout, Workload
 
@@ -87,9 +88,10 @@ def _cli(capsys, *args):
 
 
 def test_cli_json_contract(capsys):
+    # test_pcie_keeps_tp_at_most_two's llama3-8b job: its pipelined plans' traces shared.
     rc, out, _ = _cli(capsys, "--model", "llama3-8b", "--train", "--gpu", "h100-80gb",
-                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "16",
-                      "--seq-len", "2048", "--top", "2", "--json")
+                      "--gpus-per-node", "8", "--nodes", "1", "--batch-size", "64",
+                      "--seq-len", "4096", "--dtype", "bf16", "--top", "2", "--json")
     d = json.loads(out)
     assert rc == 0 and set(d) >= {"model", "min_devices_for_weights", "plans", "reasoning"}
     assert set(d["model"]) >= {"params", "weight_bytes"}
@@ -192,14 +194,15 @@ def test_searched_plans_are_what_the_executor_builds(devices):
               lay.schedule, lay.microbatches, lay.virtual)
              for lay in layouts(w, cluster, refused, skipped) if lay.pipe > 1}
     assert plans and refused and skipped
+    model = abstract_model(w.cfg)             # traced once: every Pipeline below shares it
     for data, pipe, expert, tensor, strategy, kind, m, v in sorted(plans, key=str):
         mesh = make_mesh(data=data, pipe=pipe, expert=expert, tensor=tensor)
-        pp = Pipeline(w.cfg, mesh, strategy, PipelineConfig(kind.value, m, v))
+        pp = Pipeline(model, mesh, strategy, PipelineConfig(kind.value, m, v))
         assert pp.schedule.microbatches == m
         pp._check_batch(w.batch, m)           # raises what the executor would raise
     for lay, why in refused:                  # the executor raises the planner's reason
         with pytest.raises(ScheduleError, match=re.escape(why)):
-            Pipeline(w.cfg, make_mesh(**{a: n for a, n in lay.sizes.items() if n > 1}),
+            Pipeline(model, make_mesh(**{a: n for a, n in lay.sizes.items() if n > 1}),
                      lay.strategy, PipelineConfig((lay.schedule or ScheduleKind.ONE_F_ONE_B)
                                                   .value, lay.microbatches, lay.virtual))
     rec = plan(w, cluster, top=50)

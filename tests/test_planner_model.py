@@ -138,7 +138,7 @@ def test_pipe_traffic_follows_schedule():
     # permute per tick each way), and the stage-shared parameters' gradients are
     # all-reduced over pipe once.
     cfg = config.get("tiny", num_layers=4)
-    w = Workload.of(cfg, train=True, dtype="fp32", batch=16, seq=32)
+    w = Workload.of(cfg, train=True, dtype="fp32", batch=16, seq=32, backend="cpu")
     for M in (4, 8):
         lay = Layout(data=2, pipe=4, strategy="dp", schedule=ScheduleKind.ONE_F_ONE_B,
                      microbatches=M)
@@ -157,7 +157,10 @@ def test_pipe_traffic_follows_schedule():
 
 
 def test_gpipe_holds_more_activations_than_1f1b():
-    w = Workload.of(config.get("small"), train=True, dtype="bf16", batch=32, seq=512)
+    # The pipelined rows' tiny workload (its one traced chunk shape: one layer, one row per
+    # micro-batch), at 16 micro-batches per replica.
+    w = Workload.of(config.get("tiny", num_layers=4), train=True, dtype="fp32", batch=32,
+                    seq=32, backend="cpu")
     g = estimate(w, Layout(data=2, pipe=4, schedule=ScheduleKind.GPIPE, microbatches=16))
     f = estimate(w, Layout(data=2, pipe=4, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=16))
     # GPipe stashes all M=16 micro-batches, 1F1B at most S=4 (the executor's slot counts).
