@@ -170,17 +170,16 @@ def test_every_unknown_name_is_reported_at_once(devices):
         triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), vit_loss, make_mesh(data=8), "dp")
 
 
-def test_protocol_defines_the_loss_when_none_is_given(devices):
-    """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss."""
+def test_protocol_defines_the_loss_when_none_is_given(vit_reference, devices):
+    """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss;
+    against the user's own loss (vit_reference: its loss and grads at init(0), batch 0)."""
     mesh = make_mesh(devices=devices[:1])
-    own = vit_trainer(mesh)
     derived = triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), None, mesh, "dp",
                                       rules=VIT_RULES)
-    params = own.init(0)["params"]
-    (a, _), ga = own.grads(params, VIT_BATCHES[0])
+    params = vit_trainer(mesh).init(0)["params"]      # the reference's init program
     (b, _), gb = derived.grads(params, VIT_BATCHES[0])
-    np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
-    assert_trees_close(gb, ga, rtol=1e-5, atol=1e-7, what="protocol-loss grads")
+    np.testing.assert_allclose(float(b), vit_reference[0], rtol=1e-6)
+    assert_trees_close(gb, vit_reference[1], rtol=1e-5, atol=1e-7, what="protocol-loss grads")
     with pytest.raises(TypeError, match=r"lacks \['blocks', 'embed', 'block', 'head_loss'\]"):
         triax.Trainer.for_model(Unannotated, None, mesh, "dp", default="replicate")
 
