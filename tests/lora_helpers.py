@@ -2,6 +2,7 @@
 with the first step's adapter gradients read from Adam's first moment."""
 import jax
 import numpy as np
+from step_grads import first_step_grads
 
 from triax.models import lora
 from triax.training.step import Trainer
@@ -18,16 +19,10 @@ def start_params(trainer):
     return lora.join(ad, base)
 
 
-def adam_mu(opt_state):
-    """The first moment of the optimizer chain's Adam (``training.optim.make_optimizer``)."""
-    return next(s.mu for s in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu"))
-                if hasattr(s, "mu"))
-
-
 def run_steps(cfg, mesh, strategy, pipeline, params, B, T, steps=3):
     """``steps`` compiled steps from ``params`` on batches of seeds 0, 1, …: the losses, the
-    first step's gradients (``mu / (1 - b1)``: the clipped gradient the optimizer used), the
-    final params and optimizer state, the compiled step and its trainer."""
+    first step's gradients (``step_grads.first_step_grads``), the final params and optimizer
+    state, the compiled step and its trainer."""
     tr = Trainer(cfg, mesh, strategy, pipeline=pipeline)
     compiled = tr.lower(B, T).compile()
     # The model's form in and out (uneven stages store their blocks stage by stage).
@@ -39,9 +34,7 @@ def run_steps(cfg, mesh, strategy, pipeline, params, B, T, steps=3):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))
         losses.append(float(m["loss"]))
         if i == 0:
-            b1 = tr.optim.b1
-            grads = jax.tree.map(lambda m: np.asarray(m) / (1 - b1),
-                                 tr.to_model(jax.device_get(adam_mu(state["opt_state"]))))
+            grads = first_step_grads(tr, state, m)
     return dict(loss=losses[0], grads=grads, losses=losses, compiled=compiled, trainer=tr,
                 params=tr.to_model(jax.device_get(state["params"])),
                 opt=jax.device_get(state["opt_state"]))

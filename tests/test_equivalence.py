@@ -99,17 +99,22 @@ def test_tp_overlap_matches_single_device(reference, strategy, data, tensor):
 
 
 def test_remat_matches_plain(reference, devices):
-    ref_loss, ref_grads, *_ = reference
-    trainer = Trainer(CFG, make_mesh(data=2, tensor=4), "fsdp_tp", exe=ExecConfig(remat="full"))
-    state = trainer.init(seed=0)
-    (loss, _), grads = trainer.grads(state["params"], batches(trainer)[0])
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    assert_trees_close(jax.device_get(grads), ref_grads, rtol=1e-5, atol=1e-7, what="remat grads")
+    """Remat: loss, gradients and 3 steps equal the plain step's; the one compiled step, read
+    for its memory, keeps under half the temporaries of its plain twin (fsdp_tp 2x4 above,
+    the same program: compiled once per run)."""
+    mesh = make_mesh(data=2, tensor=4)
+    trainer = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="full"))
+    loss, grads, losses, params = run(trainer)
+    ref_loss, ref_grads, ref_losses, ref_params = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="remat grads")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="remat params")
     # Remat is on in the program: the compiled step keeps fewer temporaries than without.
-    plain = Trainer(CFG, make_mesh(data=2, tensor=4), "fsdp_tp", exe=ExecConfig(remat="none"))
-    temp = {name: t.lower(64, 64).compile().memory_analysis().temp_size_in_bytes
+    plain = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="none"))
+    temp = {name: t.lower(B, T).compile().memory_analysis().temp_size_in_bytes
             for name, t in (("remat", trainer), ("plain", plain))}
-    assert temp["remat"] < 0.9 * temp["plain"], temp
+    assert temp["remat"] < 0.6 * temp["plain"], temp
 
 
 def test_bf16_compute_keeps_fp32_master(reference, devices):

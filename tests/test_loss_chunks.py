@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from step_grads import first_step_grads
 from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
@@ -23,15 +24,18 @@ B, T = 4, 32
 
 
 def run(trainer, weights=False, n_steps=3):
+    """The loss and gradients at the initial parameters (the first step's, its gradients read
+    from the optimizer: one compile) and the parameters after ``n_steps`` steps."""
     state = trainer.init(seed=0)
     batches = [trainer.example_batch(B, T, seed=i) for i in range(n_steps)]
     if weights:     # a prompt-masked batch: the first quarter of each row has no loss
         for b in batches:
             b["weights"] = (np.arange(T)[None] >= T // 4).astype(np.float32).repeat(B, 0)
-    (loss, _), grads = trainer.grads(state["params"], batches[0])
-    for b in batches:
-        state, _ = trainer.step(state, b)
-    return float(loss), jax.device_get(grads), jax.device_get(state["params"])
+    for i, b in enumerate(batches):
+        state, m = trainer.step(state, b)
+        if i == 0:
+            loss, grads = float(m["loss"]), first_step_grads(trainer, state, m)
+    return loss, grads, jax.device_get(state["params"])
 
 
 def check(out, ref):

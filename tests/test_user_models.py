@@ -76,8 +76,14 @@ MIXER_BATCHES = [mixer_batch(MIXER, B, seed=i) for i in range(3)]
 
 
 @pytest.fixture(scope="module")
-def vit_reference(devices):
-    return run(with_grads(vit_trainer, make_mesh(devices=devices[:1])), VIT_BATCHES)
+def vit_one(devices):
+    """The one-device ViT trainer (its step's metrics carry the gradients)."""
+    return with_grads(vit_trainer, make_mesh(devices=devices[:1]))
+
+
+@pytest.fixture(scope="module")
+def vit_reference(vit_one):
+    return run(vit_one, VIT_BATCHES)
 
 
 @pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8),
@@ -170,17 +176,16 @@ def test_every_unknown_name_is_reported_at_once(devices):
         triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), vit_loss, make_mesh(data=8), "dp")
 
 
-def test_protocol_defines_the_loss_when_none_is_given(devices):
-    """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss."""
+def test_protocol_defines_the_loss_when_none_is_given(vit_one, vit_reference, devices):
+    """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss;
+    against the user's own loss (vit_reference: its loss and grads at init(0), batch 0)."""
     mesh = make_mesh(devices=devices[:1])
-    own = vit_trainer(mesh)
     derived = triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), None, mesh, "dp",
                                       rules=VIT_RULES)
-    params = own.init(0)["params"]
-    (a, _), ga = own.grads(params, VIT_BATCHES[0])
+    params = vit_one.init(0)["params"]          # the reference's init, compiled already
     (b, _), gb = derived.grads(params, VIT_BATCHES[0])
-    np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
-    assert_trees_close(gb, ga, rtol=1e-5, atol=1e-7, what="protocol-loss grads")
+    np.testing.assert_allclose(float(b), vit_reference[0], rtol=1e-6)
+    assert_trees_close(gb, vit_reference[1], rtol=1e-5, atol=1e-7, what="protocol-loss grads")
     with pytest.raises(TypeError, match=r"lacks \['blocks', 'embed', 'block', 'head_loss'\]"):
         triax.Trainer.for_model(Unannotated, None, mesh, "dp", default="replicate")
 
