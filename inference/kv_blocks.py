@@ -133,7 +133,7 @@ class KVBlocks:
         if n > self.max_blocks:
             raise CacheFullError(f"slot {slot}: {positions} positions exceed the "
                                  f"{self.max_blocks * self.block_size} a sequence may hold")
-        extra = n - max(int(self.reserved[slot]), int(self.held[slot]))
+        extra = self.next_blocks(slot, positions)
         if extra > self.available(slot):
             raise CacheFullError(
                 f"the KV pool is out of blocks: slot {slot} needs {extra} more and its group "

@@ -54,6 +54,7 @@ def test_a_warm_cache_leaves_later_replicas_to_first_use_with_the_same_tokens(pa
     assert not lazy.compiles["decode"] and not lazy.compiles["prefill"]
     assert _greedy(lazy) == _greedy(ready), "a replica warmed on first use served other tokens"
 
+
 def test_policies():
     assert lazy_rest("auto", hits=12, misses=0) and lazy_rest("first", hits=0, misses=12)
     assert not lazy_rest("auto", hits=0, misses=0)        # no cache: warm them all
