@@ -2,6 +2,13 @@
 an incomplete UTF-8 character and any tail that could still grow into a ``stop`` string;
 a stop string ends the text just before it (OpenAI's rule: the stop string is not returned).
 
+Each token decodes a short window, not the whole list (vLLM's incremental detokenizer): the
+tokens since the text was last whole, with those of the whole piece before as context (a
+tokenizer may spell a token differently at the start of a text). So a long answer costs a constant per token, not one growing with its length.
+Where a window's text does not extend its context's, the whole list is decoded
+(``_decoded``). A byte-fallback tokenizer (Llama 2's) may turn text already final into
+U+FFFD when invalid bytes follow it; streamed text is not taken back.
+
     >>> from triax.text.byte_tokenizer import ByteTokenizer
     >>> d = Detokenizer(ByteTokenizer(), stop=["lo w"])
     >>> [d.push(t) for t in b"hello world"][:5], d.stopped, d.text
@@ -20,9 +27,28 @@ class Detokenizer:
         self.tokens: list[int] = []
         self.text = ""          # emitted so far
         self.stopped = False    # a stop string was generated
+        # tokens[:read] decode whole to `whole`; tokens[context:read] are the window's context
+        self.whole, self.context, self.read = "", 0, 0
 
     def _decoded(self) -> str:
-        return self.tokenizer.decode(self.tokens)
+        """The text so far: ``whole`` (final) and the window's text after it. A window that
+        does not extend its context's text (pieces read more context; or byte-fallback
+        pieces of an unfinished character, which spoil the bytes before them too) is checked
+        against the whole list's decode, and held back ("\ufffd") unless that extends it."""
+        toks = self.tokens
+        known = self.tokenizer.decode(toks[self.context:self.read])
+        window = self.tokenizer.decode(toks[self.context:])
+        if window.startswith(known) or window.endswith("\ufffd"):   # (unfinished: hold)
+            tail = window[len(known):] if window.startswith(known) else "\ufffd"
+        else:
+            full = self.tokenizer.decode(toks)
+            tail = full[len(self.whole):] if full.startswith(self.whole) else "\ufffd"
+        if tail.endswith("\ufffd"):   # an unfinished character: the window grows
+            return self.whole + tail
+        # the next window's context: from the last point the text was whole, so that it
+        # starts on a character (a byte-fallback piece cut from its character spoils its run)
+        self.whole, self.context, self.read = self.whole + tail, self.read, len(toks)
+        return self.whole
 
     def push(self, token: int) -> str:
         """Add one generated token; return the newly final text ('' while held back)."""
@@ -45,7 +71,7 @@ class Detokenizer:
 
     def flush(self) -> str:
         """The held-back text once generation has ended (nothing after a stop string)."""
-        return "" if self.stopped else self._emit(self._decoded())
+        return "" if self.stopped else self._emit(self.tokenizer.decode(self.tokens))
 
     def _emit(self, upto: str) -> str:
         delta, self.text = upto[len(self.text):], upto
