@@ -6,7 +6,9 @@ devices own under the strategy's rules, and each region is read with
 ``safe_open(...).get_slice`` (``triax.hf.layout.read_region``). A stacked triax parameter
 (layers, the fused ``w_in_D2F``, the stacked experts) is zero-initialised on its devices and
 filled one HF tensor at a time by a jitted in-place update, so no process ever holds the
-whole model, and host memory holds one tensor's slice at a time, not the stack.
+whole model, and host memory holds one tensor's slice at a time, not the stack. ``dtype``
+(the served dtype, ``bfloat16`` say) is what every parameter is built in on the devices: a
+model that fits in bfloat16 never passes through float32 there.
 
     >>> from triax.mesh import make_mesh
     >>> mesh = make_mesh(tensor=2, devices=jax.devices()[:2])
@@ -94,12 +96,12 @@ def _shards(mesh, entry) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _placer(sharding: NamedSharding, shape: tuple, splits: tuple):
+def _placer(sharding: NamedSharding, shape: tuple, splits: tuple, dtype: str):
     """Jitted ``(zeros, put)`` for one stacked parameter. ``splits[a]`` is how many shards
     stacked axis ``a`` has (1 on body axes); a chunk holds one entry of each shard (size
     ``splits[a]`` on that axis) and ``put(stack, chunk, ks)`` writes it in place (donated) at
     entries ``j·(shape[a]/splits[a]) + ks[a]`` of each stacked axis."""
-    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     lead = [a for a, n in enumerate(splits) if n]
 
     def put(stack, chunk, ks):
@@ -119,21 +121,23 @@ def _placer(sharding: NamedSharding, shape: tuple, splits: tuple):
     return zeros, jax.jit(put, out_shardings=sharding, donate_argnums=0)
 
 
-def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
+def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint,
+           dtype: str = "float32") -> jax.Array:
     """One triax parameter on ``sharding``. A stacked one is built on the devices one chunk at
     a time, a chunk being one HF tensor per shard of the stacked axes (one layer per pipeline
     stage, say), each read only where this process's devices hold it: host memory holds about
     one tensor's slice per device, never the stack."""
     shape = src.triax_shape
     if not src.lead:
-        return _from_callback(shape, sharding, lambda index: read_region(src, index, ckpt.read))
+        return _from_callback(shape, sharding, lambda index: read_region(
+            src, index, ckpt.read).astype(dtype))
     lead_axes = sorted(src._perm[j] for j in range(len(src.lead)))
     spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
     splits = tuple(_shards(sharding.mesh, spec[a]) if a in lead_axes else 0
                    for a in range(len(shape)))
     per = {a: shape[a] // splits[a] for a in lead_axes}   # entries per shard
     chunk_shape = tuple(splits[a] if a in lead_axes else n for a, n in enumerate(shape))
-    zeros, put = _placer(sharding, shape, splits)
+    zeros, put = _placer(sharding, shape, splits, dtype)
     stack = zeros()
     for ks in itertools.product(*(range(per[a]) for a in lead_axes)):
         k = dict(zip(lead_axes, ks))
@@ -141,7 +145,7 @@ def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
         def read(index, k=k):
             full = [range(*sl.indices(n)) for sl, n in zip(
                 tuple(index) + (slice(None),) * (len(shape) - len(index)), chunk_shape)]
-            out = np.empty([len(r) for r in full], np.float32)
+            out = np.empty([len(r) for r in full], dtype)
             for pos in itertools.product(*(range(len(full[a])) for a in lead_axes)):
                 region, where = [], []
                 for a, r in enumerate(full):
@@ -161,9 +165,10 @@ def _array(src: Source, sharding: NamedSharding, ckpt: Checkpoint) -> jax.Array:
 
 
 def load_params(directory: str, cfg: ModelConfig, mesh: Mesh,
-                strategy: str | Strategy = SERVE_STRATEGY,
+                strategy: str | Strategy = SERVE_STRATEGY, dtype: str = "float32",
                 ) -> tuple[dict, LoadReport]:
-    """``(params, report)``: ``cfg``'s parameters from ``directory``, sharded on ``mesh``."""
+    """``(params, report)``: ``cfg``'s parameters from ``directory``, sharded on ``mesh``,
+    in ``dtype`` (see the module doc)."""
     t0 = time.perf_counter()
     ckpt = Checkpoint(directory)
     ckpt.check(expected_tensors(cfg))
@@ -176,7 +181,8 @@ def load_params(directory: str, cfg: ModelConfig, mesh: Mesh,
     for p, shape in shapes.items():
         assert by_path[p].triax_shape == shape, (p, by_path[p].triax_shape, shape)
     shardings = _leaves(param_shardings(am, mesh, strategy))
-    flat = {p: _array(by_path[p], shardings[p], ckpt) for p in shapes}
+    dtype = jnp.dtype(dtype).name
+    flat = {p: _array(by_path[p], shardings[p], ckpt, dtype) for p in shapes}
     jax.block_until_ready(list(flat.values()))
     report = LoadReport(ckpt.bytes_read, time.perf_counter() - t0, len(flat))
     ckpt.close()
@@ -184,10 +190,11 @@ def load_params(directory: str, cfg: ModelConfig, mesh: Mesh,
 
 
 def load(directory: str, mesh: Mesh, strategy: str | Strategy = SERVE_STRATEGY,
-         name: Optional[str] = None) -> tuple[ModelConfig, dict, LoadReport]:
-    """``(cfg, params, report)`` of the HF model in ``directory`` on ``mesh``."""
+         name: Optional[str] = None, dtype: str = "float32"
+         ) -> tuple[ModelConfig, dict, LoadReport]:
+    """``(cfg, params, report)`` of the HF model in ``directory`` on ``mesh``, in ``dtype``."""
     cfg = read_model_config(directory, name)
-    params, report = load_params(directory, cfg, mesh, strategy)
+    params, report = load_params(directory, cfg, mesh, strategy, dtype)
     return cfg, params, report
 
 

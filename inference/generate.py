@@ -80,14 +80,17 @@ def build_server(config: ServeConfig = ServeConfig(), longest: int = 64,
         ecfg = engine_config_for(cfg, mesh_sizes, longest, max_new_tokens, eng.slots, **pool)
         for mesh in {describe(m): m for m in meshes}.values():  # each distinct layout
             check_serving_memory(cfg, mesh, strategy, ecfg)
+    # HF weights are built in the served dtype (never float32 on the devices), except where
+    # int8 projections are quantized from them as placed
+    load_dtype = eng.dtype if eng.quantize == "none" else "float32"
     if src.uses_table:   # many adapters: the base, and a table of zeros to load them into
-        base_cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
+        base_cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy, dtype=load_dtype)
         cfg = source_config(src)
         params = with_empty_table(cfg, params)
     elif src.unnamed_adapter is not None:
         cfg, params = load_adapted(src.model_dir, src.unnamed_adapter, meshes[0], strategy)
     elif src.model_dir is not None:
-        cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy)
+        cfg, params, _ = hf_load(src.model_dir, meshes[0], strategy, dtype=load_dtype)
     else:
         cfg, params = load_params(meshes[0], src.checkpoint, src.model, src.seed, strategy,
                                   num_layers=src.num_layers)

@@ -25,8 +25,8 @@ from triax.units import human_bytes
 
 def cast_params(params, dtype: str, shardings):
     """``params`` with their fp32 leaves cast to ``dtype``, placed on ``shardings``."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return params
+    if all(x.dtype == served_dtype(x.dtype, dtype) for x in jax.tree.leaves(params)):
+        return params   # (loaded in the served dtype already: no copy)
     # no donation: the caller's arrays may be these very ones (a device_put in place)
     return jax.jit(lambda p: jax.tree.map(lambda x: x.astype(served_dtype(x.dtype, dtype)), p),
                    out_shardings=shardings)(params)

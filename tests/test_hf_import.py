@@ -47,6 +47,30 @@ def test_forward_equals_transformers_on_data_tensor_pipe(name, strategy, devices
         np.testing.assert_allclose(got, g[f"logits_{i}"], atol=1e-5, rtol=0, err_msg=f"{i}")
 
 
+def test_loads_in_the_served_dtype(devices, monkeypatch):
+    """``dtype=bfloat16`` builds every parameter, stacked or not, in bfloat16 on the
+    devices (no float32 copy there), equal to the float32 load cast."""
+    import importlib
+    import jax
+    hf_load = importlib.import_module("triax.hf.load")   # (triax.hf.load is also a function)
+    mesh = make_mesh(data=2, tensor=2, pipe=2, devices=devices)
+    made = []
+
+    def recording(shape, sharding, read):
+        x = from_callback(shape, sharding, read)
+        made.append(x.dtype)
+        return x
+    from_callback = hf_load._from_callback
+    monkeypatch.setattr(hf_load, "_from_callback", recording)
+    _, half, _ = load(fixture("mixtral"), mesh, "fsdp_tp", dtype="bfloat16")
+    assert made and {str(d) for d in made} == {"bfloat16"}, set(made)
+    _, full, _ = load(fixture("mixtral"), mesh, "fsdp_tp")
+    for (path, h), f in zip(jax.tree_util.tree_leaves_with_path(half), jax.tree.leaves(full)):
+        assert h.dtype == np.dtype("bfloat16") and h.sharding == f.sharding, path
+        np.testing.assert_array_equal(np.asarray(h), np.asarray(f).astype(h.dtype),
+                                      err_msg=str(path))
+
+
 # ---- config mapping errors ---------------------------------------------------------------
 LLAMA = read_config(fixture("llama"))
 
