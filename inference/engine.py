@@ -147,6 +147,7 @@ class Engine(ModelRunner):
                 table[i, :start[i] // P] = self.pool.blocks
             extra = (start, read)
         self.compiles["prefill"].add((b, T, S) if S else (b, T))   # S: a cached prefix's
+        self.launches["prefill"] += 1
         ad = np.zeros(b, np.int32)
         ad[:n] = adapters if adapters is not None else 0
         self.cache, *out = self._prefill_jit(
@@ -183,6 +184,19 @@ class Engine(ModelRunner):
         rows keep it while they decode."""
         lens = [len(p) for p in prompts]
         cached = list(cached) if cached is not None and any(cached) else None
+        prompt_lens, adapters = self._start_prompts(slots, prompts, cached, prompt_lens,
+                                                    adapters)
+        b = next(b for b in self._prefill_batches() if b >= len(prompts))
+        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
+        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
+                                prompt_lens, adapters)
+        self._prompts_written(slots, prompts, adapters)
+        return out
+
+    def _start_prompts(self, slots, prompts, cached, prompt_lens, adapters):
+        """A prefill's host side before it runs: each slot's blocks, history and adapter;
+        ``(prompt_lens, adapters)`` defaulted."""
+        lens = [len(p) for p in prompts]
         for n in lens:
             self.check_prompt(n, 1)
         for i, (s, n) in enumerate(zip(slots, lens)):
@@ -192,16 +206,15 @@ class Engine(ModelRunner):
         prompt_lens = list(prompt_lens) if prompt_lens is not None else lens
         for s, p, k in zip(slots, prompts, prompt_lens):
             self.history.start(s, p, k)
-        b = next(b for b in self._prefill_batches() if b >= len(prompts))
-        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
         adapters = [0] * len(slots) if adapters is None else list(adapters)
         self.adapter_of[list(slots)] = adapters
-        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
-                                prompt_lens, adapters)
-        self.lengths[list(slots)] = lens
+        return prompt_lens, adapters
+
+    def _prompts_written(self, slots, prompts, adapters) -> None:
+        """After a prefill: the slots' lengths, and their full blocks in the prefix cache."""
+        self.lengths[list(slots)] = [len(p) for p in prompts]
         for s, p, a in zip(slots, prompts, adapters):
             self.kv.register(s, p, self.adapter_keys[a])
-        return out
 
     def warmup(self, prompt_lengths: Sequence[int],
                progress: Optional[Callable[[str], None]] = None) -> None:
@@ -244,7 +257,9 @@ class Engine(ModelRunner):
             rows[g, :len(x)] = x
         return rows.reshape(-1)
 
-    def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False):
+    def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False,
+                    chunk=None):
+        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``)."""
         B = self.ecfg.max_batch
         real = rows < B
         s = np.where(real, rows, 0)
@@ -252,12 +267,19 @@ class Engine(ModelRunner):
         table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
         given = list(settings) if settings else [self.sampling] * B
         configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
+        args = (self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
+                self._rule(), self.history.seen_rows(
+                    row_settings(configs, self.history.generated(s, real)), s, real),
+                rows.astype(np.int32))
+        if chunk is not None:
+            self.compiles["mixed"].add((*rows.shape, chunk[1].shape[1]))
+            self.launches["mixed"] += 1
+            self.cache, *out = self._mixed_jit(*args, *chunk)
+            return tuple(out)
         self.compiles["decode"].add(rows.shape)
+        self.launches["decode"] += 1
         self.cache, *out = self._decode_jit(
-            self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-            self._rule(), self.history.seen_rows(
-                row_settings(configs, self.history.generated(s, real)), s, real),
-            rows.astype(np.int32), with_logits,
+            *args, with_logits,
             **self._adapter_kw("adapters_B", np.where(real, self.adapter_of[s], 0)))
         return tuple(out) if with_logits else out[0]
 
@@ -268,6 +290,15 @@ class Engine(ModelRunner):
         them per row group (``_decode_rows``; one compile per bucket). ``settings``: one
         ``SamplingConfig`` per slot (default: the engine's for all). ``with_logits``: return
         ``(tokens, logits)``, the ``[slots, V]`` logits each token was drawn from."""
+        positions = self._start_decode(tokens, active)
+        out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
+                               seeds, settings, with_logits)
+        self.lengths[active] += 1
+        return out
+
+    def _start_decode(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """A decode's host side before it runs: each active slot's next block and history;
+        every slot's position (its length)."""
         full = active & (self.lengths >= self.ecfg.max_len)
         if full.any():
             raise CacheFullError(
@@ -275,11 +306,38 @@ class Engine(ModelRunner):
                 f"{self.ecfg.max_len} positions used; finish or free the slot, or raise max_len")
         for s in np.flatnonzero(active):   # the new token's position needs its block
             self.kv.grow(int(s), int(self.lengths[s]) + 1)
-        positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
         self.history.feed(np.flatnonzero(active), tokens)
-        out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
-                               seeds, settings, with_logits)
+        return np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
+
+    def mixed(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
+              settings: Optional[Sequence[SamplingConfig]], slot: int, prompt: np.ndarray,
+              cached: int, seed: int, setting: Optional[SamplingConfig] = None):
+        """``decode(tokens, active, seeds, settings)`` and ``prefill([slot], [prompt],
+        [seed], [setting], cached=[cached])`` in one program (``ModelRunner._mixed``; the
+        replica must ``mixes``): ``(tokens by slot, the prompt's first token)``, the first
+        meaningful only when ``prompt`` is whole (a chunk's end: its next chunk extends it).
+        The chunk is ``prompt[cached:]``, padded to a prompt bucket (the padding writes
+        nothing); ``cached`` is a whole number of blocks the slot holds already. Tokens
+        equal the two programs' (seeded by position)."""
+        if not self.mixes:
+            raise InferenceError("a mixed step needs one row group, no pipe or context split "
+                                 "and no LoRA table; run prefill and decode")
+        if active[slot] or cached % self.pool.block_size:
+            raise InferenceError(f"mixed step: slot {slot} must not decode, and its cached "
+                                 f"positions ({cached}) be whole blocks")
+        self._start_prompts([slot], [prompt], [cached] if cached else None, None, None)
+        positions = self._start_decode(tokens, active)
+        rows = self._decode_rows(np.asarray(active, bool))
+        n = len(prompt) - cached
+        C = self._bucket(n)
+        chunk = np.zeros((1, C), np.int32)
+        chunk[0, :n] = prompt[cached:]
+        out = self._run_decode(rows, tokens, positions, seeds, settings, chunk=(
+            self.kv.tables[slot][None], chunk, np.array([cached], np.int32),
+            np.array([n], np.int32), np.array([seed], np.int32),
+            self._rows(1, [setting or self.sampling])))
         self.lengths[active] += 1
+        self._prompts_written([slot], [prompt], [0])
         return out
 
     def release(self, slot: int) -> None:

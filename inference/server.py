@@ -59,13 +59,17 @@ class Server(Batching, AdapterServing):
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
     def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
-                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0):
+                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0,
+                 fused_steps: bool = True):
         self.engines = list(engines)
         if max_step_tokens < 0:
             raise InferenceError(f"max_step_tokens={max_step_tokens}: give a step's token "
                                  f"budget, e.g. 512, or 0 to prefill whole prompts")
         # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
+        # a chunk beside running rows: one fused program (chunked_prefill; False: two)
+        self.fused_steps = fused_steps
+        self.mixing = {}   # this step's fused chunk of each replica
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         self.max_bypass = max_bypass  # later requests one that does not fit lets go first
         self.queue: collections.deque[_Live] = collections.deque()
@@ -77,6 +81,7 @@ class Server(Batching, AdapterServing):
                       "prefix_queries": 0, "prefix_hits": 0,
                       "preemptions": 0,   # sequences whose blocks were taken back
                       "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
+                      "mixed_steps": 0,   # fused steps: a chunk and the decode rows at once
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, slots, results and futures (other threads read them).
