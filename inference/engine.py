@@ -217,11 +217,13 @@ class Engine(ModelRunner):
             self.kv.register(s, p, self.adapter_keys[a])
 
     def warmup(self, prompt_lengths: Sequence[int],
-               progress: Optional[Callable[[str], None]] = None) -> None:
+               progress: Optional[Callable[[str], None]] = None, mixed_tokens: int = 0) -> None:
         """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
-        of serving, so served timings exclude compilation. Call it with no live slots (its
-        rows are all padding: nothing is written). ``progress(line)`` hears each program
-        compiled: which bucket, k of n, and its seconds."""
+        of serving, so served timings exclude compilation; with ``mixed_tokens`` (a chunked
+        server's ``max_step_tokens``) the mixed steps too, every decode bucket × the chunk
+        buckets up to it. Call it with no live slots (its rows are all padding: nothing is
+        written). ``progress(line)`` hears each program compiled: which bucket, k of n, and
+        its seconds."""
         B = self.ecfg.max_batch
         zeros = np.zeros(B, np.int32)
         runs = [(f"prefill {b} rows × {T} tokens",   # every row dropped: cache unchanged
@@ -232,6 +234,18 @@ class Engine(ModelRunner):
                   lambda k=k: self._run_decode(np.full(self.pool.groups * k, B), zeros, zeros,
                                                zeros, None))
                  for k in self._decode_buckets()]
+        if mixed_tokens and self.mixes:   # a chunk is at most the budget, or one block
+            longest = self._bucket(min(max(mixed_tokens, self.pool.block_size),
+                                       self.ecfg.max_len))
+            none = np.full((1, self.pool.max_blocks), self.pool.blocks, np.int32)
+            one = np.zeros(1, np.int32)
+            runs += [(f"mixed {k} rows + {C} tokens",   # no rows, an empty chunk: no writes
+                      lambda k=k, C=C: self._run_decode(
+                          np.full(k, B), zeros, zeros, zeros, None, chunk=(
+                              none, np.zeros((1, C), np.int32), one, one, one,
+                              self._rows(1, None))))
+                     for C in self.ecfg.buckets() if C <= longest
+                     for k in self._decode_buckets()]
         for i, (what, run) in enumerate(runs, 1):
             t0 = time.perf_counter()
             jax.block_until_ready(run())

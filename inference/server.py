@@ -122,7 +122,8 @@ class Server(Batching, AdapterServing):
         n = len(self.engines)
         for i in (range(n) if replicas is None else replicas):
             self.engines[i].warmup(prompt_lengths, progress and (
-                lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")))
+                lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")),
+                self.max_step_tokens if self.fused_steps else 0)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,
