@@ -19,6 +19,20 @@ logits as a whole prefill, so greedy and sampled tokens are those of an unchunke
 (tests/test_chunked_prefill.py, fp32; an int8 pool's later chunks read the quantized
 prefix, as a prefix-cache hit does).
 
+**Fused steps** (``Server(fused_steps=True)``, the default): a replica whose step has one
+chunk beside running decode rows runs both as one program (``Engine.mixed``,
+``ModelRunner._mixed``): the rows' single tokens and the chunk's, padded to a prompt bucket,
+go through every dense layer as one row, so the step reads its weights once, not once per
+program; only attention splits, each part through its own block tables
+(``models.decode.mixed_attention``), the chunk's padding writing nothing. Its row samples its
+first token (a last chunk) in that step and decodes from the next. Tokens are those of two
+programs (seeded by position); an int8 pool's chunk attends to its own positions quantized,
+as decode rows do (two programs: unquantized). The two programs (a prefill, then the decode)
+run instead when the step has several chunks or prompts, no decode rows, or a row that must
+go whole (below), and always on replicas with ``pipe > 1``, a ``context`` split, row groups
+(``data > 1``), a LoRA table of adapters or speculative decoding; whole-prompt serving
+(``max_step_tokens=0``) keeps its own prefill too.
+
 Not chunked (prefilled whole, at once, when their turn comes): requests whose sampling
 reads the whole prompt in the prefill (penalties, ``prompt_logprobs``), and every request
 on an engine that splits its cache over ``context`` (a striped prompt has no cached path).
