@@ -92,6 +92,16 @@ def test_a_mixed_step_is_one_program_where_two_ran(runs, eng):
     assert sum(sum(s.values()) for s in steps) < sum(sum(s.values()) for s in runs["two"][2])
 
 
+def test_the_warmup_compiles_the_mixed_steps_served(runs, eng):
+    lines = []
+    Server([eng], max_step_tokens=BUDGET).warmup([len(LONG)], lines.append)
+    mixed = [x for x in lines if " mixed " in x]
+    # every decode bucket beside the one chunk bucket (64), and the served steps were those
+    assert len(mixed) == len(eng._decode_buckets()), lines
+    assert eng.compiles["mixed"] == {(k, 64) for k in eng._decode_buckets()}
+    assert eng._mixed_jit._cache_size() == len(eng.compiles["mixed"])
+
+
 def _free(eng):
     """Every slot of ``eng`` empty, nothing cached."""
     for s in range(ECFG.max_batch):
