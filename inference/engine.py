@@ -1,11 +1,12 @@
 """One replica's host side over its ``ModelRunner``: slots, block tables, buckets.
 
 ``Engine`` is a ``triax.inference.model_runner.ModelRunner`` (the device side: placed
-weights, the KV pool's arrays, the jitted prefill and decode programs) plus this replica's
+weights, the KV pool's arrays, the jitted prefill, decode and mixed programs) plus this replica's
 host state: ``max_batch`` decode slots, each slot's block table in the pool
 (``triax.inference.kv_blocks``; a sequence takes blocks as it grows and gives them back when
 ``release``d), its length and token history. ``prefill`` writes prompts into chosen slots
-and samples their first token; ``decode`` advances the live slots by one token. Shapes are
+and samples their first token; ``decode`` advances the live slots by one token; ``mixed``
+does both in one program, for one prompt chunk beside the live slots. Shapes are
 bucketed here (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
 rows, a power of two per row group), so each program compiles once per bucket, never per
 request. Which request runs in which slot is ``triax.inference.scheduler``'s choice.

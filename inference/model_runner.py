@@ -2,8 +2,9 @@
 
 A ``ModelRunner`` places one model copy on one (sub-)mesh, allocates the paged KV pool's
 arrays (``triax.inference.kv_pool``) and holds the traced prefill, decode and mixed
-(decode rows and a prompt chunk in one forward) programs; it keeps no per-request state. ``triax.inference.engine.Engine`` adds the host side (block
-tables, slot lengths, buckets) and launches these programs. ``pipe > 1`` decodes through
+(decode rows and a prompt chunk in one forward) programs; it keeps no per-request state.
+``triax.inference.engine.Engine`` adds the host side (block tables, slot lengths, buckets)
+and launches these programs. ``pipe > 1`` decodes through
 the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis (and no
 ``pipe``) the cache is split along its positions and the prompt along its tokens
 (``triax.sharding.context_cache``), each block's positions striped over it.

@@ -67,8 +67,7 @@ class Server(Batching, AdapterServing):
                                  f"budget, e.g. 512, or 0 to prefill whole prompts")
         # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
-        # a chunk beside running rows: one fused program (chunked_prefill; False: two)
-        self.fused_steps = fused_steps
+        self.fused_steps = fused_steps   # a chunk beside decode rows: one program
         self.mixing = {}   # this step's fused chunk of each replica
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         self.max_bypass = max_bypass  # later requests one that does not fit lets go first
