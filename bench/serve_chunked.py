@@ -4,7 +4,9 @@ long prompts arrive (in-process, one CPU device, one replica).
 ``--streams`` requests with short prompts decode ``--new`` tokens each; when the first
 stream has generated 8, 8 + ``--every``, ... tokens, a long prompt (``--long`` tokens, its
 own random tokens: no prefix hit) arrives and generates 8 tokens. Served with whole-prompt
-prefill (``max_step_tokens=0``) and with each ``--budget``: the streams' inter-token
+prefill (``max_step_tokens=0``) and with each ``--budget`` (fused steps: a chunk and the
+decode rows in one program; ``--two-program`` budgets also as a prefill and a decode
+program a step, the path before fused steps): the streams' inter-token
 latency (the gaps between a stream's consecutive tokens, its first excluded) p50, p99 and
 max; the long prompts' time to first token; and the wall time of the whole workload. Each
 mode serves the workload once untimed first (every program compiled), then once measured;
@@ -41,9 +43,9 @@ def workload(args, vocab: int, seed: int):
     return streams, longs
 
 
-def serve(eng: Engine, budget: int, args, streams, longs) -> dict:
+def serve(eng: Engine, budget: int, fused: bool, args, streams, longs) -> dict:
     """The workload through a fresh ``Server`` over ``eng``; per-stream token times."""
-    server = Server([eng], max_step_tokens=budget)
+    server = Server([eng], max_step_tokens=budget, fused_steps=fused)
     times = [[] for _ in streams]
     arrivals = {8 + k * args.every: p for k, p in enumerate(longs)}
     long_ids = []
@@ -63,6 +65,7 @@ def serve(eng: Engine, budget: int, args, streams, longs) -> dict:
     return {"tokens": [results[i].tokens for i in ids], "p50": np.percentile(gaps, 50),
             "p99": np.percentile(gaps, 99), "max": gaps.max(), "ttft": float(np.mean(ttft)),
             "wall": wall, "chunks": server.stats["prefill_chunks"], "gaps": len(gaps),
+            "mixed": server.stats["mixed_steps"],
             "arrived": len(long_ids)}
 
 
@@ -76,6 +79,8 @@ def main() -> None:
     ap.add_argument("--arrivals", type=int, default=3)
     ap.add_argument("--every", type=int, default=24, help="stream tokens between arrivals")
     ap.add_argument("--budget", type=int, nargs="+", default=[64, 128, 256])
+    ap.add_argument("--two-program", type=int, nargs="*", default=[64],
+                    help="budgets also served with a prefill and a decode program a step")
     ap.add_argument("--no-write", action="store_true", help="print, do not touch the docs")
     args = ap.parse_args()
     cfg = config.get(args.model, args.num_layers)
@@ -85,26 +90,35 @@ def main() -> None:
     ecfg = EngineConfig(max_batch=8, max_len=max_len, min_bucket=16)
     eng = Engine(cfg, params, mesh, "tp", ecfg)
     rows = {}
-    for budget in [0] + list(args.budget):
-        serve(eng, budget, args, *workload(args, cfg.vocab_size, 1))   # compiles everything
-        rows[budget] = serve(eng, budget, args, *workload(args, cfg.vocab_size, 2))
-        print(budget, {k: v for k, v in rows[budget].items() if k != "tokens"}, flush=True)
-    assert all(r["tokens"] == rows[0]["tokens"] for r in rows.values()), \
+    modes = [(0, True)] + [(b, True) for b in args.budget] + [(b, False)
+                                                             for b in args.two_program]
+    for budget, fused in modes:
+        serve(eng, budget, fused, args, *workload(args, cfg.vocab_size, 1))   # compiles all
+        rows[budget, fused] = r = serve(eng, budget, fused, args,
+                                        *workload(args, cfg.vocab_size, 2))
+        print(budget, fused, {k: v for k, v in r.items() if k != "tokens"}, flush=True)
+    base = rows[0, True]
+    assert all(r["tokens"] == base["tokens"] for r in rows.values()), \
         "chunked prefill changed a stream's tokens"
-    base = rows[0]
     lines = [f"`{cfg.name}` with {cfg.num_layers} layers, **1 CPU device** (a shared 2-core "
              f"machine), fp32, 8 slots: {args.streams} streams (16-token prompts, {args.new} "
              f"greedy tokens each); {args.arrivals} prompts of {args.long} tokens arrive "
              f"one by one while they stream (after the first stream's token 8, then every "
              f"{args.every}), 8 tokens each; `python bench/serve_chunked.py`.", "",
-             "| --max-step-tokens | chunks | stream ITL p50 ms | ITL p99 ms | ÷ whole | "
-             "ITL max ms | long prompt TTFT ms | workload s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for budget, r in rows.items():
-        lines.append(f"| {budget or '0 (whole prompts)'} | {r['chunks'] or '—'} | "
+             "| --max-step-tokens | steps | chunks (fused) | stream ITL p50 ms | ITL p99 ms | "
+             "÷ whole | ITL max ms | long prompt TTFT ms | workload s |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for (budget, fused), r in rows.items():
+        chunks = f"{r['chunks']} ({r['mixed']})" if budget else "—"
+        lines.append(f"| {budget or '0 (whole prompts)'} | "
+                     f"{'—' if not budget else 'fused' if fused else 'two programs'} | "
+                     f"{chunks} | "
                      f"{r['p50']:.0f} | {r['p99']:.0f} | {r['p99'] / base['p99']:.2f}× | "
                      f"{r['max']:.0f} | {r['ttft']:.0f} | {r['wall']:.1f} |")
-    lines += ["", f"One measured run per row after an untimed one that compiles every program "
+    lines += ["", f"Steps: *fused*, a chunk beside decode rows runs as one program that reads "
+              f"the weights once (`inference.chunked_prefill`); *two programs*, a prefill "
+              f"then a decode. "
+              f"One measured run per row after an untimed one that compiles every program "
               f"(CPU figures: they rank, they do not predict a GPU). ITL is over "
               f"{base['gaps']} gaps (each stream's consecutive tokens); the streams' tokens "
               f"are equal in every row. Whole prompts stall every stream for a long "

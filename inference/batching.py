@@ -1,4 +1,6 @@
-"""One serving iteration of ``Server``: every replica admits and prefills, then decodes.
+"""One serving iteration of ``Server``: every replica admits and prefills, then decodes; a
+replica whose step has one prompt chunk beside its decode rows runs both as one fused program
+in the decode phase (``triax.inference.chunked_prefill``).
 
 Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits waiting requests into its
 free slots by free KV blocks and preempts by recompute when a group runs out; its ``Engine``
@@ -75,6 +77,7 @@ class Batching(ChunkedPrefill):
             if self._idle():
                 return False
         t0 = time.perf_counter()
+        self.mixing = {}
         prefilled = self._prefill_all()
         self._phase_done()
         t1 = time.perf_counter()
@@ -138,8 +141,9 @@ class Batching(ChunkedPrefill):
                 running = sum(s is not None for row in self.slots for s in row)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
             # whole prompts, or this step's chunks of them (inference.chunked_prefill)
-            slots, batch, prompts, cached, final = self._prefill_work(r, eng, slots, batch)
-            if not batch:
+            work = self._prefill_work(r, eng, slots, batch)
+            slots, batch, prompts, cached, final = work
+            if not batch or self._fuse(r, eng, work):   # fused: the decode phase runs it
                 continue
             try:
                 toks = eng.prefill(slots, prompts, [x.seed for x in batch],
@@ -158,18 +162,22 @@ class Batching(ChunkedPrefill):
                 continue
             now = time.perf_counter()
             for i, (slot, live, tok) in enumerate(zip(slots, batch, toks)):
-                if not final[i]:
-                    continue   # a chunk before its prompt's last: nothing sampled yet
-                res = live.result
-                res.replica, res.slot = r, slot
-                res.first_token = res.first_token or now   # once, resumed or not
-                self.slot_uses[r][slot] += 1
-                self.stats["prefill_tokens"] += len(live.tokens_to_prefill())
-                if live.sampling is not None and live.sampling.prompt_logprobs \
-                        and res.prompt_logprobs is None:   # a resumed request has them
-                    res.prompt_logprobs = prompt_entry(extra, i, len(res.prompt))
-                self._accept(r, slot, int(tok), now, row_entry(extra, i))
+                if final[i]:   # (a chunk before its prompt's last: nothing sampled yet)
+                    self._accept_first(r, slot, live, int(tok), now, extra, i)
         return len(launched)
+
+    def _accept_first(self, r: int, slot: int, live: _Live, tok: int, now: float, extra,
+                      i: int) -> None:
+        """A prefilled request's first token (row ``i`` of its step's ``extra``)."""
+        res = live.result
+        res.replica, res.slot = r, slot
+        res.first_token = res.first_token or now   # once, resumed or not
+        self.slot_uses[r][slot] += 1
+        self.stats["prefill_tokens"] += len(live.tokens_to_prefill())
+        if live.sampling is not None and live.sampling.prompt_logprobs \
+                and res.prompt_logprobs is None:   # a resumed request has them
+            res.prompt_logprobs = prompt_entry(extra, i, len(res.prompt))
+        self._accept(r, slot, tok, now, row_entry(extra, i))
 
     def _decode_all(self) -> int:
         launched = []
@@ -178,31 +186,48 @@ class Batching(ChunkedPrefill):
                 self.schedulers[r].make_room(self._decoding(r), self.queue, self.stats)
             live = self._decoding(r)  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
-            if not active.any():
+            chunk = self.mixing.pop(r, None)   # a fused step's chunk (chunked_prefill)
+            if chunk is not None and self.slots[r][chunk.slot] is not chunk.live:
+                chunk = None   # preempted by make_room: it is queued again
+            if not active.any() and chunk is None:
                 continue
             last = np.array([s.result.tokens[-1] if s else 0 for s in live], np.int32)
             seeds = np.array([s.seed if s else 0 for s in live], np.int32)
             settings = [(s.sampling if s else None) or eng.sampling for s in live]
             try:
                 spec = getattr(eng, "speculator", None)   # inference.speculative
-                launched.append((r, active, live, spec_launch(spec, live, last, seeds, settings)
-                                 if spec is not None and spec.usable(settings, active) else
-                                 eng.decode(last, active, seeds, settings)))
+                if chunk is not None:   # one program: the decode rows and the chunk
+                    self.stats["mixed_steps"] += 1
+                    out = eng.mixed(last, active, seeds, settings, chunk.slot, chunk.tokens,
+                                    chunk.cached, chunk.live.seed, chunk.live.sampling)
+                elif spec is not None and spec.usable(settings, active):
+                    out = spec_launch(spec, live, last, seeds, settings)
+                else:
+                    out = eng.decode(last, active, seeds, settings)
+                launched.append((r, active, live, out, chunk))
             except Exception as e:
-                self._engine_failed(r, [s for s in live if s is not None], e)
-        for r, active, live, toks in launched:
+                self._engine_failed(r, [s for s in live if s is not None]
+                                    + ([chunk.live] if chunk is not None else []), e)
+        for r, active, live, toks, chunk in launched:
             try:
                 if isinstance(toks, Round):
                     self._accept_round(r, live, self.engines[r].speculator.collect(toks))
                     continue
+                if chunk is not None:
+                    toks, first = toks
+                    first, first_extra = split_tokens(first)
                 toks, extra = split_tokens(toks)
             except Exception as e:
-                self._engine_failed(r, [s for s in live if s is not None], e)
+                self._engine_failed(r, [s for s in live if s is not None]
+                                    + ([chunk.live] if chunk is not None else []), e)
                 continue
             now = time.perf_counter()
             for slot in np.flatnonzero(active):
                 self.stats["decode_tokens"] += 1
                 self._accept(r, int(slot), int(toks[slot]), now, row_entry(extra, int(slot)))
+            if chunk is not None and chunk.final:   # it decodes from the next step on
+                self._accept_first(r, chunk.slot, chunk.live, int(first[0]), now,
+                                   first_extra, 0)
         return len(launched)
 
     def _accept_round(self, r: int, live, got: dict) -> None:

@@ -19,6 +19,20 @@ logits as a whole prefill, so greedy and sampled tokens are those of an unchunke
 (tests/test_chunked_prefill.py, fp32; an int8 pool's later chunks read the quantized
 prefix, as a prefix-cache hit does).
 
+**Fused steps** (``Server(fused_steps=True)``, the default): a replica whose step has one
+chunk beside running decode rows runs both as one program (``Engine.mixed``,
+``ModelRunner._mixed``): the rows' single tokens and the chunk's, padded to a prompt bucket,
+go through every dense layer as one row, so the step reads its weights once, not once per
+program; only attention splits, each part through its own block tables
+(``models.decode.mixed_attention``), the chunk's padding writing nothing. Its row samples its
+first token (a last chunk) in that step and decodes from the next. Tokens are those of two
+programs (seeded by position); an int8 pool's chunk attends to its own positions quantized,
+as decode rows do (two programs: unquantized). The two programs (a prefill, then the decode)
+run instead when the step has several chunks or prompts, no decode rows, or a row that must
+go whole (below), and always on replicas with ``pipe > 1``, a ``context`` split, row groups
+(``data > 1``), a LoRA table of adapters or speculative decoding; whole-prompt serving
+(``max_step_tokens=0``) keeps its own prefill too.
+
 Not chunked (prefilled whole, at once, when their turn comes): requests whose sampling
 reads the whole prompt in the prefill (penalties, ``prompt_logprobs``), and every request
 on an engine that splits its cache over ``context`` (a striped prompt has no cached path).
@@ -77,19 +91,47 @@ def plan_chunks(pending: Sequence[Pending], budget: int,
     return out
 
 
+@dataclass
+class Chunk:
+    """One prompt chunk a replica's fused step runs beside its decode rows."""
+
+    slot: int
+    live: Any
+    tokens: np.ndarray   # its row's tokens up to the chunk's end
+    cached: int          # positions before the chunk, in its blocks already
+    final: bool          # its prompt's last chunk: its sampled token is the first
+
+
 class ChunkedPrefill:
     """The serving loop's prefill work, whole or in chunks (``Server`` holds the state:
-    ``max_step_tokens`` and ``prefilling``, each replica's pending rows by slot)."""
+    ``max_step_tokens``, ``prefilling``, each replica's pending rows by slot, and
+    ``fused_steps`` with this step's ``mixing``: each replica's chunk for its fused step)."""
 
     max_step_tokens: int
     prefilling: list[dict[int, Pending]]
+    fused_steps: bool
+    mixing: dict[int, Chunk]
 
     def _decoding(self, r: int) -> list:
         """Replica ``r``'s slots, with the requests still prefilling as None (they do not
-        decode yet)."""
-        rows = self.prefilling[r]
-        return [None if i in rows and rows[i].live is live else live
+        decode yet; nor does the row whose chunk a fused step runs, even its last)."""
+        rows, mixing = self.prefilling[r], self.mixing.get(r)
+        return [None if i in rows and rows[i].live is live
+                or mixing is not None and mixing.live is live else live
                 for i, live in enumerate(self.slots[r])]
+
+    def _fuse(self, r: int, eng: Engine, work) -> bool:
+        """Whether replica ``r`` runs this step's prefill ``work`` fused with its decode
+        (one chunk beside running rows; see the module docstring): then it is kept in
+        ``mixing`` for the decode phase to launch."""
+        slots, batch, prompts, cached, final = work
+        if not (self.fused_steps and self.max_step_tokens and len(batch) == 1 and eng.mixes
+                and eng.speculator is None
+                and not reads_prompt(batch[0].sampling or eng.sampling)
+                and any(x is not None for x in self._decoding(r))):
+            return False
+        self.mixing[r] = Chunk(slots[0], batch[0], prompts[0], cached[0], final[0])
+        return True
 
     def _prefill_work(self, r: int, eng: Engine, slots: list[int], batch: list):
         """``(slots, batch, prompts, cached, final)``: what replica ``r`` prefills this step,

@@ -1,11 +1,12 @@
 """One replica's host side over its ``ModelRunner``: slots, block tables, buckets.
 
 ``Engine`` is a ``triax.inference.model_runner.ModelRunner`` (the device side: placed
-weights, the KV pool's arrays, the jitted prefill and decode programs) plus this replica's
+weights, the KV pool's arrays, the jitted prefill, decode and mixed programs) plus this replica's
 host state: ``max_batch`` decode slots, each slot's block table in the pool
 (``triax.inference.kv_blocks``; a sequence takes blocks as it grows and gives them back when
 ``release``d), its length and token history. ``prefill`` writes prompts into chosen slots
-and samples their first token; ``decode`` advances the live slots by one token. Shapes are
+and samples their first token; ``decode`` advances the live slots by one token; ``mixed``
+does both in one program, for one prompt chunk beside the live slots. Shapes are
 bucketed here (prompt length; prefill batch: one row per data shard × 2^k; decode: the live
 rows, a power of two per row group), so each program compiles once per bucket, never per
 request. Which request runs in which slot is ``triax.inference.scheduler``'s choice.
@@ -147,6 +148,7 @@ class Engine(ModelRunner):
                 table[i, :start[i] // P] = self.pool.blocks
             extra = (start, read)
         self.compiles["prefill"].add((b, T, S) if S else (b, T))   # S: a cached prefix's
+        self.launches["prefill"] += 1
         ad = np.zeros(b, np.int32)
         ad[:n] = adapters if adapters is not None else 0
         self.cache, *out = self._prefill_jit(
@@ -183,6 +185,19 @@ class Engine(ModelRunner):
         rows keep it while they decode."""
         lens = [len(p) for p in prompts]
         cached = list(cached) if cached is not None and any(cached) else None
+        prompt_lens, adapters = self._start_prompts(slots, prompts, cached, prompt_lens,
+                                                    adapters)
+        b = next(b for b in self._prefill_batches() if b >= len(prompts))
+        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
+        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
+                                prompt_lens, adapters)
+        self._prompts_written(slots, prompts, adapters)
+        return out
+
+    def _start_prompts(self, slots, prompts, cached, prompt_lens, adapters):
+        """A prefill's host side before it runs: each slot's blocks, history and adapter;
+        ``(prompt_lens, adapters)`` defaulted."""
+        lens = [len(p) for p in prompts]
         for n in lens:
             self.check_prompt(n, 1)
         for i, (s, n) in enumerate(zip(slots, lens)):
@@ -192,23 +207,24 @@ class Engine(ModelRunner):
         prompt_lens = list(prompt_lens) if prompt_lens is not None else lens
         for s, p, k in zip(slots, prompts, prompt_lens):
             self.history.start(s, p, k)
-        b = next(b for b in self._prefill_batches() if b >= len(prompts))
-        T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
         adapters = [0] * len(slots) if adapters is None else list(adapters)
         self.adapter_of[list(slots)] = adapters
-        out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
-                                prompt_lens, adapters)
-        self.lengths[list(slots)] = lens
+        return prompt_lens, adapters
+
+    def _prompts_written(self, slots, prompts, adapters) -> None:
+        """After a prefill: the slots' lengths, and their full blocks in the prefix cache."""
+        self.lengths[list(slots)] = [len(p) for p in prompts]
         for s, p, a in zip(slots, prompts, adapters):
             self.kv.register(s, p, self.adapter_keys[a])
-        return out
 
     def warmup(self, prompt_lengths: Sequence[int],
-               progress: Optional[Callable[[str], None]] = None) -> None:
+               progress: Optional[Callable[[str], None]] = None, mixed_tokens: int = 0) -> None:
         """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
-        of serving, so served timings exclude compilation. Call it with no live slots (its
-        rows are all padding: nothing is written). ``progress(line)`` hears each program
-        compiled: which bucket, k of n, and its seconds."""
+        of serving, so served timings exclude compilation; with ``mixed_tokens`` (a chunked
+        server's ``max_step_tokens``) the mixed steps too, every decode bucket × the chunk
+        buckets up to it. Call it with no live slots (its rows are all padding: nothing is
+        written). ``progress(line)`` hears each program compiled: which bucket, k of n, and
+        its seconds."""
         B = self.ecfg.max_batch
         zeros = np.zeros(B, np.int32)
         runs = [(f"prefill {b} rows × {T} tokens",   # every row dropped: cache unchanged
@@ -219,6 +235,18 @@ class Engine(ModelRunner):
                   lambda k=k: self._run_decode(np.full(self.pool.groups * k, B), zeros, zeros,
                                                zeros, None))
                  for k in self._decode_buckets()]
+        if mixed_tokens and self.mixes:   # a chunk is at most the budget, or one block
+            longest = self._bucket(min(max(mixed_tokens, self.pool.block_size),
+                                       self.ecfg.max_len))
+            none = np.full((1, self.pool.max_blocks), self.pool.blocks, np.int32)
+            one = np.zeros(1, np.int32)
+            runs += [(f"mixed {k} rows + {C} tokens",   # no rows, an empty chunk: no writes
+                      lambda k=k, C=C: self._run_decode(
+                          np.full(k, B), zeros, zeros, zeros, None, chunk=(
+                              none, np.zeros((1, C), np.int32), one, one, one,
+                              self._rows(1, None))))
+                     for C in self.ecfg.buckets() if C <= longest
+                     for k in self._decode_buckets()]
         for i, (what, run) in enumerate(runs, 1):
             t0 = time.perf_counter()
             jax.block_until_ready(run())
@@ -244,7 +272,9 @@ class Engine(ModelRunner):
             rows[g, :len(x)] = x
         return rows.reshape(-1)
 
-    def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False):
+    def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False,
+                    chunk=None):
+        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``)."""
         B = self.ecfg.max_batch
         real = rows < B
         s = np.where(real, rows, 0)
@@ -252,12 +282,19 @@ class Engine(ModelRunner):
         table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
         given = list(settings) if settings else [self.sampling] * B
         configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
+        args = (self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
+                self._rule(), self.history.seen_rows(
+                    row_settings(configs, self.history.generated(s, real)), s, real),
+                rows.astype(np.int32))
+        if chunk is not None:
+            self.compiles["mixed"].add((*rows.shape, chunk[1].shape[1]))
+            self.launches["mixed"] += 1
+            self.cache, *out = self._mixed_jit(*args, *chunk)
+            return tuple(out)
         self.compiles["decode"].add(rows.shape)
+        self.launches["decode"] += 1
         self.cache, *out = self._decode_jit(
-            self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-            self._rule(), self.history.seen_rows(
-                row_settings(configs, self.history.generated(s, real)), s, real),
-            rows.astype(np.int32), with_logits,
+            *args, with_logits,
             **self._adapter_kw("adapters_B", np.where(real, self.adapter_of[s], 0)))
         return tuple(out) if with_logits else out[0]
 
@@ -268,6 +305,15 @@ class Engine(ModelRunner):
         them per row group (``_decode_rows``; one compile per bucket). ``settings``: one
         ``SamplingConfig`` per slot (default: the engine's for all). ``with_logits``: return
         ``(tokens, logits)``, the ``[slots, V]`` logits each token was drawn from."""
+        positions = self._start_decode(tokens, active)
+        out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
+                               seeds, settings, with_logits)
+        self.lengths[active] += 1
+        return out
+
+    def _start_decode(self, tokens: np.ndarray, active: np.ndarray) -> np.ndarray:
+        """A decode's host side before it runs: each active slot's next block and history;
+        every slot's position (its length)."""
         full = active & (self.lengths >= self.ecfg.max_len)
         if full.any():
             raise CacheFullError(
@@ -275,11 +321,38 @@ class Engine(ModelRunner):
                 f"{self.ecfg.max_len} positions used; finish or free the slot, or raise max_len")
         for s in np.flatnonzero(active):   # the new token's position needs its block
             self.kv.grow(int(s), int(self.lengths[s]) + 1)
-        positions = np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
         self.history.feed(np.flatnonzero(active), tokens)
-        out = self._run_decode(self._decode_rows(np.asarray(active, bool)), tokens, positions,
-                               seeds, settings, with_logits)
+        return np.minimum(self.lengths, self.ecfg.max_len - 1).astype(np.int32)
+
+    def mixed(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
+              settings: Optional[Sequence[SamplingConfig]], slot: int, prompt: np.ndarray,
+              cached: int, seed: int, setting: Optional[SamplingConfig] = None):
+        """``decode(tokens, active, seeds, settings)`` and ``prefill([slot], [prompt],
+        [seed], [setting], cached=[cached])`` in one program (``ModelRunner._mixed``; the
+        replica must ``mixes``): ``(tokens by slot, the prompt's first token)``, the first
+        meaningful only when ``prompt`` is whole (a chunk's end: its next chunk extends it).
+        The chunk is ``prompt[cached:]``, padded to a prompt bucket (the padding writes
+        nothing); ``cached`` is a whole number of blocks the slot holds already. Tokens
+        equal the two programs' (seeded by position)."""
+        if not self.mixes:
+            raise InferenceError("a mixed step needs one row group, no pipe or context split "
+                                 "and no LoRA table; run prefill and decode")
+        if active[slot] or cached % self.pool.block_size:
+            raise InferenceError(f"mixed step: slot {slot} must not decode, and its cached "
+                                 f"positions ({cached}) be whole blocks")
+        self._start_prompts([slot], [prompt], [cached] if cached else None, None, None)
+        positions = self._start_decode(tokens, active)
+        rows = self._decode_rows(np.asarray(active, bool))
+        n = len(prompt) - cached
+        C = self._bucket(n)
+        chunk = np.zeros((1, C), np.int32)
+        chunk[0, :n] = prompt[cached:]
+        out = self._run_decode(rows, tokens, positions, seeds, settings, chunk=(
+            self.kv.tables[slot][None], chunk, np.array([cached], np.int32),
+            np.array([n], np.int32), np.array([seed], np.int32),
+            self._rows(1, [setting or self.sampling])))
         self.lengths[active] += 1
+        self._prompts_written([slot], [prompt], [0])
         return out
 
     def release(self, slot: int) -> None:

@@ -1,9 +1,10 @@
 """The device side of one replica: its weights, mesh, KV pool arrays and jitted programs.
 
 A ``ModelRunner`` places one model copy on one (sub-)mesh, allocates the paged KV pool's
-arrays (``triax.inference.kv_pool``) and holds the traced prefill and decode programs; it
-keeps no per-request state. ``triax.inference.engine.Engine`` adds the host side (block
-tables, slot lengths, buckets) and launches these programs. ``pipe > 1`` decodes through
+arrays (``triax.inference.kv_pool``) and holds the traced prefill, decode and mixed
+(decode rows and a prompt chunk in one forward) programs; it keeps no per-request state.
+``triax.inference.engine.Engine`` adds the host side (block tables, slot lengths, buckets)
+and launches these programs. ``pipe > 1`` decodes through
 the pipeline (``triax.inference.forward``). On a mesh with a ``context`` axis (and no
 ``pipe``) the cache is split along its positions and the prompt along its tokens
 (``triax.sharding.context_cache``), each block's positions striped over it.
@@ -95,7 +96,7 @@ def held_bytes_per_device(cfg: ModelConfig, mesh: Mesh, strategy: str | Strategy
 
 class ModelRunner:
     """One model copy on ``mesh``: placed weights, the KV pool's arrays, the jitted
-    prefill and decode programs (see module docstring). ``params=None``: abstract."""
+    prefill, decode and mixed programs (see module docstring). ``params=None``: abstract."""
 
     def __init__(self, cfg: ModelConfig, params: Any, mesh: Mesh,
                  strategy: str | Strategy = SERVE_STRATEGY,
@@ -145,7 +146,9 @@ class ModelRunner:
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,),
                                     static_argnums=(7, 9, 10))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
-        self.compiles = {"prefill": set(), "decode": set()}
+        self._mixed_jit = jax.jit(self._mixed, donate_argnums=(1,), static_argnums=(6,))
+        self.compiles = {"prefill": set(), "decode": set(), "mixed": set()}
+        self.launches = {"prefill": 0, "decode": 0, "mixed": 0}   # programs run, by kind
 
     @classmethod
     def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy=SERVE_STRATEGY, **kw):
@@ -258,6 +261,36 @@ class ModelRunner:
         logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
             logits_B1V[:, 0], mode="drop")
         return cache, tok_n, logits_nV
+
+    def _mixed(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule, rows,
+               slots_B, chunk_table_1M, chunk_1C, start_1, length_1, seed_1, chunk_rows):
+        """One fused step: ``_decode``'s rows and one prompt chunk (``length_1`` tokens of
+        ``chunk_1C`` from position ``start_1``, the rest padding) as one row of ``B + C``
+        tokens, so every weight is read once (``models.decode.mixed_attention`` splits the
+        attention). ``(cache, tokens by slot, the chunk's sampled token)``: the decode rows
+        sample as ``_decode`` does, the chunk as ``_prefill`` does from its last token."""
+        B, L = tokens_B.shape[0], self.cfg.num_layers
+        tokens_1X = jnp.concatenate([tokens_B, chunk_1C[0]])[None]
+        positions_1X = jnp.concatenate(
+            [positions_B, start_1 + jnp.arange(chunk_1C.shape[1], dtype=jnp.int32)])[None]
+        layers = lambda x: jnp.broadcast_to(x, (L, *x.shape))   # noqa: E731 (as _decode's)
+        paged = {**cache, "table": layers(table_BM), "chunk_table": layers(chunk_table_1M),
+                 "chunk_end": layers(start_1 + length_1)}
+        with runtime.using(moe_inference=True):
+            logits_1XV, paged = self._fwd(params, tokens_1X, positions_1X, paged)
+        cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
+                                                 self._cache_shardings())
+        tok = sample_step(logits_1XV[0, :B], rule, seeds_B, positions_B + 1, rows)
+        last_1V = jax.lax.dynamic_slice_in_dim(logits_1XV[0], B + length_1[0] - 1, 1)
+        first = sample_step(last_1V, rule, seed_1, start_1 + length_1, chunk_rows)
+        return cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), first
+
+    @property
+    def mixes(self) -> bool:
+        """Whether this replica runs fused mixed steps (``_mixed``): one row group, an
+        unpipelined, unsplit forward, no LoRA table."""
+        return not (self.pipelined or self.context is not None or self.table
+                    or self.pool.groups > 1)
 
     def _adapter_kw(self, name: str, rows) -> dict:
         """The step's per-row adapter slots (a keyword argument) when there is a table."""

@@ -59,13 +59,16 @@ class Server(Batching, AdapterServing):
     on ``result(rid)`` or ``future(rid)``. One serving loop at a time."""
 
     def __init__(self, engines: Sequence[Engine], max_queue: Optional[int] = None,
-                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0):
+                 max_bypass: int = MAX_BYPASS, max_step_tokens: int = 0,
+                 fused_steps: bool = True):
         self.engines = list(engines)
         if max_step_tokens < 0:
             raise InferenceError(f"max_step_tokens={max_step_tokens}: give a step's token "
                                  f"budget, e.g. 512, or 0 to prefill whole prompts")
         # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
+        self.fused_steps = fused_steps   # a chunk beside decode rows: one program
+        self.mixing = {}   # this step's fused chunk of each replica
         self.max_queue = max_queue  # waiting requests at most (None: unbounded)
         self.max_bypass = max_bypass  # later requests one that does not fit lets go first
         self.queue: collections.deque[_Live] = collections.deque()
@@ -77,6 +80,7 @@ class Server(Batching, AdapterServing):
                       "prefix_queries": 0, "prefix_hits": 0,
                       "preemptions": 0,   # sequences whose blocks were taken back
                       "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
+                      "mixed_steps": 0,   # fused steps: a chunk and the decode rows at once
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
         # One lock guards the queue, slots, results and futures (other threads read them).
@@ -117,7 +121,8 @@ class Server(Batching, AdapterServing):
         n = len(self.engines)
         for i in (range(n) if replicas is None else replicas):
             self.engines[i].warmup(prompt_lengths, progress and (
-                lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")))
+                lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")),
+                self.max_step_tokens if self.fused_steps else 0)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,

@@ -22,6 +22,8 @@ into G contiguous groups, one per data shard or pipeline micro-batch, each with 
 blocks). A table entry past the group's blocks (``N``) is no block: writes there are
 dropped. Reading gathers a row's blocks into the ``[B, M·P, K, H]`` view of a slot cache and
 attends with the same ``Visibility.cache``, so the math (and every token) is unchanged.
+A **mixed** step (:func:`mixed_attention`) runs decode rows and one prompt chunk as one row
+of tokens through every dense layer, and splits only attention by their block tables.
 
 **Hook** (:func:`cached_attention`): writing a layer's new keys/values and attending over
 its cache is one step that a parallelism may replace while tracing (the runtime's
@@ -267,13 +269,39 @@ def read_prefix(pool: Cache, scratch: Cache, table_bM, group_b, start_b) -> Cach
     return out
 
 
-def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation):
+def _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation,
+                     end_B=None):
+    """``end_B``: each row's first position not to write (its padding: no block, dropped)."""
     block_BT, place_BT = pages(layer_cache["table"], positions_BT, layer_cache["k"].shape[2])
+    if end_B is not None:
+        block_BT = jnp.where(positions_BT < end_B[:, None], block_BT, layer_cache["k"].shape[1])
     pool, k_BSKH, v_BSKH = paged_write_read(layer_cache, k_BTKH, v_BTKH, block_BT, place_BT)
     vis = Visibility.cache(positions_BT, k_BSKH.shape[1])
     o_BTNH = attention(q_BTNH, k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype), vis,
                        implementation)
     return o_BTNH, {**pool, "table": layer_cache["table"]}
+
+
+MIXED_KEYS = ("chunk_table", "chunk_end")   # a mixed step's chunk row, beside "table"
+
+
+def mixed_attention(q_1XNH, k_1XKH, v_1XKH, layer_cache, positions_1X, implementation):
+    """A mixed step's attention (``layer_cache`` has ``chunk_table`` ``[1, M]`` and
+    ``chunk_end`` ``[1]``): its one row of ``X = B + C`` tokens is ``B`` decode rows' single
+    tokens (their tables: ``table`` ``[B, M]``) then one prompt chunk's ``C`` (positions from
+    ``end`` on are padding: never written). Every dense layer ran once over all ``X``; only
+    attention splits, each part through its own block table: the decode rows write and
+    attend, then the chunk does (its blocks are its own: the two never share a written one)."""
+    B = layer_cache["table"].shape[0]
+    pool = {n: x for n, x in layer_cache.items() if n not in MIXED_KEYS}
+    o_B1NH, pool = _paged_attention(*(x[0, :B, None] for x in (q_1XNH, k_1XKH, v_1XKH)),
+                                    pool, positions_1X[0, :B, None], implementation)
+    o_1CNH, pool = _paged_attention(q_1XNH[:, B:], k_1XKH[:, B:], v_1XKH[:, B:],
+                                    {**pool, "table": layer_cache["chunk_table"]},
+                                    positions_1X[:, B:], implementation,
+                                    layer_cache["chunk_end"])
+    o_1XNH = jnp.concatenate([o_B1NH[:, 0][None], o_1CNH], axis=1)
+    return o_1XNH, {**pool, **{n: layer_cache[n] for n in ("table", *MIXED_KEYS)}}
 
 
 # (q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation) -> (o_BTNH, layer_cache)
@@ -289,6 +317,9 @@ def cached_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache: Cache, positions_BT,
     hook = runtime.current().cache_attention
     if hook is not None:
         return hook(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT, implementation)
+    if "chunk_table" in layer_cache:   # a mixed prefill + decode step (inference.model_runner)
+        return mixed_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT,
+                               implementation)
     if is_paged(layer_cache):
         return _paged_attention(q_BTNH, k_BTKH, v_BTKH, layer_cache, positions_BT,
                                 implementation)
