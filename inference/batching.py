@@ -1,6 +1,7 @@
 """One serving iteration of ``Server``: every replica admits and prefills, then decodes.
 
-Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits waiting requests into its
+Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits requests from its own queue
+(an idle replica first takes others' waiting ones: ``triax.inference.request_router``) into its
 free slots by free KV blocks and preempts by recompute when a group runs out; its ``Engine``
 runs the steps. All replicas' work is dispatched before any result is read, so the sub-meshes
 run concurrently. Sampled tokens are accepted here: streamed, checked against stop tokens and
@@ -17,6 +18,7 @@ from triax.inference.chunked_prefill import ChunkedPrefill
 from triax.inference.errors import InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
 from triax.inference.request import _Live
+from triax.inference.request_router import steal
 from triax.inference.speculative import Round, spec_launch
 
 
@@ -39,7 +41,7 @@ class Batching(ChunkedPrefill):
         return [sch.prefilling for sch in self.schedulers]
 
     def _idle(self) -> bool:  # caller holds the lock
-        return not self.queue and all(s is None for row in self.slots for s in row)
+        return not any(sch.queue or sch.running for sch in self.schedulers)
 
     def _serve_forever(self) -> None:
         try:
@@ -60,9 +62,8 @@ class Batching(ChunkedPrefill):
         with self._lock:
             if fatal:
                 self._error = exc
-            self.queue.clear()
             for sch in self.schedulers:
-                sch.clear()
+                sch.clear()   # its queue and its slots
             futures, self._futures = self._futures, {}
             self._failed.update(dict.fromkeys(futures, exc))
         for fut in futures.values():
@@ -133,8 +134,8 @@ class Batching(ChunkedPrefill):
         launched = []
         for r, eng in enumerate(self.engines):
             with self._lock:  # take requests, claim their slots and blocks in one step
-                slots, batch = self.schedulers[r].admit(self.queue, self.max_bypass,
-                                                        self.stats)
+                steal(self.schedulers, r)   # idle with an empty queue: others' waiting work
+                slots, batch = self.schedulers[r].admit(self.stats)
                 running = sum(s is not None for row in self.slots for s in row)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
             # whole prompts, or this step's chunks of them (inference.chunked_prefill)
@@ -175,7 +176,7 @@ class Batching(ChunkedPrefill):
         launched = []
         for r, eng in enumerate(self.engines):
             with self._lock:
-                self.schedulers[r].make_room(self._decoding(r), self.queue, self.stats)
+                self.schedulers[r].make_room(self._decoding(r), self.stats)
             live = self._decoding(r)  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             if not active.any():

@@ -1,9 +1,11 @@
-"""Serving: a request queue, R replicas, continuous batching into free decode slots.
+"""Serving: R replicas, each with its own request queue, continuous batching into free decode slots.
 
-Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its slots, admission by free
-KV blocks, preemption) over an ``Engine`` (block tables and buckets over a ``ModelRunner``:
+Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its queue, its slots, admission
+by free KV blocks, preemption) over an ``Engine`` (block tables and buckets over a ``ModelRunner``:
 the weights and jitted programs) on its own sub-mesh with a full copy of the model.
-Replicas multiply throughput; they do **not** pool memory. Every loop iteration
+Replicas multiply throughput; they do **not** pool memory. ``submit`` routes a request to
+the least-loaded replica that can hold it, and a replica left idle takes waiting requests
+from the others (``triax.inference.request_router``). Every loop iteration
 (``triax.inference.batching``) each replica admits and prefills (whole prompts, or chunks
 within ``max_step_tokens``: ``triax.inference.chunked_prefill``), then decodes one token;
 a sequence that stops frees its slot and blocks at once. ``serving/`` reads only this
@@ -30,7 +32,6 @@ class's public limits (``max_len``, ``slots_per_replica``, ``dtype``, adapters).
 """
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 import time
@@ -41,6 +42,7 @@ from triax.inference.adapter_serving import AdapterServing
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
+from triax.inference.request_router import check_servable, route
 from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.scheduler import Scheduler
 from triax.inference.sampling import SamplingConfig
@@ -66,10 +68,9 @@ class Server(Batching, AdapterServing):
                                  f"budget, e.g. 512, or 0 to prefill whole prompts")
         # prefill tokens + decode rows a replica step (0: whole prompts; chunked_prefill)
         self.max_step_tokens = max_step_tokens
-        self.max_queue = max_queue  # waiting requests at most (None: unbounded)
-        self.max_bypass = max_bypass  # later requests one that does not fit lets go first
-        self.queue: collections.deque[_Live] = collections.deque()
-        self.schedulers = [Scheduler(e) for e in self.engines]   # one per replica
+        self.max_queue = max_queue  # waiting requests at most, all queues (None: unbounded)
+        # one per replica, each with its queue and its bypass bound (inference.scheduler)
+        self.schedulers = [Scheduler(e, max_bypass) for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0, "generated_tokens": 0,
@@ -79,7 +80,7 @@ class Server(Batching, AdapterServing):
                       "prefill_chunks": 0,   # prefills run by chunked prefill (a chunk each)
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
-        # One lock guards the queue, slots, results and futures (other threads read them).
+        # One lock guards the queues, slots, results and futures (other threads read them).
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # a request arrived, or stop()
         self._futures: dict[int, Future] = {}          # unfinished requests
@@ -127,8 +128,8 @@ class Server(Batching, AdapterServing):
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
-        ``InferenceError`` here and queues nothing; a full queue (``max_queue``) raises
-        ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
+        ``InferenceError`` here and queues nothing; ``max_queue`` requests already waiting (all
+        replicas' queues) raise ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
         not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
         and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
         the serving thread with each generated token as it is sampled (streaming); with
@@ -146,16 +147,17 @@ class Server(Batching, AdapterServing):
             if self._error is not None:
                 raise InferenceError(f"the server stopped on an error ({self._error!r}); "
                                      f"build a new Server") from self._error
-            if self.max_queue is not None and len(self.queue) >= self.max_queue:
-                raise QueueFullError(f"{len(self.queue)} requests already wait (max_queue="
+            waiting = sum(len(sch.queue) for sch in self.schedulers)
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests already wait (max_queue="
                                      f"{self.max_queue}); retry later")
             slot = self._adapter_slot(adapter)
-            rid = self._next_id
-            self._next_id += 1
+            rid, self._next_id = self._next_id, self._next_id + 1
+            live = _Live(Result(rid, prompt, submitted=time.perf_counter()), max_new_tokens,
+                         seed, sampling, on_token, priority=int(priority), adapter=slot)
+            # check_request saw a replica whose pool holds it, so route finds one
+            self.schedulers[route(self.schedulers, live)].queue.append(live)
             self._futures[rid] = fut
-            self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
-                                    max_new_tokens, seed, sampling, on_token,
-                                    priority=int(priority), adapter=slot))
             self._wake.notify()
         return rid
 
@@ -167,7 +169,8 @@ class Server(Batching, AdapterServing):
         with self._lock:
             if request_id not in self._futures:
                 return False
-            queued = next((x for x in self.queue if x.result.request_id == request_id), None)
+            queued = next(((sch, x) for sch in self.schedulers for x in sch.queue
+                           if x.result.request_id == request_id), None)
             if queued is None:
                 live = next((x for row in self.slots for x in row
                              if x is not None and x.result.request_id == request_id), None)
@@ -176,8 +179,8 @@ class Server(Batching, AdapterServing):
                 live.cancelled = True
                 self._wake.notify()
                 return True
-            self.queue.remove(queued)
-        self._finish(queued, "cancelled", time.perf_counter())
+            queued[0].queue.remove(queued[1])
+        self._finish(queued[1], "cancelled", time.perf_counter())
         return True
 
     def future(self, request_id: int) -> Future:
@@ -261,14 +264,15 @@ class Server(Batching, AdapterServing):
     def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
         """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
         ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
-        ``inference.context_length``) that ``submit`` would raise."""
+        ``inference.context_length``) that ``submit`` would raise. Servable when some
+        replica's pool holds it (the router sends it there); else replica 0's error."""
         prompt = self.check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
         except TypeError:
             raise InferenceError(f"max_new_tokens must be an integer, got "
                                  f"{max_new_tokens!r}") from None
-        self.engines[0].check_prompt(len(prompt), max_new_tokens)
+        check_servable(self.engines, len(prompt), max_new_tokens)
         return prompt
 
     def describe(self) -> str:
@@ -316,9 +320,14 @@ class Server(Batching, AdapterServing):
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot."""
+        """Requests waiting for a slot, all replicas' queues."""
+        return sum(self.queued_per_replica)
+
+    @property
+    def queued_per_replica(self) -> list[int]:
+        """Requests waiting in each replica's queue."""
         with self._lock:
-            return len(self.queue)
+            return [len(sch.queue) for sch in self.schedulers]
 
     @property
     def pending(self) -> int:
@@ -328,7 +337,7 @@ class Server(Batching, AdapterServing):
 
     # ---- serving loops -----------------------------------------------------------------------
     def run(self) -> dict[int, Result]:
-        """Serve until the queue is empty and every slot is free (requests submitted from
+        """Serve until the queues are empty and every slot is free (requests submitted from
         other threads meanwhile are served too); returns all results so far."""
         if not self._loop.acquire(blocking=False):
             raise InferenceError("run() while another loop serves (start() or run() in "
