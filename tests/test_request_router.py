@@ -52,11 +52,15 @@ def test_a_burst_splits_over_the_least_loaded_replicas_and_metrics_show_each_dep
     results = _serve(server)
     assert [results[i].replica for i in ids + [late]] == [0, 1, 0, 1, 0, 1]
     assert all(results[i].tokens == _count([100 + 10 * k], 3) for k, i in enumerate(ids))
+    server.submit([60], 3)
+    server._step()                 # running on replica 0: its load, though nothing waits
+    again = server.submit([70], 3)
+    assert _ids(server) == [[], [again]]
 
 
 def test_a_request_goes_only_to_a_replica_whose_pool_holds_it():
-    # replica 0 holds 16 positions a sequence, replica 1 32 (blocks of 16)
-    server = Server([FakeEngine(slots=2, blocks=1), FakeEngine(slots=2, blocks=2)])
+    # replica 0 holds 16 positions a sequence, replica 1 32 (blocks of 16) in its one slot
+    server = Server([FakeEngine(slots=2, blocks=1), FakeEngine(slots=1, blocks=2)])
     big = [server.submit(list(range(1, 21)), 5) for _ in range(2)]   # 24 positions
     small = server.submit([7], 3)
     assert _ids(server) == [[small], big]     # though replica 1 is the busier
@@ -64,7 +68,10 @@ def test_a_request_goes_only_to_a_replica_whose_pool_holds_it():
                                              "pool holds 1 per row group"):
         server.submit(list(range(1, 41)), 1)   # no replica's pool: replica 0's error
     assert server.queued == 3
-    results = _serve(server)   # replica 0, idle, never takes a big one it cannot hold
+    server._step()
+    server._step()             # replica 0 has a free slot and an empty queue ...
+    assert _ids(server) == [[], [big[1]]]   # ... but cannot hold the big one
+    results = _serve(server)
     assert [results[i].replica for i in big + [small]] == [1, 1, 0]
     assert results[big[1]].tokens == _count([20], 5)
 
