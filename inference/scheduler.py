@@ -1,27 +1,29 @@
-"""One replica's scheduling: its waiting queue, who holds each decode slot, admission by free
-KV blocks, preemption.
+"""One replica's scheduling: its waiting queue, who holds each decode slot, admission by
+free KV blocks, preemption.
 
 ``Server`` keeps one ``Scheduler`` per replica over that replica's ``Engine`` (the host-side
-block tables and buckets over a ``ModelRunner``'s device programs); ``inference.request_router``
-puts each request in one replica's queue and moves waiting ones to an idle replica. Nothing is reserved up
-front. A waiting request is admitted into a free decode slot when that slot's row group of
-the KV pool has the blocks of its prompt (and of the first token after it: both reserved)
-beyond those the group's running sequences take in this step's decode (``next_blocks``; else
-it would be preempted at once, its prefill wasted); it takes more blocks as it grows
-(``KVBlocks.grow``). When a running sequence needs a block and its group has none left,
-the running request of that group with the lowest priority (the largest ``priority``), the
-newest among equals, is **preempted by recompute**: its blocks go back and it returns to
-this replica's queue in its old place (its prompt's blocks stay cached here); readmitted, its prompt and every token it
+block tables and buckets over a ``ModelRunner``'s device programs);
+``inference.request_router`` puts each request in one replica's queue and moves waiting ones
+to an idle replica. Nothing is reserved up front. A waiting request is admitted into a free
+decode slot when that slot's row group of the KV pool has the blocks of its prompt (and of
+the first token after it: both reserved) beyond those the group's running sequences take in
+this step's decode (``next_blocks``; else it would be preempted at once, its prefill
+wasted); it takes more blocks as it grows (``KVBlocks.grow``). When a running sequence needs
+a block and its group has none left, the running request of that group with the lowest
+priority (the largest ``priority``), the newest among equals, is **preempted by
+recompute**: its blocks go back and it returns to this replica's queue in its old place
+(where its prompt's blocks may stay cached); readmitted, its prompt and every token it
 generated so far are prefilled again (its cached blocks, with prefix caching, need no
 recompute) and it goes on exactly where it stopped: the same positions, the same seeds, so
 greedy and sampled tokens alike are those of a run without pressure.
 
 The replica's queue is served by priority, then arrival. A request that does not fit yet
-lets smaller ones behind it in this queue that do fit go first, but only ``max_bypass`` times:
-then nothing behind it is admitted until it fits (so nothing starves). Every request in the
-queue fits the replica's pool when run alone (``can_hold``: the router sees to it). With prefix caching, the slot whose
-group holds the longest cached run of the prompt's first blocks is chosen; those blocks are
-shared, and only the rest of the prompt is prefilled.
+lets smaller ones behind it in this queue that do fit go first, but only ``max_bypass``
+times: then nothing behind it is admitted until it fits (so nothing starves). Every request
+in the queue fits the replica's pool when run alone (``can_hold``: the router sees to it).
+With prefix caching, the slot whose group holds the longest cached run of the prompt's
+first blocks is chosen; those blocks are shared, and only the rest of the prompt is
+prefilled.
 """
 from __future__ import annotations
 

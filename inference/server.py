@@ -1,9 +1,9 @@
-"""Serving: R replicas, each with its own request queue, continuous batching into free decode slots.
+"""Serving: R replicas, each with its own request queue, continuous batching into free slots.
 
-Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its queue, its slots, admission
-by free KV blocks, preemption) over an ``Engine`` (block tables and buckets over a ``ModelRunner``:
-the weights and jitted programs) on its own sub-mesh with a full copy of the model.
-Replicas multiply throughput; they do **not** pool memory. ``submit`` routes a request to
+Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its queue, its slots,
+admission by free KV blocks, preemption) over an ``Engine`` (block tables and buckets over a
+``ModelRunner``: the weights and jitted programs) on its own sub-mesh with a full copy of
+the model. Replicas multiply throughput; they do **not** pool memory. ``submit`` routes a request to
 the least-loaded replica that can hold it, and a replica left idle takes waiting requests
 from the others (``triax.inference.request_router``). Every loop iteration
 (``triax.inference.batching``) each replica admits and prefills (whole prompts, or chunks
@@ -128,15 +128,17 @@ class Server(Batching, AdapterServing):
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
-        ``InferenceError`` here and queues nothing; ``max_queue`` requests already waiting (all
-        replicas' queues) raise ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
-        not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
-        and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
-        the serving thread with each generated token as it is sampled (streaming); with
-        ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
-        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``).
-        ``priority``: lower is admitted first and preempted last (default 0). ``adapter``:
-        the loaded LoRA adapter it runs with (``load_adapter``; None: the base model)."""
+        ``InferenceError`` here and queues nothing; ``max_queue`` requests already waiting
+        (all replicas' queues) raise ``QueueFullError``. ``seed`` defaults to a hash of the
+        prompt, so sampled text does not depend on arrival order. ``sampling``: this
+        request's temperature, top-k, top-p and stop tokens (default: each engine's).
+        ``on_token(token, time)`` is called from the serving thread with each generated
+        token as it is sampled (streaming); with ``sampling.logprobs`` as ``on_token(token,
+        time, entry)``, ``entry`` the token's ``inference.logprobs.row_entry`` (the first also
+        holding the prompt's, ``"prompt"``). ``priority``: lower is admitted first and
+        preempted last (default 0). ``adapter``: the loaded LoRA adapter it runs with
+        (``load_adapter``; None: the base model). It waits in the queue of the replica
+        ``inference.request_router.route`` picks."""
         prompt = self.check_request(prompt, max_new_tokens)
         max_new_tokens = operator.index(max_new_tokens)
         if seed is None:

@@ -1,6 +1,7 @@
-"""Continuous batching over 2 replicas (each compiles its own programs): every request completes with its own tokens,
-independent of arrival order, finished slots are reused, shapes compile once per bucket, and
-an idle replica takes requests waiting on the other with the same tokens."""
+"""Continuous batching over 2 replicas (each compiles its own programs): every request completes
+with its own tokens, independent of arrival order, finished slots are reused, shapes compile
+once per bucket, and an idle replica takes requests waiting on the other with the same
+tokens."""
 import random
 
 import jax
