@@ -57,7 +57,7 @@ def steal(schedulers: Sequence[Scheduler], r: int) -> int:
         return 0
     moved = 0
     for _ in range(len(thief.slots) - thief.running):
-        pick = _oldest_stealable(schedulers, thief)
+        pick = _first_stealable(schedulers, thief)
         if pick is None:
             break
         donor, live = pick
@@ -67,7 +67,7 @@ def steal(schedulers: Sequence[Scheduler], r: int) -> int:
     return moved
 
 
-def _oldest_stealable(schedulers: Sequence[Scheduler], thief: Scheduler):
+def _first_stealable(schedulers: Sequence[Scheduler], thief: Scheduler):
     """``(donor, request)``: the first by rank of the longest other queue's requests that
     ``thief`` can hold, fresh ones first (a preempted one only when no queue has a fresh
     one); None if there is none."""

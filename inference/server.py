@@ -3,9 +3,8 @@
 Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its queue, its slots,
 admission by free KV blocks, preemption) over an ``Engine`` (block tables and buckets over a
 ``ModelRunner``: the weights and jitted programs) on its own sub-mesh with a full copy of
-the model. Replicas multiply throughput; they do **not** pool memory. ``submit`` routes a request to
-the least-loaded replica that can hold it, and a replica left idle takes waiting requests
-from the others (``triax.inference.request_router``). Every loop iteration
+the model. Replicas multiply throughput; they do **not** pool memory. ``submit`` queues a
+request on a replica (``triax.inference.request_router``). Every loop iteration
 (``triax.inference.batching``) each replica admits and prefills (whole prompts, or chunks
 within ``max_step_tokens``: ``triax.inference.chunked_prefill``), then decodes one token;
 a sequence that stops frees its slot and blocks at once. ``serving/`` reads only this
@@ -137,8 +136,7 @@ class Server(Batching, AdapterServing):
         time, entry)``, ``entry`` the token's ``inference.logprobs.row_entry`` (the first also
         holding the prompt's, ``"prompt"``). ``priority``: lower is admitted first and
         preempted last (default 0). ``adapter``: the loaded LoRA adapter it runs with
-        (``load_adapter``; None: the base model). It waits in the queue of the replica
-        ``inference.request_router.route`` picks."""
+        (``load_adapter``; None: the base model). It waits in one replica's queue."""
         prompt = self.check_request(prompt, max_new_tokens)
         max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
@@ -157,8 +155,7 @@ class Server(Batching, AdapterServing):
             rid, self._next_id = self._next_id, self._next_id + 1
             live = _Live(Result(rid, prompt, submitted=time.perf_counter()), max_new_tokens,
                          seed, sampling, on_token, priority=int(priority), adapter=slot)
-            # check_request saw a replica whose pool holds it, so route finds one
-            self.schedulers[route(self.schedulers, live)].queue.append(live)
+            self.schedulers[route(self.schedulers, live)].queue.append(live)   # (one holds it)
             self._futures[rid] = fut
             self._wake.notify()
         return rid
@@ -266,8 +263,8 @@ class Server(Batching, AdapterServing):
     def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
         """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
         ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
-        ``inference.context_length``) that ``submit`` would raise. Servable when some
-        replica's pool holds it (the router sends it there); else replica 0's error."""
+        ``inference.context_length``) that ``submit`` would raise (some replica's pool
+        must hold it: ``inference.request_router``)."""
         prompt = self.check_token_ids(prompt)
         try:
             max_new_tokens = operator.index(max_new_tokens)
