@@ -1,9 +1,10 @@
 """One queue per replica (``inference.request_router``, ``inference.scheduler``), on fake
 engines (no JAX compile): a burst splits over the least-loaded replicas (running requests
 count, ties go to the longest cached prefix) and ``/metrics`` shows each replica's depth; a
-request goes only to a replica whose pool can hold it; an idle replica takes the first
-waiting request of the longest other queue (a fresh one before a preempted one); a preempted
-request waits in its own replica's queue and resumes there; ``cancel``, ``max_queue`` and a
+request goes only to a replica whose pool can hold it; the bypass bound holds within a
+replica's queue; an idle replica takes the first waiting request of the longest other queue
+(a fresh one before a preempted one); a preempted request waits in its own replica's queue
+and resumes there; ``cancel``, ``max_queue`` and a
 failure cover every queue. tests/test_inference_serving.py checks stolen requests' tokens
 against the reference on compiled engines."""
 import pytest
@@ -90,6 +91,25 @@ def test_a_tie_goes_to_the_replica_caching_the_longest_prefix():
     assert _ids(server) == [[other], [rid]]
     results = _serve(server)
     assert results[rid].cached_tokens == 8 and results[rid].tokens == [10, 11]
+
+
+def test_a_request_past_its_bypass_bound_holds_back_only_its_own_queue():
+    # 3 blocks of 4 a replica; a running request holds 2, so one of 2 does not fit yet
+    server = Server([FakeEngine(slots=2, blocks=3, block_size=4) for _ in range(2)],
+                    max_bypass=0)
+    running = [server.submit([101, 102, 103, 104, 105], 4),
+               server.submit([201, 202, 203, 204, 205], 4)]
+    server._step()
+    big = server.submit([301, 302, 303, 304, 305], 4)   # 2 blocks: waits on replica 0
+    small = [server.submit([401], 2), server.submit([501], 2)]   # 1 block each
+    assert _ids(server) == [[big, small[1]], [small[0]]]
+    server._step()   # replica 0's small one may not pass big; replica 1's is not behind it
+    assert _ids(server) == [[big, small[1]], []]
+    assert server.results[small[0]].replica == 1   # admitted (and done) meanwhile
+    results = _serve(server)
+    assert results[big].tokens == _count([305], 4)   # (replica 1, idle first, took it)
+    assert all(results[i].tokens == _count([101 + 100 * k + 4], 4)
+               for k, i in enumerate(running))
 
 
 def _live(rid, priority=0, preempted=False, prompt=(1,)):
