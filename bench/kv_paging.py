@@ -66,7 +66,7 @@ class StepTrace:
     def __call__(self) -> None:
         self.calls += 1
         if self.calls % 2:   # after the prefill phase: whom admission left waiting
-            self.queued = len(self.server.queue)
+            self.queued = self.server.queued
             return
         decoded, self.tokens = self.server.stats["decode_tokens"] - self.tokens, \
             self.server.stats["decode_tokens"]

@@ -62,7 +62,7 @@ class AdapterServing:
         """Free ``name``'s slot; refused while a queued or running request uses it."""
         def in_flight(slot: int, remove) -> int:
             with self._lock:
-                n = sum(x.adapter == slot for x in self.queue) + sum(
+                n = sum(x.adapter == slot for sch in self.schedulers for x in sch.queue) + sum(
                     x is not None and x.adapter == slot for row in self.slots for x in row)
                 if not n:
                     remove()

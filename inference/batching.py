@@ -2,7 +2,8 @@
 replica whose step has one prompt chunk beside its decode rows runs both as one fused program
 in the decode phase (``triax.inference.chunked_prefill``).
 
-Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits waiting requests into its
+Each replica's ``Scheduler`` (``triax.inference.scheduler``) admits requests from its own queue
+(an idle replica first takes others' waiting ones: ``triax.inference.request_router``) into its
 free slots by free KV blocks and preempts by recompute when a group runs out; its ``Engine``
 runs the steps. All replicas' work is dispatched before any result is read, so the sub-meshes
 run concurrently. Sampled tokens are accepted here: streamed, checked against stop tokens and
@@ -19,6 +20,7 @@ from triax.inference.chunked_prefill import ChunkedPrefill
 from triax.inference.errors import InferenceError
 from triax.inference.logprobs import prompt_entry, row_entry, split_tokens
 from triax.inference.request import _Live
+from triax.inference.request_router import steal
 from triax.inference.speculative import Round, spec_launch
 
 
@@ -41,7 +43,7 @@ class Batching(ChunkedPrefill):
         return [sch.prefilling for sch in self.schedulers]
 
     def _idle(self) -> bool:  # caller holds the lock
-        return not self.queue and all(s is None for row in self.slots for s in row)
+        return not any(sch.queue or sch.running for sch in self.schedulers)
 
     def _serve_forever(self) -> None:
         try:
@@ -62,9 +64,8 @@ class Batching(ChunkedPrefill):
         with self._lock:
             if fatal:
                 self._error = exc
-            self.queue.clear()
             for sch in self.schedulers:
-                sch.clear()
+                sch.clear()   # its queue and its slots
             futures, self._futures = self._futures, {}
             self._failed.update(dict.fromkeys(futures, exc))
         for fut in futures.values():
@@ -136,8 +137,8 @@ class Batching(ChunkedPrefill):
         launched = []
         for r, eng in enumerate(self.engines):
             with self._lock:  # take requests, claim their slots and blocks in one step
-                slots, batch = self.schedulers[r].admit(self.queue, self.max_bypass,
-                                                        self.stats)
+                steal(self.schedulers, r)   # idle with an empty queue: others' waiting work
+                slots, batch = self.schedulers[r].admit(self.stats)
                 running = sum(s is not None for row in self.slots for s in row)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
             # whole prompts, or this step's chunks of them (inference.chunked_prefill)
@@ -183,7 +184,7 @@ class Batching(ChunkedPrefill):
         launched = []
         for r, eng in enumerate(self.engines):
             with self._lock:
-                self.schedulers[r].make_room(self._decoding(r), self.queue, self.stats)
+                self.schedulers[r].make_room(self._decoding(r), self.stats)
             live = self._decoding(r)  # only this thread fills or frees slots
             active = np.array([s is not None for s in live])
             chunk = self.mixing.pop(r, None)   # a fused step's chunk (chunked_prefill)

@@ -32,9 +32,10 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: bytes = b"") -> lis
     """The chained key of every full block of ``tokens`` (``salt``: the chain's start, what
     else the blocks depend on: a LoRA adapter's load; none for the base)."""
     out, parent = [], salt
-    arr = np.asarray(tokens, np.int64)
-    for i in range(len(arr) // block_size):
-        parent = hashlib.blake2b(parent + arr[i * block_size:(i + 1) * block_size].tobytes(),
+    data = np.asarray(tokens, np.int64).tobytes()   # one conversion; slices of bytes below
+    step = block_size * 8
+    for i in range(len(data) // step):
+        parent = hashlib.blake2b(parent + data[i * step:(i + 1) * step],
                                  digest_size=16).digest()
         out.append(parent)
     return out

@@ -1,29 +1,36 @@
-"""One replica's scheduling: who holds each decode slot, admission by free KV blocks, preemption.
+"""One replica's scheduling: its waiting queue, who holds each decode slot, admission by
+free KV blocks, preemption.
 
 ``Server`` keeps one ``Scheduler`` per replica over that replica's ``Engine`` (the host-side
-block tables and buckets over a ``ModelRunner``'s device programs). Nothing is reserved up
-front. A waiting request is admitted into a free decode slot when that slot's row group of
-the KV pool has the blocks of its prompt (and of the first token after it: both reserved)
-beyond those the group's running sequences take in this step's decode (``next_blocks``; else
-it would be preempted at once, its prefill wasted); it takes more blocks as it grows
-(``KVBlocks.grow``). When a running sequence needs a block and its group has none left,
-the running request of that group with the lowest priority (the largest ``priority``), the
-newest among equals, is **preempted by recompute**: its blocks go back and it returns to
-the queue in its old place; readmitted, its prompt and every token it
+block tables and buckets over a ``ModelRunner``'s device programs);
+``inference.request_router`` puts each request in one replica's queue and moves waiting ones
+to an idle replica. Nothing is reserved up front. A waiting request is admitted into a free
+decode slot when that slot's row group of the KV pool has the blocks of its prompt (and of
+the first token after it: both reserved) beyond those the group's running sequences take in
+this step's decode (``next_blocks``; else it would be preempted at once, its prefill
+wasted); it takes more blocks as it grows (``KVBlocks.grow``). When a running sequence needs
+a block and its group has none left, the running request of that group with the lowest
+priority (the largest ``priority``), the newest among equals, is **preempted by
+recompute**: its blocks go back and it returns to this replica's queue in its old place
+(where its prompt's blocks may stay cached); readmitted, its prompt and every token it
 generated so far are prefilled again (its cached blocks, with prefix caching, need no
 recompute) and it goes on exactly where it stopped: the same positions, the same seeds, so
 greedy and sampled tokens alike are those of a run without pressure.
 
-The (one, shared) queue is served by priority, then arrival. A request that does not fit yet
-lets smaller ones behind it that do fit go first, but only ``max_bypass`` times: then nothing
-behind it is admitted until it fits (so nothing starves). With prefix caching, the slot whose
-group holds the longest cached run of the prompt's first blocks is chosen; those blocks are
-shared, and only the rest of the prompt is prefilled.
+The replica's queue is served by priority, then arrival. A request that does not fit yet
+lets smaller ones behind it in this queue that do fit go first, but only ``max_bypass``
+times: then nothing behind it is admitted until it fits (so nothing starves). Every request
+in the queue fits the replica's pool when run alone (``can_hold``: the router sees to it).
+With prefix caching, the slot whose group holds the longest cached run of the prompt's
+first blocks is chosen; those blocks are shared, and only the rest of the prompt is
+prefilled.
 """
 from __future__ import annotations
 
+import collections
 from typing import Sequence
 
+from triax.choices import MAX_BYPASS
 from triax.inference.context_length import positions_needed
 from triax.inference.engine import Engine
 from triax.inference.penalties import reads_prompt
@@ -31,12 +38,14 @@ from triax.inference.request import _Live
 
 
 class Scheduler:
-    """Replica slot table and admission over ``engine`` (see module docstring). The
-    caller (``Server``) holds its lock around ``admit``, ``make_room`` and ``free``."""
+    """Replica queue, slot table and admission over ``engine`` (see module docstring). The
+    caller (``Server``) holds its lock around every use of the queue and the slots."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, max_bypass: int = MAX_BYPASS):
         self.engine = engine
         B = engine.ecfg.max_batch
+        self.queue: collections.deque[_Live] = collections.deque()   # waiting, arrival order
+        self.max_bypass = max_bypass   # later requests one that does not fit lets go first
         self.slots: list[_Live | None] = [None] * B   # the request in each decode slot
         self.slot_uses = [0] * B                      # requests each slot has served
         self.prefilling: dict = {}    # slot -> a prompt still prefilling (chunked_prefill)
@@ -48,24 +57,44 @@ class Scheduler:
         self.engine.release(slot)
 
     def clear(self) -> None:
-        """Free every slot (the server failed its requests)."""
+        """Drop every waiting request and free every slot (the server failed them)."""
+        self.queue.clear()
         for slot, live in enumerate(self.slots):
             if live is not None:
                 self.free(slot)
 
-    def admit(self, queue, max_bypass: int, stats: dict) -> tuple[list[int], list[_Live]]:
-        """Waiting requests from ``queue`` into the free slots, by priority then arrival,
-        each with its prompt's KV blocks; ``(slots, requests)`` admitted."""
+    @property
+    def running(self) -> int:
+        """Requests in this replica's slots."""
+        return sum(s is not None for s in self.slots)
+
+    def can_hold(self, live: _Live) -> bool:
+        """Whether a row group's whole pool holds ``live`` at its longest (else it could
+        never run here, and would wait in this queue forever)."""
+        kv = self.engine.kv
+        return kv.need(positions_needed(len(live.result.prompt), live.max_new)) <= kv.blocks
+
+    def cached_blocks(self, live: _Live) -> int:
+        """The longest run of ``live``'s prompt blocks a row group of this replica caches
+        (0 without prefix caching, or where its sampling reads every prompt token)."""
+        eng = self.engine
+        if not eng.prefix_cache or reads_prompt(live.sampling or eng.sampling):
+            return 0
+        every = range(eng.ecfg.max_batch)
+        return max(len(shared) for _, shared in
+                   self.lookups(every, live.tokens_to_prefill(), live.adapter))
+
+    def admit(self, stats: dict) -> tuple[list[int], list[_Live]]:
+        """Waiting requests from this replica's queue into its free slots, by priority then
+        arrival, each with its prompt's KV blocks; ``(slots, requests)`` admitted."""
         eng = self.engine
         free = [i for i, s in enumerate(self.slots) if s is None]
         keep = self.next_blocks()
         slots, batch, waiting = [], [], []
-        for live in sorted(queue, key=_Live.rank):
+        for live in sorted(self.queue, key=_Live.rank):
             if not free:
                 break
             whole = positions_needed(len(live.result.prompt), live.max_new)
-            if eng.kv.need(whole) > eng.kv.blocks:
-                continue   # a smaller replica's group could never hold it all: others will
             tokens = live.tokens_to_prefill()
             first = min(len(tokens) + 1, whole)   # its prompt and its first decode's position
             # the fitting slot whose group caches the longest run of the prompt's blocks
@@ -77,7 +106,7 @@ class Scheduler:
             if not fits:   # not enough blocks free yet
                 waiting.append(live)
                 continue
-            if any(w.passed >= max_bypass for w in waiting):
+            if any(w.passed >= self.max_bypass for w in waiting):
                 break   # one was passed over enough: the rest wait for it
             for w in waiting:   # a later request goes first
                 w.passed += 1
@@ -89,7 +118,7 @@ class Scheduler:
             if eng.prefix_cache:
                 stats["prefix_queries"] += len(tokens)
                 stats["prefix_hits"] += len(shared) * eng.kv.block_size
-            queue.remove(live)
+            self.queue.remove(live)
             free.remove(slot)
             self._admissions += 1
             live.admitted = self._admissions
@@ -109,7 +138,7 @@ class Scheduler:
                 out[kv.group(slot)] += kv.next_blocks(slot, int(self.engine.lengths[slot]) + 1)
         return out
 
-    def make_room(self, decoding: Sequence, queue, stats: dict) -> None:
+    def make_room(self, decoding: Sequence, stats: dict) -> None:
         """Give every running sequence (``decoding``: the slots' requests, None where not
         decoding) the block its next token needs, preempting by recompute where its group
         has none left (``preempt``); the oldest and most important are served first."""
@@ -121,7 +150,7 @@ class Scheduler:
             positions = int(eng.lengths[slot]) + 1
             while eng.kv.next_blocks(slot, positions) > eng.kv.available(slot):
                 victim = self.victim(slot)
-                self.preempt(victim, queue, stats)
+                self.preempt(victim, stats)
                 if victim == slot:
                     break
             if self.slots[slot] is live:
@@ -134,14 +163,15 @@ class Scheduler:
         group = [i for i in range(g * per, (g + 1) * per) if self.slots[i] is not None]
         return max(group, key=lambda i: (self.slots[i].priority, self.slots[i].admitted))
 
-    def preempt(self, slot: int, queue, stats: dict) -> None:
-        """Take ``slot``'s blocks back and requeue its request; readmitted, it recomputes
-        its prompt and tokens so far and goes on."""
+    def preempt(self, slot: int, stats: dict) -> None:
+        """Take ``slot``'s blocks back and requeue its request in this replica's queue (its
+        cached blocks are here); readmitted, it recomputes its prompt and tokens so far and
+        goes on."""
         live = self.slots[slot]
         self.free(slot)
         live.result.preemptions += 1
         stats["preemptions"] += 1
-        queue.append(live)
+        self.queue.append(live)
 
     def lookups(self, free: Sequence[int], prompt: Sequence[int], adapter: int = 0):
         """``(slot, cached blocks)`` for each free slot: one lookup per row group (blocks

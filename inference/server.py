@@ -1,9 +1,10 @@
-"""Serving: a request queue, R replicas, continuous batching into free decode slots.
+"""Serving: R replicas, each with its own request queue, continuous batching into free slots.
 
-Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its slots, admission by free
-KV blocks, preemption) over an ``Engine`` (block tables and buckets over a ``ModelRunner``:
-the weights and jitted programs) on its own sub-mesh with a full copy of the model.
-Replicas multiply throughput; they do **not** pool memory. Every loop iteration
+Each replica is a ``Scheduler`` (``triax.inference.scheduler``: its queue, its slots,
+admission by free KV blocks, preemption) over an ``Engine`` (block tables and buckets over a
+``ModelRunner``: the weights and jitted programs) on its own sub-mesh with a full copy of
+the model. Replicas multiply throughput; they do **not** pool memory. ``submit`` queues a
+request on a replica (``triax.inference.request_router``). Every loop iteration
 (``triax.inference.batching``) each replica admits and prefills (whole prompts, or chunks
 within ``max_step_tokens``: ``triax.inference.chunked_prefill``), then decodes one token;
 a sequence that stops frees its slot and blocks at once. ``serving/`` reads only this
@@ -30,7 +31,6 @@ class's public limits (``max_len``, ``slots_per_replica``, ``dtype``, adapters).
 """
 from __future__ import annotations
 
-import collections
 import operator
 import threading
 import time
@@ -41,16 +41,17 @@ from triax.inference.adapter_serving import AdapterServing
 from triax.inference.batching import Batching
 from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.replicas import replica_meshes
+from triax.inference.request_router import route
 from triax.inference.request import QueueFullError, Result, _Live, default_seed
 from triax.inference.scheduler import Scheduler
+from triax.inference.server_limits import ServerLimits
 from triax.inference.sampling import SamplingConfig
-from triax.inference.served_weights import bytes_per_device, describe_weights
 from triax.models.config import ModelConfig
 from triax.sharding.partition import abstract_model, init_params
 from triax.choices import MAX_BYPASS, SERVE_STRATEGY
 
 
-class Server(Batching, AdapterServing):
+class Server(Batching, AdapterServing, ServerLimits):
     """Continuous-batching request server over one or more replica engines.
 
     ``submit`` is thread-safe. Serve either with ``run()`` (blocks until everything queued,
@@ -69,10 +70,9 @@ class Server(Batching, AdapterServing):
         self.max_step_tokens = max_step_tokens
         self.fused_steps = fused_steps   # a chunk beside decode rows: one program
         self.mixing = {}   # this step's fused chunk of each replica
-        self.max_queue = max_queue  # waiting requests at most (None: unbounded)
-        self.max_bypass = max_bypass  # later requests one that does not fit lets go first
-        self.queue: collections.deque[_Live] = collections.deque()
-        self.schedulers = [Scheduler(e) for e in self.engines]   # one per replica
+        self.max_queue = max_queue  # waiting requests at most, all queues (None: unbounded)
+        # one per replica, each with its queue and its bypass bound (inference.scheduler)
+        self.schedulers = [Scheduler(e, max_bypass) for e in self.engines]
         self.results: dict[int, Result] = {}
         self.stats = {"prefill_tokens": 0, "prefill_s": 0.0, "decode_tokens": 0, "decode_s": 0.0,
                       "decode_steps": 0, "generated_tokens": 0,
@@ -83,7 +83,7 @@ class Server(Batching, AdapterServing):
                       "mixed_steps": 0,   # fused steps: a chunk and the decode rows at once
                       "peak_running": 0}   # the most requests in decode slots at once
         self._next_id = 0
-        # One lock guards the queue, slots, results and futures (other threads read them).
+        # One lock guards the queues, slots, results and futures (other threads read them).
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)  # a request arrived, or stop()
         self._futures: dict[int, Future] = {}          # unfinished requests
@@ -132,15 +132,16 @@ class Server(Batching, AdapterServing):
         """Queue a request and return its id; safe to call from any thread, also while the
         server is serving. A request that cannot be served (empty or over-long prompt,
         ``max_new_tokens`` that does not fit the cache, ids outside the vocabulary) raises
-        ``InferenceError`` here and queues nothing; a full queue (``max_queue``) raises
-        ``QueueFullError``. ``seed`` defaults to a hash of the prompt, so sampled text does
-        not depend on arrival order. ``sampling``: this request's temperature, top-k, top-p
-        and stop tokens (default: each engine's). ``on_token(token, time)`` is called from
-        the serving thread with each generated token as it is sampled (streaming); with
-        ``sampling.logprobs`` as ``on_token(token, time, entry)``, ``entry`` the token's
-        ``inference.logprobs.row_entry`` (the first also holding the prompt's, ``"prompt"``).
-        ``priority``: lower is admitted first and preempted last (default 0). ``adapter``:
-        the loaded LoRA adapter it runs with (``load_adapter``; None: the base model)."""
+        ``InferenceError`` here and queues nothing; ``max_queue`` requests already waiting
+        (all replicas' queues) raise ``QueueFullError``. ``seed`` defaults to a hash of the
+        prompt, so sampled text does not depend on arrival order. ``sampling``: this
+        request's temperature, top-k, top-p and stop tokens (default: each engine's).
+        ``on_token(token, time)`` is called from the serving thread with each generated
+        token as it is sampled (streaming); with ``sampling.logprobs`` as ``on_token(token,
+        time, entry)``, ``entry`` the token's ``inference.logprobs.row_entry`` (the first also
+        holding the prompt's, ``"prompt"``). ``priority``: lower is admitted first and
+        preempted last (default 0). ``adapter``: the loaded LoRA adapter it runs with
+        (``load_adapter``; None: the base model). It waits in one replica's queue."""
         prompt = self.check_request(prompt, max_new_tokens)
         max_new_tokens = operator.index(max_new_tokens)
         if seed is None:
@@ -151,16 +152,16 @@ class Server(Batching, AdapterServing):
             if self._error is not None:
                 raise InferenceError(f"the server stopped on an error ({self._error!r}); "
                                      f"build a new Server") from self._error
-            if self.max_queue is not None and len(self.queue) >= self.max_queue:
-                raise QueueFullError(f"{len(self.queue)} requests already wait (max_queue="
+            waiting = sum(len(sch.queue) for sch in self.schedulers)
+            if self.max_queue is not None and waiting >= self.max_queue:
+                raise QueueFullError(f"{waiting} requests already wait (max_queue="
                                      f"{self.max_queue}); retry later")
             slot = self._adapter_slot(adapter)
-            rid = self._next_id
-            self._next_id += 1
+            rid, self._next_id = self._next_id, self._next_id + 1
+            live = _Live(Result(rid, prompt, submitted=time.perf_counter()), max_new_tokens,
+                         seed, sampling, on_token, priority=int(priority), adapter=slot)
+            self.schedulers[route(self.schedulers, live)].queue.append(live)   # (one holds it)
             self._futures[rid] = fut
-            self.queue.append(_Live(Result(rid, prompt, submitted=time.perf_counter()),
-                                    max_new_tokens, seed, sampling, on_token,
-                                    priority=int(priority), adapter=slot))
             self._wake.notify()
         return rid
 
@@ -172,7 +173,8 @@ class Server(Batching, AdapterServing):
         with self._lock:
             if request_id not in self._futures:
                 return False
-            queued = next((x for x in self.queue if x.result.request_id == request_id), None)
+            queued = next(((sch, x) for sch in self.schedulers for x in sch.queue
+                           if x.result.request_id == request_id), None)
             if queued is None:
                 live = next((x for row in self.slots for x in row
                              if x is not None and x.result.request_id == request_id), None)
@@ -181,8 +183,8 @@ class Server(Batching, AdapterServing):
                 live.cancelled = True
                 self._wake.notify()
                 return True
-            self.queue.remove(queued)
-        self._finish(queued, "cancelled", time.perf_counter())
+            queued[0].queue.remove(queued[1])
+        self._finish(queued[1], "cancelled", time.perf_counter())
         return True
 
     def future(self, request_id: int) -> Future:
@@ -234,85 +236,6 @@ class Server(Batching, AdapterServing):
         """KV pool blocks over all replicas."""
         return sum(e.kv.total for e in self.engines)
 
-    # ---- public limits (what serving/ and the CLI read; no engine internals) ----------------
-    @property
-    def max_len(self) -> int:
-        """KV positions one sequence may hold: prompt + max_tokens (the least replica's)."""
-        return min(e.ecfg.max_len for e in self.engines)
-
-    @property
-    def slots_per_replica(self) -> list[int]:
-        """Decode slots of each replica."""
-        return [len(row) for row in self.slots]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.engines[0].cfg.vocab_size
-
-    @property
-    def default_sampling(self) -> SamplingConfig:
-        """The sampling a request gets unless it says its own (the engines' default)."""
-        return self.engines[0].sampling
-
-    @property
-    def lora(self):
-        """The served LoRA adapters' config (``models.config``), None without adapters."""
-        return self.engines[0].cfg.lora
-
-    def check_token_ids(self, prompt: Sequence) -> list[int]:
-        """The prompt as ints; ``InferenceError`` for an id outside the vocabulary."""
-        return self.engines[0].check_token_ids(prompt)
-
-    def check_request(self, prompt: Sequence, max_new_tokens: int) -> list[int]:
-        """The prompt as token ids, if it and ``max_new_tokens`` can be served; else the
-        ``InferenceError`` (``ContextLengthError`` past the context: the check's one home,
-        ``inference.context_length``) that ``submit`` would raise."""
-        prompt = self.check_token_ids(prompt)
-        try:
-            max_new_tokens = operator.index(max_new_tokens)
-        except TypeError:
-            raise InferenceError(f"max_new_tokens must be an integer, got "
-                                 f"{max_new_tokens!r}") from None
-        self.engines[0].check_prompt(len(prompt), max_new_tokens)
-        return prompt
-
-    def describe(self) -> str:
-        """Each replica's layout, slots, sequence length and KV pool, in one line."""
-        from triax.mesh import describe
-        pools = ", ".join(f"{e.kv.total} blocks × {e.kv.block_size}" for e in self.engines)
-        lora = self.lora   # adapters served unmerged: say which
-        return (f"{len(self.engines)} replica(s): "
-                + "; ".join(describe(e.mesh) for e in self.engines)
-                + f"; {self.slots_per_replica[0]} slots each, sequences up to {self.max_len} "
-                f"positions; {describe_weights(self.engines)}; KV pool ({self.kv_dtype}) {pools}"
-                + (f"; {lora.describe()}" if lora is not None else ""))
-
-    @property
-    def dtype(self) -> str:
-        """The served weights' (and compute) dtype: ``bfloat16`` or ``float32``."""
-        return self.engines[0].ecfg.dtype
-
-    @property
-    def quantize(self) -> str:
-        """The served weights' quantization (``--quantize``): ``none`` or ``int8``."""
-        return self.engines[0].ecfg.quantize
-
-    @property
-    def weight_bytes(self) -> int:
-        """The weights' bytes on each device as placed, the largest over the replicas."""
-        return max(bytes_per_device(e.params) for e in self.engines)
-
-    @property
-    def kv_dtype(self) -> str:
-        """What the KV pools store: ``bfloat16``, ``float32`` or ``int8``."""
-        return self.engines[0].pool.dtype
-
-    @property
-    def kv_pool_bytes(self) -> int:
-        """KV pool bytes (k and v, an int8 pool's scales) on each device, the largest over
-        the replicas."""
-        return max(e.pool.bytes_per_device() for e in self.engines)
-
     @property
     def running(self) -> int:
         """Requests in a decode slot now."""
@@ -321,9 +244,14 @@ class Server(Batching, AdapterServing):
 
     @property
     def queued(self) -> int:
-        """Requests waiting for a slot."""
+        """Requests waiting for a slot, all replicas' queues."""
+        return sum(self.queued_per_replica)
+
+    @property
+    def queued_per_replica(self) -> list[int]:
+        """Requests waiting in each replica's queue."""
         with self._lock:
-            return len(self.queue)
+            return [len(sch.queue) for sch in self.schedulers]
 
     @property
     def pending(self) -> int:
@@ -333,7 +261,7 @@ class Server(Batching, AdapterServing):
 
     # ---- serving loops -----------------------------------------------------------------------
     def run(self) -> dict[int, Result]:
-        """Serve until the queue is empty and every slot is free (requests submitted from
+        """Serve until the queues are empty and every slot is free (requests submitted from
         other threads meanwhile are served too); returns all results so far."""
         if not self._loop.acquire(blocking=False):
             raise InferenceError("run() while another loop serves (start() or run() in "

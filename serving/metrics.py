@@ -1,7 +1,7 @@
-"""The server's Prometheus metrics (``prometheus_client``), one registry per app: queue depth,
-busy slots, KV cache positions and KV pool blocks in use read from the ``Server`` at each scrape; generated
-tokens and requests counted; time to first token, inter-token latency and request latency
-as histograms (seconds)."""
+"""The server's Prometheus metrics (``prometheus_client``), one registry per app: queue depth
+(all replicas, and each replica's), busy slots, KV cache positions and KV pool blocks in use
+read from the ``Server`` at each scrape; generated tokens and requests counted; time to first
+token, inter-token latency and request latency as histograms (seconds)."""
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -54,8 +54,13 @@ _LATENCY = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 6
 class Metrics:
     def __init__(self, server):
         self.registry = r = CollectorRegistry()
-        Gauge("triax_queue_depth", "requests waiting for a decode slot",
+        Gauge("triax_queue_depth", "requests waiting for a decode slot, all replicas",
               registry=r).set_function(lambda: server.queued)
+        depth = Gauge("triax_replica_queue_depth", "requests waiting in a replica's queue",
+                      ["replica"], registry=r)
+        for i in range(len(server.slots_per_replica)):
+            depth.labels(replica=str(i)).set_function(
+                lambda i=i: server.queued_per_replica[i])
         Gauge("triax_busy_slots", "decode slots holding a request",
               registry=r).set_function(lambda: server.total_slots - server.free_slots)
         Gauge("triax_total_slots", "decode slots over all replicas",

@@ -129,7 +129,7 @@ def test_every_invalid_request_gets_its_own_error(served):
 
 def test_no_slot_leaks_and_served_alone_matches(served):
     server, _, reqs, outcome, _ = served
-    assert not server.serving and server.pending == 0 and not server.queue
+    assert not server.serving and server.pending == 0 and not server.queued
     assert server.free_slots == server.total_slots == 2 * ECFG.max_batch
     rng = random.Random(1)
     sample = rng.sample([i for i, (_, _, err) in enumerate(reqs) if err is None], 6)

@@ -1,5 +1,7 @@
-"""Continuous batching over 2 replicas (each compiles its own programs): every request completes with its own tokens,
-independent of arrival order, finished slots are reused, and shapes compile once per bucket."""
+"""Continuous batching over 2 replicas (each compiles its own programs): every request completes
+with its own tokens, independent of arrival order, finished slots are reused, shapes compile
+once per bucket, and an idle replica takes requests waiting on the other with the same
+tokens."""
 import random
 
 import jax
@@ -100,3 +102,16 @@ def test_sampled_results_independent_of_arrival_order(setup):
         eng.sampling = SamplingConfig()
     assert {i: r.tokens for i, r in forward.items()} == {i: r.tokens for i, r in shuffled.items()}
     assert any(forward[i].tokens != ref[i][:reqs[i][1]] for i in range(12))  # it did sample
+
+
+def test_an_idle_replica_takes_waiting_requests_with_the_same_tokens(setup, monkeypatch):
+    """Every request routed to replica 0 (the router forced): replica 1, idle, takes waiting
+    ones (``inference.request_router.steal``); each request's tokens are the reference's."""
+    server, reqs, ref = setup
+    monkeypatch.setattr("triax.inference.server.route", lambda schedulers, live: 0)
+    ids = {server.submit(*reqs[i]): i for i in range(12)}
+    assert server.queued_per_replica == [12, 0]
+    out = server.run()
+    assert {out[rid].replica for rid in ids} == {0, 1}
+    for rid, i in ids.items():
+        assert out[rid].tokens == ref[i][:reqs[i][1]], f"request {i}"

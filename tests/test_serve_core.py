@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 from fastapi.testclient import TestClient
 
-from triax.inference.context_length import check_context
-from triax.inference.engine import EngineConfig, InferenceError
+from triax.inference.engine import Engine, EngineConfig, InferenceError
 from triax.inference.kv_blocks import KVBlocks
 from triax.inference.sampling import SamplingConfig
 from triax.inference.server import Server
@@ -24,15 +23,19 @@ POISON = 13  # a fake engine fails when it is fed this token
 
 
 class FakeEngine:
-    """Next token = last + 1; decoding ``POISON`` raises, as a device error would."""
+    """Next token = last + 1; decoding ``POISON`` raises, as a device error would. A pool of
+    ``blocks`` blocks of ``block_size`` (default: 64 positions a slot)."""
 
-    def __init__(self, slots=1):
+    def __init__(self, slots=1, blocks=None, block_size=16, prefix_cache=False):
         self.ecfg = EngineConfig(max_batch=slots, max_len=64)
+        self.cfg = SimpleNamespace(max_seq_len=256)
         self.sampling = SamplingConfig()
         self.lengths = np.zeros(slots, np.int64)
-        self.kv = KVBlocks(groups=1, blocks=4 * slots, block_size=16, slots=slots, max_blocks=4)
+        self.kv = KVBlocks(groups=1, blocks=blocks or 64 // block_size * slots,
+                           block_size=block_size, slots=slots, max_blocks=64 // block_size,
+                           prefix_cache=prefix_cache)
         self.recovered = 0
-        self.prefix_cache = False
+        self.prefix_cache = prefix_cache
         self.pool = SimpleNamespace(dtype="float32", bytes_per_device=lambda: 0)
         self.params = {}   # no weights: triax_weight_bytes reads 0
 
@@ -42,10 +45,7 @@ class FakeEngine:
     def check_token_ids(self, prompt):
         return [int(t) for t in prompt]
 
-    def check_prompt(self, n, max_new):
-        if n == 0:
-            raise InferenceError("empty prompt")
-        check_context(n, max_new, self.ecfg.max_len, model_len=256)
+    check_prompt = Engine.check_prompt   # the context and the pool's blocks
 
     def prefill(self, slots, prompts, seeds, settings=None, cached=None, prompt_lens=None):
         for s, p in zip(slots, prompts):

@@ -135,6 +135,7 @@ def test_greedy_completions_equal_the_golden_tokens_on_every_replica(served):
     text = httpx.get(url + "/metrics").text
     for r in range(4):  # every layout answered some of them
         assert re.search(rf'triax_requests_total{{.*replica="{r}"}} [1-9]', text), r
+        assert f'triax_replica_queue_depth{{replica="{r}"}} 0.0' in text, r   # all served
     assert _settled(served)
 
 

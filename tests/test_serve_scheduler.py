@@ -35,8 +35,13 @@ def reference(params):
 def _server(params, devices, max_bypass=None):
     server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ECFG)
     if max_bypass is not None:
-        server.max_bypass = max_bypass
+        server.schedulers[0].max_bypass = max_bypass   # the replica's queue's bound
     return server
+
+
+def _queued(server):
+    """The ids waiting in the (one) replica's queue."""
+    return [x.result.request_id for x in server.schedulers[0].queue]
 
 
 def _done(server):
@@ -61,7 +66,7 @@ def test_priority_orders_admission_and_preemption(params, reference, devices):
     high = server.submit(PROMPTS[0], NEW, priority=-1)    # ... this one (1 block) goes first
     server._step()
     running = {x.result.request_id for x in server.slots[0] if x is not None}
-    assert running == {low, high} and [x.result.request_id for x in server.queue] == [mid]
+    assert running == {low, high} and _queued(server) == [mid]
     results = server.run()
     assert [results[i].tokens for i in (low, mid, high)] == [reference[1], reference[3],
                                                              reference[0]]
@@ -80,7 +85,7 @@ def test_a_small_request_goes_past_a_large_one_at_most_max_bypass_times(params, 
     server._step()
     live = {x.result.request_id for x in server.slots[0] if x is not None}
     assert live == {running, small[0]}                    # one went past big; then it waits
-    assert [x.result.request_id for x in server.queue] == [big, small[1]]
+    assert _queued(server) == [big, small[1]]
     results = server.run()
     assert results[big].tokens == reference[1]
     assert [results[i].tokens for i in small] == [reference[2][:4], reference[0][:4]]
@@ -104,7 +109,7 @@ def test_admission_reserves_the_first_decode_position(params, edge_reference, de
     server = _server(params, devices)
     ids = [server.submit(EDGE[0], 4), server.submit(EDGE[1], 4)]
     server._step()
-    assert [x.result.request_id for x in server.queue] == [ids[1]]
+    assert _queued(server) == [ids[1]]
     results = server.run()
     assert [results[i].tokens for i in ids] == [edge_reference[0][:4], edge_reference[1][:4]]
     assert server.stats["preemptions"] == 0 and _done(server)
@@ -121,7 +126,7 @@ def test_admission_leaves_the_blocks_running_sequences_take_next(params, edge_re
         server._step()
     second = server.submit(EDGE[2], NEW)
     server._step()
-    assert [x.result.request_id for x in server.queue] == [second]
+    assert _queued(server) == [second]
     assert server.engines[0].kv.held.max() == 5
     results = server.run()
     assert [results[i].tokens for i in (first, second)] == edge_reference[1:]
