@@ -156,8 +156,15 @@ def test_vit_pipeline_matches_unpipelined(vit_reference, vit_init, kind, M):
     assert_trees_close(grads, vit_reference[1], rtol=1e-5, atol=1e-6, what=f"vit {kind} grads")
 
 
+def fsdp_tp_2x4():
+    """The fsdp_tp ViT step that test_vit_strategy_matches_single_device runs, so inspect and
+    verify read the program it compiled (their figures are for any step; its metrics carry
+    the gradients)."""
+    return with_grads(vit_trainer, make_mesh(data=2, tensor=4), "fsdp_tp")
+
+
 def test_inspect_reports_collectives_and_memory(devices):
-    report = triax.inspect(vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp"), VIT_BATCHES[0])
+    report = triax.inspect(fsdp_tp_2x4(), VIT_BATCHES[0])
     kinds = {(c.kind, c.axes) for c in report.collectives}
     assert ("all-reduce", ("tensor",)) in kinds
     assert any(k == "all-gather" and "data" in axes for k, axes in kinds)   # FSDP gathers
@@ -166,7 +173,7 @@ def test_inspect_reports_collectives_and_memory(devices):
 
 
 def test_verify_says_whether_it_fits(devices):
-    trainer = vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp")
+    trainer = fsdp_tp_2x4()
     big = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**40)
     small = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**10)
     assert big["fits"] and not small["fits"]
@@ -202,8 +209,8 @@ def test_protocol_defines_the_loss_when_none_is_given(vit_init, vit_reference, d
         triax.Trainer.for_model(Unannotated, None, mesh, "dp", default="replicate")
 
 
-def test_init_compiles_once_for_every_seed(devices):
-    trainer = vit_trainer(make_mesh(data=8))
+def test_init_compiles_once_for_every_seed(vit_one):
+    trainer = vit_one[0]                      # its init compiled for seed 0 already
     a, b = trainer.init(0)["params"], trainer.init(1)["params"]
     assert trainer._jitted_init._cache_size() == 1
     assert not np.allclose(np.asarray(a["patch_CD"]), np.asarray(b["patch_CD"]))
