@@ -30,15 +30,14 @@ def built_in(cfg):
 TINY, TINY_MOE, TINY4 = built_in(CFG), built_in(MOE), built_in(UNEVEN)
 
 
-# The presets' parameter and optimizer rules on a mesh that splits each axis they name, HSDP's
-# replica groups, experts, a user's model, and uneven stages (init restacks the blocks; place
-# restacks the saved form). dp is left out: it splits nothing (its state is replicated).
+# Each way the state is split: fsdp_tp on 2x4 splits the weights over data and tensor at once
+# (the axes fsdp's and tp's rules use one at a time; dp and HSDP's replica axis only copy),
+# zero1 splits the optimizer state and not the parameters; experts over `expert`, a user's
+# model (its own constructor), and uneven stages (init restacks the blocks; place restacks
+# the saved form).
 CASES = {
-    "fsdp": (TINY, dict(data=8), "fsdp", {}),
-    "zero1": (TINY, dict(data=8), "zero1", {}),
-    "tp": (TINY, dict(data=2, tensor=4), "tp", {}),
     "fsdp_tp": (TINY, dict(data=2, tensor=4), "fsdp_tp", {}),
-    "hsdp_fsdp_tp": (TINY, dict(replica=2, data=2, tensor=2), "fsdp_tp", {}),
+    "zero1": (TINY, dict(data=8), "zero1", {}),
     "moe_ep4_fsdp": (TINY_MOE, dict(data=2, expert=4), "fsdp", {}),
     "vit_fsdp_tp": (vit, dict(data=2, tensor=4), "fsdp_tp", {}),
     "uneven_stages_3_1": (TINY4, dict(data=4, pipe=2), "fsdp",
