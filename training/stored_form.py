@@ -120,13 +120,12 @@ class StoredForm:
         want = dict(_leaves(self.saved_abstract_state()))
         got = dict(_leaves(state))
         if got.keys() != want.keys():
-            differ = [f"{what} {_some(keys)}" for what, keys in
-                      (("lacks", want.keys() - got.keys()), ("has", got.keys() - want.keys()))
-                      if keys]
-            raise ValueError(f"Trainer.place: the state {' and '.join(differ)} (this "
-                             f"trainer's leaves); give a train state of the same model, "
-                             f"optimizer and LoRA settings, in the saved form "
-                             f"(Trainer.saved_abstract_state)")
+            lacks, extra = want.keys() - got.keys(), got.keys() - want.keys()
+            differ = ([f"lacks {_some(lacks)}"] if lacks else []) + \
+                ([f"has {_some(extra)}, which this trainer does not"] if extra else [])
+            raise ValueError(f"Trainer.place: the state {' and '.join(differ)}; give a train "
+                             f"state of the same model, optimizer and LoRA settings, in the "
+                             f"saved form (Trainer.saved_abstract_state)")
         for path, w in want.items():
             shape, dtype = jnp.shape(got[path]), jnp.result_type(got[path])
             if (shape, dtype) != (w.shape, w.dtype):
