@@ -53,7 +53,7 @@ def run(trainer, n_steps=3, pack=False, init=None, rows=B, step=None):
     from ``init`` (a host train state: the reference's, so no init compiles) or seed 0;
     ``step``: a compiled step to run instead of the trainer's."""
     state = trainer.init(seed=0) if init is None else \
-        jax.device_put(init, trainer.state_shardings)
+        trainer.place(init)
     metrics = []
     for i in range(n_steps):
         b = packed(trainer, i) if pack else trainer.example_batch(rows, T, seed=i)

@@ -85,7 +85,7 @@ def _run(tr, init):
     """Three steps from ``init`` (a host train state: the one-device trainer's, so one init
     compile serves both runs)."""
     compiled = tr.lower(BATCH, T).compile()
-    state, metrics = jax.device_put(init, tr.state_shardings), []
+    state, metrics = tr.place(init), []
     for i in range(STEPS):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(BATCH, T, seed=i)))
         metrics.append(jax.device_get(m))

@@ -39,8 +39,9 @@ def with_grads(cfg, mesh, strategy, **kw):
     return tr
 
 
-def run(trainer, n_steps=3):
-    state = trainer.init(seed=0)
+def run(trainer, init, n_steps=3):
+    """From ``init`` (the one-device initial state, placed: no init compile per mesh)."""
+    state = trainer.place(init)
     metrics = []
     for b in batches(trainer, n_steps):
         state, m = trainer.step(state, b)
@@ -50,15 +51,28 @@ def run(trainer, n_steps=3):
 
 
 @pytest.fixture(scope="module")
-def reference(devices):
-    return run(with_grads(CFG, make_mesh(devices=devices[:1]), "dp"))
+def one_device(devices):
+    """The one-device trainer and its initial train state on the host, every run's start
+    (``Trainer.place``; test_sharded_init.py: each mesh's own init is the same state)."""
+    tr = with_grads(CFG, make_mesh(devices=devices[:1]), "dp")
+    return tr, jax.device_get(tr.init(seed=0))
+
+
+@pytest.fixture(scope="module")
+def init(one_device):
+    return one_device[1]
+
+
+@pytest.fixture(scope="module")
+def reference(one_device):
+    return run(*one_device)
 
 
 @pytest.mark.parametrize("strategy,data,tensor", CASES)
-def test_strategy_matches_single_device(reference, strategy, data, tensor):
+def test_strategy_matches_single_device(reference, init, strategy, data, tensor):
     ref_loss, ref_grads, ref_losses, ref_params = reference
     loss, grads, losses, params = run(with_grads(CFG, make_mesh(data=data, tensor=tensor),
-                                                 strategy))
+                                                 strategy), init)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="gradients")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -69,12 +83,12 @@ def test_strategy_matches_single_device(reference, strategy, data, tensor):
     ("fsdp", dict(replica=2, data=4)),
     ("fsdp_tp", dict(replica=2, data=2, tensor=2)),
 ])
-def test_hsdp_matches_single_device(reference, strategy, sizes):
+def test_hsdp_matches_single_device(reference, init, strategy, sizes):
     """HSDP: FSDP within each replica group of the batch, replicated across groups."""
     ref_loss, ref_grads, ref_losses, ref_params = reference
     trainer = with_grads(CFG, make_mesh(**sizes), strategy)
     assert "replica" in str(trainer.batch_sharding().spec)     # the batch split over groups
-    loss, grads, losses, params = run(trainer)
+    loss, grads, losses, params = run(trainer, init)
     what = f"HSDP {strategy} on {sizes}"
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what=f"{what} gradients")
@@ -83,14 +97,14 @@ def test_hsdp_matches_single_device(reference, strategy, sizes):
 
 
 @pytest.mark.parametrize("strategy,data,tensor", [("tp_sp", 2, 4), ("fsdp_tp_sp", 4, 2)])
-def test_tp_overlap_matches_single_device(reference, strategy, data, tensor):
+def test_tp_overlap_matches_single_device(reference, init, strategy, data, tensor):
     """--tp-overlap: SP's gathers and scatters as collective matmuls (ppermute rings)."""
     ref_loss, ref_grads, ref_losses, ref_params = reference
     st = dataclasses.replace(get_strategy(strategy), tp_overlap=True)
     mesh = make_mesh(data=data, tensor=tensor)
     with activation_sharding(mesh, st):                  # the collective matmuls are in
         assert runtime.current().matmul_scatter is not None
-    loss, grads, losses, params = run(with_grads(CFG, mesh, st))
+    loss, grads, losses, params = run(with_grads(CFG, mesh, st), init)
     what = f"tp-overlap {strategy} on data={data} tensor={tensor}"
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=what)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what=f"{what} gradients")
@@ -98,13 +112,13 @@ def test_tp_overlap_matches_single_device(reference, strategy, data, tensor):
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what=f"{what} params")
 
 
-def test_remat_matches_plain(reference, devices):
+def test_remat_matches_plain(reference, init):
     """Remat: loss, gradients and 3 steps equal the plain step's; the one compiled step, read
     for its memory, keeps under half the temporaries of its plain twin (fsdp_tp 2x4 above,
     the same program: compiled once per run)."""
     mesh = make_mesh(data=2, tensor=4)
     trainer = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="full"))
-    loss, grads, losses, params = run(trainer)
+    loss, grads, losses, params = run(trainer, init)
     ref_loss, ref_grads, ref_losses, ref_params = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="remat grads")
@@ -117,7 +131,7 @@ def test_remat_matches_plain(reference, devices):
     assert temp["remat"] < 0.6 * temp["plain"], temp
 
 
-def test_bf16_compute_keeps_fp32_master(reference, devices):
+def test_bf16_compute_keeps_fp32_master(reference, init):
     """bf16 compute: every matmul the step hands XLA is bf16 × bf16 and the compiled program
     carries bf16 values (XLA's CPU backend then widens the dot arithmetic itself, so the
     compiled dot instructions are f32 on this backend); the loss moves off the fp32 one by
@@ -130,7 +144,7 @@ def test_bf16_compute_keeps_fp32_master(reference, devices):
     assert dots and all(a.endswith("xbf16>") and b.endswith("xbf16>") for a, b in dots)
     compiled = lowered.compile()             # the one compile: the step, grads in its metrics
     assert "bf16[" in compiled.as_text()
-    state, metrics = compiled(trainer.init(seed=0), trainer.shard_batch(batches(trainer)[0]))
+    state, metrics = compiled(trainer.place(init), trainer.shard_batch(batches(trainer)[0]))
     loss, grads = metrics["loss"], metrics["grads"]
     assert 1e-6 * ref_loss < abs(float(loss) - ref_loss) < 2e-2 * ref_loss
     assert all(g.dtype == np.float32 for g in jax.tree.leaves(grads))

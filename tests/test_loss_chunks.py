@@ -23,10 +23,11 @@ CFG = config.TINY.replace(num_layers=2)
 B, T = 4, 32
 
 
-def run(trainer, weights=False, n_steps=3):
+def run(trainer, init, weights=False, n_steps=3):
     """The loss and gradients at the initial parameters (the first step's, its gradients read
-    from the optimizer: one compile) and the parameters after ``n_steps`` steps."""
-    state = trainer.init(seed=0)
+    from the optimizer: one compile) and the parameters after ``n_steps`` steps, from
+    ``init`` (the one-device initial state, placed: no init compile per mesh)."""
+    state = trainer.place(init)
     batches = [trainer.example_batch(B, T, seed=i) for i in range(n_steps)]
     if weights:     # a prompt-masked batch: the first quarter of each row has no loss
         for b in batches:
@@ -45,8 +46,15 @@ def check(out, ref):
 
 
 @pytest.fixture(scope="module")
-def reference(devices):
-    return {w: run(Trainer(CFG, make_mesh(devices=devices[:1]), "dp"), weights=w)
+def init(devices):
+    """The one-device initial train state on the host, every run's start
+    (test_sharded_init.py: each mesh's own init is the same state)."""
+    return jax.device_get(Trainer(CFG, make_mesh(devices=devices[:1]), "dp").init(seed=0))
+
+
+@pytest.fixture(scope="module")
+def reference(devices, init):
+    return {w: run(Trainer(CFG, make_mesh(devices=devices[:1]), "dp"), init, weights=w)
             for w in (False, True)}
 
 
@@ -55,18 +63,18 @@ def reference(devices):
     (8, "fsdp_tp_sp", dict(context=2, tensor=2, data=2), False),
     (2, "fsdp_tp_sp", dict(context=2, tensor=2, data=2), True),
 ])
-def test_chunked_loss_matches_the_whole_sequence(reference, devices, chunks, strategy, mesh,
-                                                  weights):
+def test_chunked_loss_matches_the_whole_sequence(reference, init, devices, chunks, strategy,
+                                                  mesh, weights):
     st = dataclasses.replace(get_strategy(strategy), context_attention="ring")
     m = make_mesh(**mesh) if mesh else make_mesh(devices=devices[:1])
-    out = run(Trainer(CFG, m, st, exe=ExecConfig(loss_chunks=chunks)), weights=weights)
+    out = run(Trainer(CFG, m, st, exe=ExecConfig(loss_chunks=chunks)), init, weights=weights)
     check(out, reference[weights])
 
 
-def test_chunked_loss_through_the_pipeline(reference, devices):
+def test_chunked_loss_through_the_pipeline(reference, init, devices):
     tr = Trainer(CFG, make_mesh(devices=devices[:4], data=2, pipe=2), "dp", pipeline=PipelineConfig("1f1b", 2),
                  exe=ExecConfig(loss_chunks=4))
-    check(run(tr), reference[False])
+    check(run(tr, init), reference[False])
 
 
 # A vocabulary large against the width, as in real models (llama3: 128,256 against 4,096),

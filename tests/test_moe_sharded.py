@@ -39,7 +39,7 @@ def _run(cfg, mesh, strategy, init_state=None):
     """Three steps; returns per-step metrics (with grads), final params, compiled step."""
     tr = _trainer(cfg, mesh, strategy)
     compiled = tr.lower(B, T).compile()
-    state = tr.init(0) if init_state is None else jax.device_put(init_state, tr.state_shardings)
+    state = tr.init(0) if init_state is None else tr.place(init_state)
     metrics = []
     for i in range(STEPS):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))

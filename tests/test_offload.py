@@ -25,10 +25,11 @@ CASES = {"stream": Offload(("optimizer", "params"), "stream"),
          "host": Offload(("optimizer",), "host")}
 
 
-def run(trainer, step=None):
-    """3 steps from seed 0 with ``step`` (default: the trainer's own jitted step)."""
+def run(trainer, step=None, init=None):
+    """3 steps with ``step`` (default: the trainer's own jitted step) from seed 0's state: the
+    trainer's own ``init``, or ``init`` (a host state) placed with ``Trainer.place``."""
     step = step or trainer._jitted_step
-    state, losses = trainer.init(seed=0), []
+    state, losses = trainer.init(seed=0) if init is None else trainer.place(init), []
     for i in range(STEPS):
         state, m = step(state, trainer.shard_batch(trainer.example_batch(B, T, seed=i)))
         losses.append(float(m["loss"]))
@@ -37,7 +38,10 @@ def run(trainer, step=None):
 
 @pytest.fixture(scope="module")
 def reference(devices):
-    return run(Trainer(CFG, make_mesh(devices=devices[:1]), "dp"))
+    """One device's 3 steps, and its initial state on the host."""
+    one = Trainer(CFG, make_mesh(devices=devices[:1]), "dp")
+    init = jax.device_get(one.init(seed=0))
+    return (*run(one, init=init), init)
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,9 @@ def compiled(offloaded):
 @pytest.mark.parametrize("name", list(CASES))
 def test_offloaded_steps_match_single_device(name, reference, offloaded, compiled):
     trainer = offloaded[name]
-    losses, state = run(trainer, compiled[name])
+    # stream starts from its own init (made straight into pinned_host), host from one
+    # device's placed there (Trainer.place): one init compile less, both paths covered.
+    losses, state = run(trainer, compiled[name], init=reference[2] if name == "host" else None)
     np.testing.assert_allclose(losses, reference[0], rtol=1e-5, atol=1e-6,
                                err_msg=f"offload {name}: losses")
     assert_trees_close(state["params"], reference[1]["params"], what=f"offload {name} params")

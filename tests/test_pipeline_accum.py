@@ -15,7 +15,7 @@ B, T, STEPS = 16, 8, 2   # 16 rows = data 2 × accumulation 2 × micro-batches 2
 
 
 def _run(tr, init):
-    state = jax.device_put(init, tr.state_shardings)
+    state = tr.place(init)
     metrics = []
     for i in range(STEPS):
         state, m = tr.step(state, tr.example_batch(B, T, seed=i))

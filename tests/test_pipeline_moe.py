@@ -64,7 +64,7 @@ def _run(tr, init):
     """Three steps from ``init`` (a host train state: the one-device trainer's, so one init
     compile serves every run); per-step metrics, final parameters, the compiled step."""
     compiled = tr.lower(B, T).compile()
-    state, metrics = jax.device_put(init, tr.state_shardings), []
+    state, metrics = tr.place(init), []
     for i in range(STEPS):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))
         metrics.append(jax.device_get(m))

@@ -41,14 +41,16 @@ def with_grads(trainer_for, mesh, strategy="dp", **kw):
     return tr
 
 
-def run(trainer, batches, n_steps=3):
+def run(trainer, init, batches, n_steps=3):
     """Loss and grads at the initial parameters, the losses of ``n_steps`` steps and the
     parameters after them: from the step's metrics for a ``with_grads`` trainer (one
-    compile), else from ``Trainer.grads`` (``n_steps=0``: the pipelined ones)."""
-    state = trainer.init(seed=0)
+    compile), else from ``Trainer.grads`` (``n_steps=0``: the pipelined ones). From
+    ``init``, the one-device initial state on the host, placed (no init compile per mesh;
+    test_sharded_init.py: each mesh's own init is the same state)."""
     if n_steps == 0:
-        (loss, _), grads = trainer.grads(state["params"], batches[0])
+        (loss, _), grads = trainer.grads(init["params"], batches[0])
         return float(loss), jax.device_get(grads), [], None
+    state = trainer.place(init)
     metrics = []
     for b in batches[:n_steps]:
         state, m = trainer.step(state, b)
@@ -77,20 +79,28 @@ MIXER_BATCHES = [mixer_batch(MIXER, B, seed=i) for i in range(3)]
 
 @pytest.fixture(scope="module")
 def vit_one(devices):
-    """The one-device ViT trainer (its step's metrics carry the gradients)."""
-    return with_grads(vit_trainer, make_mesh(devices=devices[:1]))
+    """The one-device ViT trainer (its step's metrics carry the gradients) and its initial
+    state on the host, every ViT run's start."""
+    tr = with_grads(vit_trainer, make_mesh(devices=devices[:1]))
+    return tr, jax.device_get(tr.init(seed=0))
+
+
+@pytest.fixture(scope="module")
+def vit_init(vit_one):
+    return vit_one[1]
 
 
 @pytest.fixture(scope="module")
 def vit_reference(vit_one):
-    return run(vit_one, VIT_BATCHES)
+    return run(*vit_one, VIT_BATCHES)
 
 
 @pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8),
                                                   ("fsdp_tp", 2, 4)])
-def test_vit_strategy_matches_single_device(vit_reference, strategy, data, tensor):
+def test_vit_strategy_matches_single_device(vit_reference, vit_init, strategy, data, tensor):
     trainer = with_grads(vit_trainer, make_mesh(data=data, tensor=tensor), strategy)
-    check_same(run(trainer, VIT_BATCHES), vit_reference, f"vit {strategy} ({data}x{tensor})")
+    check_same(run(trainer, vit_init, VIT_BATCHES), vit_reference,
+               f"vit {strategy} ({data}x{tensor})")
 
 
 def test_vit_parameters_are_placed_by_the_rules(devices):
@@ -105,8 +115,11 @@ def test_vit_parameters_are_placed_by_the_rules(devices):
 
 
 def test_mixer_with_its_own_names_matches_single_device(devices):
-    ref = run(with_grads(mixer_trainer, make_mesh(devices=devices[:1])), MIXER_BATCHES)
-    got = run(with_grads(mixer_trainer, make_mesh(data=2, tensor=4), "fsdp_tp"), MIXER_BATCHES)
+    one = with_grads(mixer_trainer, make_mesh(devices=devices[:1]))
+    init = jax.device_get(one.init(seed=0))
+    ref = run(one, init, MIXER_BATCHES)
+    got = run(with_grads(mixer_trainer, make_mesh(data=2, tensor=4), "fsdp_tp"), init,
+              MIXER_BATCHES)
     check_same(got, ref, "mixer fsdp_tp")
 
 
@@ -135,16 +148,23 @@ def test_vit_tp_all_reduce_per_row_parallel_matmul(devices):
 
 
 @pytest.mark.parametrize("kind,M", [("1f1b", 4), ("gpipe", 2), ("zb-h1", 4)])
-def test_vit_pipeline_matches_unpipelined(vit_reference, kind, M):
+def test_vit_pipeline_matches_unpipelined(vit_reference, vit_init, kind, M):
     trainer = vit_trainer(make_mesh(data=2, pipe=2, tensor=2), "fsdp_tp",
                           pipeline=PipelineConfig(kind, M))
-    loss, grads, _, _ = run(trainer, VIT_BATCHES, n_steps=0)
+    loss, grads, _, _ = run(trainer, vit_init, VIT_BATCHES, n_steps=0)
     np.testing.assert_allclose(loss, vit_reference[0], rtol=1e-5)
     assert_trees_close(grads, vit_reference[1], rtol=1e-5, atol=1e-6, what=f"vit {kind} grads")
 
 
+def fsdp_tp_2x4():
+    """The fsdp_tp ViT step that test_vit_strategy_matches_single_device runs, so inspect and
+    verify read the program it compiled (their figures are for any step; its metrics carry
+    the gradients)."""
+    return with_grads(vit_trainer, make_mesh(data=2, tensor=4), "fsdp_tp")
+
+
 def test_inspect_reports_collectives_and_memory(devices):
-    report = triax.inspect(vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp"), VIT_BATCHES[0])
+    report = triax.inspect(fsdp_tp_2x4(), VIT_BATCHES[0])
     kinds = {(c.kind, c.axes) for c in report.collectives}
     assert ("all-reduce", ("tensor",)) in kinds
     assert any(k == "all-gather" and "data" in axes for k, axes in kinds)   # FSDP gathers
@@ -153,7 +173,7 @@ def test_inspect_reports_collectives_and_memory(devices):
 
 
 def test_verify_says_whether_it_fits(devices):
-    trainer = vit_trainer(make_mesh(data=2, tensor=4), "fsdp_tp")
+    trainer = fsdp_tp_2x4()
     big = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**40)
     small = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**10)
     assert big["fits"] and not small["fits"]
@@ -176,22 +196,21 @@ def test_every_unknown_name_is_reported_at_once(devices):
         triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), vit_loss, make_mesh(data=8), "dp")
 
 
-def test_protocol_defines_the_loss_when_none_is_given(vit_one, vit_reference, devices):
+def test_protocol_defines_the_loss_when_none_is_given(vit_init, vit_reference, devices):
     """loss_fn=None: head_loss over the stacked forward ÷ loss_weight, the pipeline's loss;
     against the user's own loss (vit_reference: its loss and grads at init(0), batch 0)."""
     mesh = make_mesh(devices=devices[:1])
     derived = triax.Trainer.for_model(lambda rngs: ViT(VIT, rngs), None, mesh, "dp",
                                       rules=VIT_RULES)
-    params = vit_one.init(0)["params"]          # the reference's init, compiled already
-    (b, _), gb = derived.grads(params, VIT_BATCHES[0])
+    (b, _), gb = derived.grads(vit_init["params"], VIT_BATCHES[0])     # the reference's init
     np.testing.assert_allclose(float(b), vit_reference[0], rtol=1e-6)
     assert_trees_close(gb, vit_reference[1], rtol=1e-5, atol=1e-7, what="protocol-loss grads")
     with pytest.raises(TypeError, match=r"lacks \['blocks', 'embed', 'block', 'head_loss'\]"):
         triax.Trainer.for_model(Unannotated, None, mesh, "dp", default="replicate")
 
 
-def test_init_compiles_once_for_every_seed(devices):
-    trainer = vit_trainer(make_mesh(data=8))
+def test_init_compiles_once_for_every_seed(vit_one):
+    trainer = vit_one[0]                      # its init compiled for seed 0 already
     a, b = trainer.init(0)["params"], trainer.init(1)["params"]
     assert trainer._jitted_init._cache_size() == 1
     assert not np.allclose(np.asarray(a["patch_CD"]), np.asarray(b["patch_CD"]))

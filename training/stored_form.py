@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -21,7 +22,7 @@ PyTree = Any
 class StoredForm:
     """Mixed into ``training.step.Trainer``: needs its ``pipeline``, ``abstract``,
     ``stored``, ``mesh``, ``tx``, ``trainable``, ``param_shardings``, ``state_shardings``
-    and ``_init_fn``."""
+    and ``_init_fn``. :meth:`place` puts a saved-form state made elsewhere onto the mesh."""
 
     def to_stored(self, params: PyTree) -> PyTree:
         """The model's parameters (or gradients, or their trainable part) → the train
@@ -104,3 +105,41 @@ class StoredForm:
         if not self.restacked:
             return lambda state: state
         return jax.jit(self.from_saved, out_shardings=self.state_shardings)
+
+    def place(self, state: PyTree) -> PyTree:
+        """A train state made elsewhere, put where this trainer keeps it: a transfer, with no
+        init program to compile for this mesh (uneven stages: one restacking program).
+
+        ``state`` is in the saved form (:meth:`saved_abstract_state`: the model's own
+        ``[L, ...]`` blocks, as checkpoints hold it): host arrays (``jax.device_get``) or
+        another placement's, e.g. a one-device Trainer's of the same model and optimizer, whose
+        ``init`` is this one's bit for bit (the random numbers do not depend on the split).
+        Arrays already placed as here are taken as they are, and :meth:`step` donates them:
+        pass host arrays to keep yours.
+        """
+        want = dict(_leaves(self.saved_abstract_state()))
+        got = dict(_leaves(state))
+        if got.keys() != want.keys():
+            lacks, extra = want.keys() - got.keys(), got.keys() - want.keys()
+            differ = ([f"lacks {_some(lacks)}"] if lacks else []) + \
+                ([f"has {_some(extra)}, which this trainer does not"] if extra else [])
+            raise ValueError(f"Trainer.place: the state {' and '.join(differ)}; give a train "
+                             f"state of the same model, optimizer and LoRA settings, in the "
+                             f"saved form (Trainer.saved_abstract_state)")
+        for path, w in want.items():
+            shape, dtype = jnp.shape(got[path]), jnp.result_type(got[path])
+            if (shape, dtype) != (w.shape, w.dtype):
+                raise ValueError(f"Trainer.place: {path} is {dtype}{list(shape)}, this "
+                                 f"trainer holds {w.dtype}{list(w.shape)}; give a train "
+                                 f"state of the same model and optimizer")
+        return self.restored(jax.device_put(state, self.saved_shardings))
+
+
+def _leaves(tree: PyTree) -> list:
+    """``(key path, leaf)`` of every leaf, the path as text (``['params']['embed']``)."""
+    return [(jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _some(keys, n: int = 3) -> str:
+    keys = sorted(keys)
+    return ", ".join(keys[:n]) + (f" (and {len(keys) - n} more)" if len(keys) > n else "")
