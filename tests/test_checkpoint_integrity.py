@@ -17,7 +17,8 @@ from triax.training.loop import train
 
 # fsdp, not dp: the mesh is not the point here, and a sharded state is written shard by
 # shard, where Orbax saves each replicated array in one slice per device (replica-parallel
-# saving, on when JAX_PLATFORMS says cpu: a slice program per device and shape, 72 here).
+# saving, on unless JAX_PLATFORMS names a GPU: a slice program per device and shape, 72
+# here).
 BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
                     mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
                     lr_decay_steps=6, seed=4, eval_batches=0, progress=False, checkpoint_every=3)
