@@ -359,15 +359,17 @@ def test_tool_choice_forces_calls_parsed_into_tool_calls(served):
     (delta,) = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
     jsonschema.validate(json.loads(delta.function.arguments), params[delta.function.name])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    none = c.chat.completions.create(seed=1, tool_choice="none", **{**kw, "max_tokens": 4})
+    # logprobs on the two plain requests: as above
+    none = c.chat.completions.create(seed=1, tool_choice="none", logprobs=True,
+                                     **{**kw, "max_tokens": 4})
     assert none.choices[0].message.tool_calls is None
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function",
                     "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    assert c.chat.completions.create(model=MODEL, messages=history, max_tokens=2,
-                                     tools=TOOLS).choices[0].message.content is not None
+    assert c.chat.completions.create(model=MODEL, messages=history, max_tokens=2, tools=TOOLS,
+                                     logprobs=True).choices[0].message.content is not None
     with pytest.raises(openai.BadRequestError, match="not among tools"):
         c.chat.completions.create(**kw, tool_choice={"type": "function",
                                                      "function": {"name": "nope"}})
