@@ -6,7 +6,8 @@ array's checksum is two 32-bit sums of its raw bits, one plain and one weighted 
 element's flat position, so a changed value and a moved value both show. Integer sums
 modulo 2**32 do not depend on the order of addition, so the checksum is the same for any
 sharding: it is computed where the array lives (a reduction, no gather) and a checkpoint
-restored onto another mesh checks against the same numbers.
+restored onto another mesh checks against the same numbers. Host (numpy) arrays are summed
+in numpy to the same numbers, with no program to compile.
 
     >>> import jax.numpy as jnp
     >>> sums = checksums({"w": jnp.arange(4.0), "b": jnp.ones(3, jnp.bfloat16)})
@@ -61,6 +62,21 @@ def _all_sums(leaves: list) -> jax.Array:
     return jnp.stack([_sums(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
 
 
+def _host_sums(x: np.ndarray) -> tuple[int, int]:
+    """``_sums`` of a host array, in numpy: the same words, weights and wrap-around sums
+    (no device copy and no compile: ``Checkpointer.verify`` reads arrays back to the host)."""
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    if x.dtype.itemsize == 8:   # two little-endian words per element, as the bitcast gives
+        u = x.view(np.uint32)
+    else:
+        u = x.view(np.dtype(_UNSIGNED[x.dtype.itemsize])).astype(np.uint32)
+    weight = (np.arange(u.size, dtype=np.uint64) % 2 ** 32).astype(np.uint32) * np.uint32(2)
+    weight += np.uint32(1)
+    return int(np.sum(u, dtype=np.uint32)), int(np.sum(u * weight, dtype=np.uint32))
+
+
 def array_name(path: tuple) -> str:
     """``opt_state.0.mu.embed``: the same whether a node is a named tuple (as saved) or the
     dict/list Orbax gives back without a target (as verified)."""
@@ -71,12 +87,17 @@ def array_name(path: tuple) -> str:
 def checksums(tree: Any) -> dict[str, str]:
     """``{array_name(path): hex}`` for every array leaf of ``tree`` (sharded or not)."""
     flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-    sums = _all_sums([jnp.asarray(x) if isinstance(x, np.ndarray) else x for _, x in flat])
+    on_host = [isinstance(x, (np.ndarray, np.generic)) for _, x in flat]
+    leaves = [x for (_, x), h in zip(flat, on_host) if not h]
+    sums = _all_sums(leaves) if leaves else np.zeros((0, 2), np.uint32)
     # A full reduction comes back replicated: any local shard holds every value, which also
     # works when the state spans several processes.
-    host = np.asarray(sums.addressable_data(0)) if isinstance(sums, jax.Array) else sums
+    device = iter(np.asarray(sums.addressable_data(0)) if isinstance(sums, jax.Array)
+                  else sums)
+    pairs = [_host_sums(np.asarray(x)) if h else next(device)
+             for (_, x), h in zip(flat, on_host)]
     return {array_name(path): f"{int(a):08x}{int(b):08x}"
-            for (path, _), (a, b) in zip(flat, host.reshape(len(flat), 2))}
+            for (path, _), (a, b) in zip(flat, pairs)}
 
 
 def mismatched(saved: dict[str, str], tree: Any) -> list[str]:

@@ -240,7 +240,8 @@ def test_penalties_and_logit_bias_reproduce_a_numpy_decode(served):
 
 def test_stop_tokens_min_tokens_and_ignore_eos(served):
     c, p = _client(served), served["prompts"][0]
-    kw = dict(model=MODEL, prompt=p, max_tokens=6, temperature=0)
+    # logprobs: the programs other tests compiled (a program per set of row controls)
+    kw = dict(model=MODEL, prompt=p, max_tokens=6, temperature=0, logprobs=0)
     gen = served["ref"].greedy(p, 6)
     assert served["eos"] not in gen[:2]
     stopped = c.completions.create(**kw)
@@ -311,7 +312,7 @@ def test_response_format_json_schema_holds_on_many_seeds(served):
         texts += [ch.message.content for ch in r.choices]
     assert all(_valid(t, SCHEMA) for t in texts), texts
     assert len(set(texts)) > 4
-    free = c.chat.completions.create(seed=3, **kw)
+    free = c.chat.completions.create(seed=3, logprobs=True, **kw)   # logprobs: as above
     assert not any(_valid(ch.message.content, SCHEMA) for ch in free.choices)
     # Any object: keys are free text, so the bias makes the random model close them soon.
     close = {str(served["tok"].tok.token_to_id(ch)): 6.0 for ch in ('"', "}", "1")}
@@ -358,15 +359,17 @@ def test_tool_choice_forces_calls_parsed_into_tool_calls(served):
     (delta,) = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
     jsonschema.validate(json.loads(delta.function.arguments), params[delta.function.name])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    none = c.chat.completions.create(seed=1, tool_choice="none", **{**kw, "max_tokens": 4})
+    # logprobs on the two plain requests: as above
+    none = c.chat.completions.create(seed=1, tool_choice="none", logprobs=True,
+                                     **{**kw, "max_tokens": 4})
     assert none.choices[0].message.tool_calls is None
     history = [{"role": "user", "content": "weather?"},
                {"role": "assistant", "content": None, "tool_calls": [
                    {"id": "call_1", "type": "function",
                     "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}]},
                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    assert c.chat.completions.create(model=MODEL, messages=history, max_tokens=2,
-                                     tools=TOOLS).choices[0].message.content is not None
+    assert c.chat.completions.create(model=MODEL, messages=history, max_tokens=2, tools=TOOLS,
+                                     logprobs=True).choices[0].message.content is not None
     with pytest.raises(openai.BadRequestError, match="not among tools"):
         c.chat.completions.create(**kw, tool_choice={"type": "function",
                                                      "function": {"name": "nope"}})

@@ -16,8 +16,11 @@ from triax.checkpoint import CheckpointError, Checkpointer
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
+# fsdp: a sharded state is written shard by shard, where Orbax saves each replicated (dp)
+# array in one slice per device (replica-parallel saving, on unless JAX_PLATFORMS names a
+# GPU: a slice program per device and shape, 96 in this file with dp).
 BASE = RunConfig.of(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="dp", steps=6, lr=1e-2, lr_warmup_steps=1,
+                    mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
                     lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
 QUIET = dict(note=lambda *_: None)
 # The directory that holds the `triax` package (the repo root is the package itself).
@@ -62,7 +65,7 @@ def test_checkpoints_command_lists_steps_sizes_mesh(runs, capsys):
     out = capsys.readouterr().out
     lines = [line.split() for line in out.splitlines()[1:]]
     assert [int(line[0]) for line in lines] == [3, 6]
-    assert all("data=8" in line and "dp" in line and "tiny/L2" in line for line in lines)
+    assert all("data=8" in line and "fsdp" in line and "tiny/L2" in line for line in lines)
 
 
 def _meta_file(step_dir) -> str:
@@ -103,7 +106,7 @@ def test_run_is_saved_in_sections_and_old_flat_runs_still_read(runs, tmp_path):
     listed = list_checkpoints(str(d / "at3")) + list_checkpoints(str(c))   # sectioned, flat
     assert [(r["data"], r["batch_size"], r["seq_len"]) for r in listed] == [("markov", 8, 16)] * 2
     kept, why = kept_plan(RunConfig.of(checkpoint_dir=str(c), resume=True, mesh="data=4"))
-    assert (kept.layout.mesh, kept.layout.strategy) == ("data=8", "dp"), why
+    assert (kept.layout.mesh, kept.layout.strategy) == ("data=8", "fsdp"), why
 
 
 def test_model_config_mismatch_names_the_fields(runs, tmp_path):
@@ -145,7 +148,7 @@ def _child_env():
 
 def test_sigterm_saves_commits_and_exits_cleanly(tmp_path):
     cmd = [sys.executable, "-m", "triax", "train", "--model", "tiny", "--num-layers", "1",
-           "--data", "markov", "--mesh", "data=8", "--strategy", "dp", "--batch-size", "8",
+           "--data", "markov", "--mesh", "data=8", "--strategy", "fsdp", "--batch-size", "8",
            "--seq-len", "16", "--steps", "100000", "--no-progress",
            "--checkpoint-dir", str(tmp_path / "c"), "--log-json", str(tmp_path / "m.jsonl")]
     proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.PIPE, text=True)
