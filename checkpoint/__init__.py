@@ -3,7 +3,7 @@
 A checkpoint directory holds one sub-directory per committed step, each with two items
 (``triax.checkpoint.layout``):
 
-    DIR/<step>/state   Orbax StandardSave of {"params": ..., "opt_state": ..., "step": ...}
+    DIR/<step>/state   Orbax PyTreeSave of {"params": ..., "opt_state": ..., "step": ...}
                        (inference-only exports hold {"params": ...})
     DIR/<step>/meta    JSON: "model" (the ModelConfig), "checksums" (one per array of
                        state, checked on restore) and, from training, the run config,

@@ -15,10 +15,8 @@ from triax.cli.main import main
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
-# fsdp, not dp: the mesh is not the point here, and a sharded state is written shard by
-# shard, where Orbax saves each replicated array in one slice per device (replica-parallel
-# saving, on unless JAX_PLATFORMS names a GPU: a slice program per device and shape, 72
-# here).
+# fsdp: the mesh is not the point here (a dp state saves without per-device programs too:
+# test_one_process_saves_compile_no_slice_programs).
 BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
                     mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
                     lr_decay_steps=6, seed=4, eval_batches=0, progress=False, checkpoint_every=3)
@@ -115,3 +113,27 @@ def test_host_arrays_sum_to_the_device_checksums():
     with jax.enable_x64(True):
         wide = {"f64": rng.standard_normal((2, 3)), "i64": rng.integers(-2 ** 62, 2 ** 62, 5)}
         assert checksums(wide) == checksums({k: jnp.asarray(v) for k, v in wide.items()})
+
+
+def test_one_process_saves_compile_no_slice_programs(devices, tmp_path):
+    """In one process a replicated array is written whole: Orbax's replica-parallel saving
+    would compile a slice program per device and shape (``checkpoint.checkpointer``)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    from triax.mesh import make_mesh
+    rep = NamedSharding(make_mesh(data=8, devices=devices), PartitionSpec())
+    state = {f"w{i}": jax.device_put(np.full((i + 3, 8), i, np.float32), rep)
+             for i in range(3)}
+    checksums(state)   # the save's checksum program, compiled before counting
+    compiles = []
+
+    def listen(event, secs, **_):
+        if "backend_compile" in event:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        with Checkpointer(str(tmp_path / "c"), async_save=False) as ckpt:
+            ckpt.save(1, state, {}, wait=True)
+            assert ckpt.verify(1) is None
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [], f"{len(compiles)} programs compiled by the save"

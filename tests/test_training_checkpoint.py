@@ -16,9 +16,8 @@ from triax.checkpoint import CheckpointError, Checkpointer
 from triax.training.config import RunConfig
 from triax.training.loop import train
 
-# fsdp: a sharded state is written shard by shard, where Orbax saves each replicated (dp)
-# array in one slice per device (replica-parallel saving, on unless JAX_PLATFORMS names a
-# GPU: a slice program per device and shape, 96 in this file with dp).
+# fsdp: a sharded state (the resume tests reshard it; a dp one saves as cheaply since
+# Checkpointer writes replicated arrays whole in one process).
 BASE = RunConfig.of(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
                     mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
                     lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
