@@ -123,7 +123,10 @@ def run(args) -> int:
 
     # uvicorn re-raises the signal it drained on; after a drained SIGTERM, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # httptools and uvloop (pinned dependencies): h11 and asyncio's loop cost the event loop
+    # more CPU per request (docs/benchmarks.md, "HTTP serving: where the time goes")
     Uvicorn(uvicorn.Config(app, host=config.http.host, port=config.http.port,
-                           log_level="warning", lifespan="on")).run(sockets=[sock])
+                           log_level="warning", lifespan="on", http="httptools",
+                           loop="uvloop")).run(sockets=[sock])
     sys.stdout.flush()
     return 0
