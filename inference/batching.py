@@ -139,7 +139,7 @@ class Batching(ChunkedPrefill):
             with self._lock:  # take requests, claim their slots and blocks in one step
                 steal(self.schedulers, r)   # idle with an empty queue: others' waiting work
                 slots, batch = self.schedulers[r].admit(self.stats)
-                running = sum(s is not None for row in self.slots for s in row)
+                running = sum(sch.running for sch in self.schedulers)
                 self.stats["peak_running"] = max(self.stats["peak_running"], running)
             # whole prompts, or this step's chunks of them (inference.chunked_prefill)
             work = self._prefill_work(r, eng, slots, batch)

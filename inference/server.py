@@ -240,7 +240,7 @@ class Server(Batching, AdapterServing, ServerLimits):
     def running(self) -> int:
         """Requests in a decode slot now."""
         with self._lock:
-            return sum(s is not None for row in self.slots for s in row)
+            return sum(sch.running for sch in self.schedulers)
 
     @property
     def queued(self) -> int:

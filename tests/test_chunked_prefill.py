@@ -9,22 +9,10 @@ import pytest
 from triax.inference import EngineConfig, Server
 from triax.inference.chunked_prefill import Pending, plan_chunks
 from triax.inference.engine import Engine, InferenceError
-from triax.inference.sampling import SamplingConfig
 from triax.mesh import make_mesh
-from triax.models import config
 from inference_helpers import host_params
-
-CFG = config.TINY.replace(num_layers=2)
-BS = 4
-STREAMS = [[5, 6, 7], [200, 1]]                      # running when the long prompts come
-LONG = list(range(10, 50))                           # 40 tokens: 10 blocks
-LONG_SHARED = LONG[:24] + list(range(120, 134))      # its first 6 blocks shared
-SAMPLED = SamplingConfig(temperature=0.9, top_k=20)
-NEW = 12
-# 2 decode rows + 8 prompt tokens (2 blocks) a step: a 40-token prompt takes 5 chunks.
-BUDGET = 10
-# One prompt bucket (64): few programs to compile.
-ECFG = EngineConfig(max_batch=4, max_len=64, min_bucket=64, block_size=BS, prefix_cache=True)
+from chunked_workload import (BS, BUDGET, CFG, ECFG, LONG, NEW, STREAMS,
+                              serve_long_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -35,20 +23,12 @@ def engines(devices):
 
 
 def _serve(eng, max_step_tokens):
-    """The streams start; two steps later the long prompts arrive (one greedy, one sampled
-    with a seed, one sharing the first's blocks); all served to the end."""
-    eng.kv.forget_cached()                  # each run starts with nothing cached
+    """``serve_long_prompts``'s results, and the streams' token times."""
     server = Server([eng], max_step_tokens=max_step_tokens)
     seen = {}
-    ids = [server.submit(p, NEW, on_token=lambda t, now, i=i: seen.setdefault(i, []).append(now))
-           for i, p in enumerate(STREAMS)]
-    server._step()
-    server._step()
-    ids += [server.submit(LONG, NEW), server.submit(LONG, NEW, seed=7, sampling=SAMPLED),
-            server.submit(LONG_SHARED, NEW)]
-    results = server.run()
-    assert server.kv_blocks_in_use == 0 and server.prefilling == [{}]
-    return server, [results[i] for i in ids], seen
+    results = serve_long_prompts(
+        server, eng, on_token=lambda i: lambda t, now: seen.setdefault(i, []).append(now))
+    return server, results, seen
 
 
 @pytest.mark.parametrize("layout", ["one", "tensor2"])

@@ -14,22 +14,9 @@ import pytest
 
 from triax.inference import EngineConfig, Server
 from triax.inference.engine import Engine
-from triax.inference.sampling import SamplingConfig
 from triax.mesh import make_mesh
-from triax.models import config
 from inference_helpers import host_params
-
-CFG = config.TINY.replace(num_layers=2)
-BS = 4
-STREAMS = [[5, 6, 7], [200, 1]]                      # running when the long prompts come
-LONG = list(range(10, 50))                           # 40 tokens: 10 blocks
-LONG_SHARED = LONG[:24] + list(range(120, 134))      # its first 6 blocks shared
-SAMPLED = SamplingConfig(temperature=0.9, top_k=20)
-NEW = 12
-BUDGET = 10   # 2 decode rows + 8 prompt tokens (2 blocks) a step
-# One prompt bucket (64): few programs to compile.
-ECFG = EngineConfig(max_batch=4, max_len=64, min_bucket=64, block_size=BS, prefix_cache=True)
-
+from chunked_workload import BS, BUDGET, CFG, ECFG, LONG, NEW, serve_long_prompts
 
 @pytest.fixture(scope="module")
 def params(devices):
@@ -42,10 +29,7 @@ def eng(params, devices):
 
 
 def _serve(eng, max_step_tokens, fused):
-    """The streams start; two steps later the long prompts arrive (one greedy, one sampled
-    with a seed, one sharing the first's blocks); all served to the end. Also the programs
-    each step launched."""
-    eng.kv.forget_cached()
+    """``serve_long_prompts``' tokens, and the programs each step launched."""
     server = Server([eng], max_step_tokens=max_step_tokens, fused_steps=fused)
     launched, step = [], server._step
 
@@ -55,14 +39,7 @@ def _serve(eng, max_step_tokens, fused):
         launched.append({k: n - before[k] for k, n in eng.launches.items()})
         return busy
     server._step = counted
-    ids = [server.submit(p, NEW) for p in STREAMS]
-    server._step()
-    server._step()
-    ids += [server.submit(LONG, NEW), server.submit(LONG, NEW, seed=7, sampling=SAMPLED),
-            server.submit(LONG_SHARED, NEW)]
-    results = server.run()
-    assert server.kv_blocks_in_use == 0 and server.prefilling == [{}]
-    return server, [results[i].tokens for i in ids], launched
+    return server, [r.tokens for r in serve_long_prompts(server, eng)], launched
 
 
 @pytest.fixture(scope="module")
