@@ -68,31 +68,43 @@ class Residuals:
     ``jax.vjp``'s pullback as flat arrays, less the leaves that are the parameters
     themselves (re-inserted at backward time, never copied).
 
-    ``apply(chunk, pieces, x, extras) -> (y, loss)`` is what is differentiated."""
+    ``apply(chunk, pieces, x, extras) -> (y, loss)`` is what is differentiated. It is traced
+    once (``jaxpr``): the layout, the backward's recomputed leaves (:class:`Rebuild`) and
+    every op's forward (:meth:`forward`) read that one trace; the stage's model is not traced
+    again per tick."""
 
     treedef: Any
     param_index: tuple            # per pullback leaf: index into the param leaves, or None
     shapes: tuple                 # ShapeDtypeStruct of each stored leaf
+    jaxpr: Any                    # ClosedJaxpr: flat (chunk, pieces, x, extras) -> out, stored
+    out: Any                      # apply's outputs' ShapeDtypeStructs ((y, loss))
 
     @classmethod
     def trace(cls, apply, chunk, pieces, x, extras) -> "Residuals":
         info = {}
 
         def f(chunk, pieces, x, extras):
-            _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
+            out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
             leaves, info["treedef"] = jax.tree.flatten(pullback)
             info["index"] = _param_index(leaves, (chunk, pieces))
-            return [l for l, i in zip(leaves, info["index"]) if i is None]
-        shapes = jax.eval_shape(f, chunk, pieces, x, extras)
-        return cls(info["treedef"], tuple(info["index"]), tuple(shapes))
+            return out, [l for l, i in zip(leaves, info["index"]) if i is None]
+        closed, (out, shapes) = jax.make_jaxpr(f, return_shape=True)(chunk, pieces, x, extras)
+        return cls(info["treedef"], tuple(info["index"]), tuple(shapes), closed, out)
 
-    def forward(self, apply, chunk, pieces, x, extras):
-        """Run the forward; return its outputs and the leaves to stash."""
-        out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
-        leaves = jax.tree.leaves(pullback)
-        if tuple(_param_index(leaves, (chunk, pieces))) != self.param_index:
-            raise AssertionError("pullback structure changed between traces")
-        return out, [l for l, i in zip(leaves, self.param_index) if i is None]
+    @property
+    def n_out(self) -> int:
+        """The jaxpr's leading outputs that are ``apply``'s (the stored leaves follow)."""
+        return len(jax.tree.leaves(self.out))
+
+    def forward(self, chunk, pieces, x, extras):
+        """Run the forward (the traced jaxpr, on these arguments); return its outputs and
+        the leaves to stash."""
+        args = jax.tree.leaves((chunk, pieces, x, extras))
+        if [jax.typeof(a) for a in args] != list(self.jaxpr.in_avals):
+            raise AssertionError("the forward's arguments changed between traces")
+        flat = jaxpr_as_fun(self.jaxpr)(*args)
+        n = self.n_out
+        return jax.tree.unflatten(jax.tree.structure(self.out), flat[:n]), flat[n:]
 
     def pullback(self, stored, chunk, pieces):
         params = jax.tree.leaves((chunk, pieces))
@@ -119,26 +131,22 @@ class Rebuild:
     on_last: frozenset            # of the wanted leaves, those the last-chunk flag decides
 
     @classmethod
-    def trace(cls, apply, chunk, pieces, x, extras: StageInputs, wanted) -> "Rebuild":
-        """``wanted``: the residual leaves the backward reads. The leaves that depend on
-        ``extras.last`` (the last-chunk flag) are the post-stack's (head, loss)."""
-        def stored(chunk, pieces, x, extras):
-            _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
-            leaves = jax.tree.leaves(pullback)
-            return [l for l, i in zip(leaves, _param_index(leaves, (chunk, pieces)))
-                    if i is None]
-        closed = jax.make_jaxpr(stored)(*_sds((chunk, pieces, x, extras)))
-        jaxpr, n = closed.jaxpr, len(closed.jaxpr.outvars)
+    def trace(cls, res: Residuals, chunk, pieces, x, extras: StageInputs, wanted) -> "Rebuild":
+        """``wanted``: the residual leaves the backward reads, of ``res``'s trace. The leaves
+        that depend on ``extras.last`` (the last-chunk flag) are the post-stack's (head,
+        loss)."""
+        closed, skip = res.jaxpr, res.n_out
+        jaxpr, n = closed.jaxpr, len(res.shapes)
         at = leaf_positions((chunk, pieces, x, extras))   # the jaxpr's invars, by name
         x_in, last_in = jax.tree.leaves(at[2]), at[3].last
         leaves, on_last = [], set()
         for i in wanted:
-            one, used = pe.dce_jaxpr(jaxpr, [k == i for k in range(n)])
+            one, used = pe.dce_jaxpr(jaxpr, [False] * skip + [k == i for k in range(n)])
             if not any(used[k] for k in x_in) and not _has_matmul(one):
                 leaves.append(i)
             if used[last_in]:
                 on_last.add(i)
-        rebuilt, used = pe.dce_jaxpr(jaxpr, [k in leaves for k in range(n)])
+        rebuilt, used = pe.dce_jaxpr(jaxpr, [False] * skip + [k in leaves for k in range(n)])
         return cls(tuple(leaves), ClosedJaxpr(rebuilt, closed.consts), tuple(used),
                    frozenset(on_last))
 
@@ -202,7 +210,7 @@ class StageBackward:
         """``apply(chunk, pieces, x, extras) -> (y, loss)`` is what the backward
         differentiates; the arguments may be arrays, tracers or ShapeDtypeStructs."""
         res = Residuals.trace(apply, chunk, pieces, x, extras)
-        loss_tree = jax.tree.structure(jax.eval_shape(apply, chunk, pieces, x, extras)[1])
+        loss_tree = jax.tree.structure(res.out[1])
         n_loss = loss_tree.num_leaves   # the loss may be a dict (a MoE's auxiliary losses)
 
         def pullback(stored, chunk, pieces, dy, *dloss):
@@ -227,7 +235,7 @@ class StageBackward:
                                  w_used=[True] * n_chunk + [False] * (n_params - n_chunk + 1),
                                  avail=[True] * (n_res + n_params) + [False] * (1 + n_loss))
         read = [i for i in range(n_res) if split.b_reads[i] or split.w_reads[i]]
-        rebuild = Rebuild.trace(apply, chunk, pieces, x, extras, read)
+        rebuild = Rebuild.trace(res, chunk, pieces, x, extras, read)
         stashed = tuple(i for i in read if i not in rebuild.leaves)
         cut = tuple(jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype) for k in split.cut)
         trees = (jax.tree.structure(chunk), jax.tree.structure(pieces))
@@ -262,9 +270,9 @@ class StageBackward:
         """Bytes B_in stashes for W per micro-batch."""
         return sum(map(nbytes, self.cut_shapes))
 
-    def forward(self, apply, chunk, pieces, x, extras):
+    def forward(self, chunk, pieces, x, extras):
         """``((y, loss), stashed)``: the forward's outputs and the leaves to stash."""
-        out, leaves = self.residuals.forward(apply, chunk, pieces, x, extras)
+        out, leaves = self.residuals.forward(chunk, pieces, x, extras)
         return out, [leaves[i] for i in self.stashed]
 
     def _all(self, stashed, chunk, pieces, extras) -> list:

@@ -164,7 +164,7 @@ def forward(t: Tick, c: Carry, w: Carry, after=None) -> Carry:
         w = replace(w, state=jax.tree.map(lambda a, x: put_state(a, x, j, mb, ax), w.state, st),
                     out=jax.tree.map(lambda b, x: put(b, x, row.out_w), w.out, out))
     else:
-        (y, loss), res = s.sb.forward(s.loss_apply, t.chunk(), s.pieces, x_in, t.extras())
+        (y, loss), res = s.sb.forward(t.chunk(), s.pieces, x_in, t.extras())
         if after is not None:   # the write depends on the read: XLA orders them, no copy
             res, _ = jax.lax.optimization_barrier((res, after))
         w = replace(w, stash=s.layout.write(w.stash, res, row.stash_w, row.head_w, t.last))

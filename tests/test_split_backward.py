@@ -34,7 +34,7 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
     @jax.jit
     def both(chunk, pieces, x, first, last, dy):
         extras = StageInputs(inputs, consts, first, last, layers)
-        (_, loss), stored = sb.forward(apply, chunk, pieces, x, extras)
+        (_, loss), stored = sb.forward(chunk, pieces, x, extras)
         # The executor seeds every chunk's loss (a dict of aux losses for a MoE).
         dloss = jax.tree.map(lambda l: jnp.ones_like(l) * last, loss)
         full = sb.backward(stored, chunk, pieces, extras, dy, dloss)
@@ -115,3 +115,22 @@ def test_zero_bubble_schedules_hold_1f1b_activation_buffers():
              for k in ("1f1b", "zb-v", "zb-h1")}
     assert total["zb-v"] <= 1.05 * total["1f1b"], total
     assert total["zb-h1"] <= 1.05 * total["1f1b"], total
+
+
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_a_pipelined_step_traces_its_stage_twice(kind, monkeypatch):
+    """Tracing a pipelined training step runs the stage's Python twice, whatever the
+    schedule's length: once for the shapes (``executor._trace_step``'s ``eval_shape``) and
+    once under ``jax.vjp`` (``split_backward.Residuals.trace``), whose one jaxpr the stash
+    layout, the backward's recomputed leaves and every tick's F read. (A second vjp trace
+    for the recomputed leaves and one per F kernel took twice as long.)"""
+    from triax.pipeline.pipelined import Pipeline, PipelineConfig
+    calls = []
+    call = Stage.__call__
+    monkeypatch.setattr(Stage, "__call__", lambda self, *a: calls.append(1) or call(self, *a))
+    pp = Pipeline(config.TINY.replace(num_layers=4), make_mesh(pipe=2, devices=jax.devices()[:2]),
+                  "dp", PipelineConfig(kind, 4))
+    params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), dict(pp.stored.shapes))
+    ints = jax.ShapeDtypeStruct((8, 8), jnp.int32)
+    jax.jit(pp.loss_and_grad).trace(params, {"inputs": ints, "targets": ints})
+    assert len(calls) == 2
