@@ -65,9 +65,9 @@ def test_kernel_outputs_and_gradients_equal_reference(qkv, references, name, kin
 
 def test_whole_model_loss_and_grads_blockwise_equal_reference(monkeypatch):
     cfg = config.TINY.replace(num_layers=2)
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: Transformer(cfg, nnx.Rngs(0))))
-    params = jax.jit(lambda: nnx.state(Transformer(cfg, nnx.Rngs(0))))()   # one init program
-    tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 21), dtype=np.int32)
+    model = Transformer(cfg, nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    tokens = jax.random.randint(jax.random.key(1), (2, 21), 0, cfg.vocab_size)
     traced = []   # the model must reach the kernel its ExecConfig names
 
     def blockwise(*args):
