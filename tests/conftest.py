@@ -1,14 +1,13 @@
 """Test-wide setup: 8 simulated CPU devices and strict JAX, set once before JAX starts."""
-from suite_env import apply
+from suite_env import STRICT_JAX, apply
 
 apply()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_numpy_rank_promotion", "raise")
-jax.config.update("jax_default_matmul_precision", "highest")
-jax.config.update("jax_threefry_partitionable", True)
+for _name, _value in STRICT_JAX.items():
+    jax.config.update(_name, _value)
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,19 @@ from pathlib import Path
 BACKEND_OPT = "--xla_backend_optimization_level=0"
 
 
+# The strict JAX settings of the test processes (tests/conftest.py applies them). The
+# matmul precision is part of every compiled dot, so a child process that should compile the
+# test process's very programs (persistent-cache hits, not cold compiles) needs them too: as
+# the environment variables JAX reads at start (``strict_env``).
+STRICT_JAX = {"jax_numpy_rank_promotion": "raise", "jax_default_matmul_precision": "highest",
+              "jax_threefry_partitionable": True}
+
+
+def strict_env(env: dict) -> dict:
+    """``env`` (a child process's environment) with ``STRICT_JAX`` as JAX's variables."""
+    return {**env, **{name.upper(): str(value) for name, value in STRICT_JAX.items()}}
+
+
 def apply(devices: bool = True) -> None:
     """Set the suite's environment; ``devices=False`` (notebooks) leaves the device count and
     platform to the code under test, as a reader's kernel would."""

@@ -27,29 +27,40 @@ def _visibility(kind, B):
     return V.packed_visibility(segments)
 
 
-def _loss_and_grads(fn, q, k, v, vis):
-    # A non-linear loss, so every output element gets its own cotangent.
-    loss = lambda q, k, v: jnp.sum(jnp.sin(3.0 * fn(q, k, v, vis)))
-    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+def _out_loss_and_grads(fn, q, k, v, vis):
+    """``(output, (loss, dq, dk, dv))`` in one program. A non-linear loss, so every output
+    element gets its own cotangent."""
+    def loss(q, k, v):
+        out = fn(q, k, v, vis)
+        return jnp.sum(jnp.sin(3.0 * out)), out
+    (loss, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, (loss, grads)
 
 
 @pytest.fixture(scope="module", params=[2, 1], ids=["gqa_K2", "mqa_K1"])
 def qkv(request):
-    kq, kk, kv = jax.random.split(jax.random.key(request.param), 3)
+    rng = np.random.default_rng(request.param)     # host data: no program to draw it
     B, N, K, H = 2, 4, request.param, 8
-    return (jax.random.normal(kq, (B, T, N, H)), jax.random.normal(kk, (B, T, K, H)),
-            jax.random.normal(kv, (B, T, K, H)))
+    return tuple(rng.standard_normal(s, np.float32) for s in ((B, T, N, H), (B, T, K, H),
+                                                                (B, T, K, H)))
+
+
+@pytest.fixture(scope="module")
+def references(qkv):
+    """The reference's output, loss and gradients per visibility kind, computed once for both
+    kernels."""
+    return {kind: _out_loss_and_grads(A.reference, *qkv, _visibility(kind, qkv[0].shape[0]))
+            for kind in ("causal", "segments")}
 
 
 @pytest.mark.parametrize("kind", ["causal", "segments"])
 @pytest.mark.parametrize("name", list(KERNELS))
-def test_kernel_outputs_and_gradients_equal_reference(qkv, name, kind):
-    q, k, v = qkv
-    vis = _visibility(kind, q.shape[0])
-    fn = KERNELS[name]
-    np.testing.assert_allclose(fn(q, k, v, vis), A.reference(q, k, v, vis), rtol=1e-5, atol=1e-6)
-    got, want = _loss_and_grads(fn, q, k, v, vis), _loss_and_grads(A.reference, q, k, v, vis)
-    assert_trees_close(got, want, rtol=1e-5, atol=1e-5, what=f"{name}/{kind} (loss, dq, dk, dv)")
+def test_kernel_outputs_and_gradients_equal_reference(qkv, references, name, kind):
+    out, loss_grads = _out_loss_and_grads(KERNELS[name], *qkv, _visibility(kind, qkv[0].shape[0]))
+    want_out, want_loss_grads = references[kind]
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    assert_trees_close(loss_grads, want_loss_grads, rtol=1e-5, atol=1e-5,
+                       what=f"{name}/{kind} (loss, dq, dk, dv)")
 
 
 def test_whole_model_loss_and_grads_blockwise_equal_reference(monkeypatch):

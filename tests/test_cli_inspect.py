@@ -7,16 +7,20 @@ import sys
 import textwrap
 
 import pytest
+from suite_env import strict_env
 
 from triax.cli.main import main
 from triax.sharding.introspect.memory import MemoryReport
 from triax.sharding.introspect.step_report import StepReport
 
 
+# The contract's run; the LoRA test's control repeats it (a persistent-cache hit).
+CONTRACT = ["inspect", "--model", "tiny", "--num-layers", "1", "--mesh", "data=2,tensor=4",
+            "--strategy", "tp", "--batch-size", "8", "--seq-len", "16", "--json"]
+
+
 def test_inspect_json_contract(capsys, devices):
-    assert main(["inspect", "--model", "tiny", "--num-layers", "1", "--mesh",
-                 "data=2,tensor=4", "--strategy", "tp", "--batch-size", "8", "--seq-len", "16",
-                 "--json"]) == 0
+    assert main(CONTRACT) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report) >= {"collectives", "memory", "params"}
     assert {"kind", "axes", "bytes_per_device", "count", "frequency_known", "branch",
@@ -71,16 +75,18 @@ def test_bad_mesh_says_device_count(capsys, devices):
 
 
 def _run_cli(args, env_extra):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    """``python -m triax args`` with no device count set, and the test process's JAX settings
+    and XLA flags (so it compiles the programs this process did: persistent-cache hits)."""
+    env = strict_env({k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"})
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if "device_count" not in f)
     env.update(env_extra)
     return subprocess.run([sys.executable, "-m", "triax", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 
 
 def test_cli_simulates_8_devices_and_says_so():
-    r = _run_cli(["inspect", "--num-layers", "1", "--mesh", "data=8", "--seq-len", "8",
-                  "--json"], {"JAX_PLATFORMS": "cpu"})
+    r = _run_cli(CONTRACT, {"JAX_PLATFORMS": "cpu"})   # the contract's run: its compile reused
     assert r.returncode == 0, r.stderr
     assert "simulating 8 CPU devices" in r.stderr
 
@@ -117,11 +123,14 @@ def _inspect(capsys, *flags) -> dict:
 
 
 def test_inspect_shows_the_lora_step(capsys, devices):
-    """--lora-rank shapes the step (adapters beside the frozen base), so inspect takes it."""
-    paths = {p["path"] for p in _inspect(capsys, "--lora-rank", "4",
-                                         "--lora-targets", "q_proj")["params"]}
+    """--lora-rank shapes the step (adapters beside the frozen base), so inspect takes it;
+    without it (the contract's run) no adapter."""
+    def params(*flags):
+        assert main([*CONTRACT, *flags]) == 0
+        return {p["path"] for p in json.loads(capsys.readouterr().out)["params"]}
+    paths = params("--lora-rank", "4", "--lora-targets", "q_proj")
     assert "blocks/attn/lora_q_proj/a" in paths and "blocks/attn/lora_k_proj/a" not in paths
-    assert not any("lora" in p["path"] for p in _inspect(capsys)["params"])
+    assert not any("lora" in p for p in params())
 
 
 def test_inspect_shows_the_pipeline_fsdp_step(capsys, devices):

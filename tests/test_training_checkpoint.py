@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from suite_env import strict_env
 
 from triax.cli.main import main
 from triax.checkpoint import CheckpointError, Checkpointer
@@ -18,9 +19,13 @@ from triax.training.loop import train
 
 # fsdp: a sharded state (the resume tests reshard it; a dp one saves as cheaply since
 # Checkpointer writes replicated arrays whole in one process).
-BASE = RunConfig.of(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
-                    lr_decay_steps=6, seed=3, eval_batches=0, progress=False)
+# The SIGTERM child trains the same model and step, given as flags (and the test process's
+# JAX settings, ``_child_env``): it compiles the programs the in-process runs did
+# (persistent-cache hits, not cold compiles).
+RUN = dict(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16, mesh="data=8",
+           strategy="fsdp", lr=1e-2, lr_warmup_steps=1, lr_decay_steps=6, seed=3,
+           eval_batches=0)
+BASE = RunConfig.of(**RUN, steps=6, progress=False)
 QUIET = dict(note=lambda *_: None)
 # The directory that holds the `triax` package (the repo root is the package itself).
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -140,21 +145,20 @@ def test_corrupt_checkpoint_is_a_clear_error_and_kept(runs, tmp_path):
 
 
 def _child_env():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = strict_env(dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="8",
+                          PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
     return env
 
 
 def test_sigterm_saves_commits_and_exits_cleanly(tmp_path):
-    cmd = [sys.executable, "-m", "triax", "train", "--model", "tiny", "--num-layers", "1",
-           "--data", "markov", "--mesh", "data=8", "--strategy", "fsdp", "--batch-size", "8",
-           "--seq-len", "16", "--steps", "100000", "--no-progress",
+    flags = [f for k, v in RUN.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+    cmd = [sys.executable, "-m", "triax", "train", *flags, "--steps", "100000", "--no-progress",
            "--checkpoint-dir", str(tmp_path / "c"), "--log-json", str(tmp_path / "m.jsonl")]
     proc = subprocess.Popen(cmd, env=_child_env(), stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and not (tmp_path / "m.jsonl").exists():
+    log, deadline = tmp_path / "m.jsonl", time.time() + 240
+    # A step's record written: the loop runs (its handler in place), the signal lands mid-run.
+    while time.time() < deadline and not (log.exists() and log.read_text()):
         time.sleep(0.2)
-    time.sleep(1.0)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err

@@ -4,7 +4,6 @@ import json
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -109,7 +108,7 @@ def test_nan_loss_stops_naming_the_step_and_keeps_last_checkpoint(tmp_path):
     ck = Checkpointer(str(ckdir), read_only=True)
     assert ck.steps()[-1] == kept
     state, _ = ck.restore(kept, Trainer(mc.get("tiny", 1), make_mesh(data=8), "dp").abstract_state())
-    assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(state["params"]))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 
 def test_mfu_and_peak_table():

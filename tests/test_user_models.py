@@ -95,11 +95,27 @@ def vit_reference(vit_one):
     return run(*vit_one, VIT_BATCHES)
 
 
+@pytest.fixture(scope="module")
+def vit_sharded():
+    """``with_grads`` ViT trainers by (strategy, data, tensor, layers), made once: a step the
+    equality test compiled is the program the HLO, inspect and verify tests read."""
+    made = {}
+
+    def get(strategy, data, tensor, layers=VIT.layers):
+        key = (strategy, data, tensor, layers)
+        if key not in made:
+            made[key] = with_grads(lambda mesh, st, **kw: vit_trainer(
+                mesh, st, config=VitConfig(layers=layers), **kw),
+                make_mesh(data=data, tensor=tensor), strategy)
+        return made[key]
+    return get
+
+
 @pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("fsdp", 8, 1), ("tp", 1, 8),
                                                   ("fsdp_tp", 2, 4)])
-def test_vit_strategy_matches_single_device(vit_reference, vit_init, strategy, data, tensor):
-    trainer = with_grads(vit_trainer, make_mesh(data=data, tensor=tensor), strategy)
-    check_same(run(trainer, vit_init, VIT_BATCHES), vit_reference,
+def test_vit_strategy_matches_single_device(vit_reference, vit_init, vit_sharded, strategy, data,
+                                            tensor):
+    check_same(run(vit_sharded(strategy, data, tensor), vit_init, VIT_BATCHES), vit_reference,
                f"vit {strategy} ({data}x{tensor})")
 
 
@@ -133,18 +149,17 @@ def test_mixer_channels_follow_embed(devices):
     assert fsdp["stem"] == (None, "data")        # patch: None (replicated) in MIXER_RULES
 
 
-def _tensor_all_reduces(layers):
-    trainer = vit_trainer(make_mesh(tensor=2, devices=jax.devices()[:2]), "tp",
-                          config=VitConfig(layers=layers))
-    compiled = trainer.lower(VIT_BATCHES[0]).compile()
-    return sum(c.count for c in collectives_from_compiled(compiled, trainer.mesh)
-               if c.kind == "all-reduce" and "tensor" in c.axes)
-
-
-def test_vit_tp_all_reduce_per_row_parallel_matmul(devices):
+def test_vit_tp_all_reduce_per_row_parallel_matmul(vit_sharded):
     """Each block has two row-parallel matmuls (attention out, MLP down): one all-reduce over
-    tensor each in the forward, and their transposes (qkv, MLP up input gradients) backward."""
-    assert _tensor_all_reduces(3) - _tensor_all_reduces(2) == 4
+    tensor each in the forward, and their transposes (qkv, MLP up input gradients) backward.
+    The 2-layer step is the tp 1x8 one test_vit_strategy_matches_single_device compiled (the
+    gradients among its metrics are outputs, no collective)."""
+    def tensor_all_reduces(layers):
+        trainer = vit_sharded("tp", 1, 8, layers)
+        compiled = trainer.lower(VIT_BATCHES[0]).compile()
+        return sum(c.count for c in collectives_from_compiled(compiled, trainer.mesh)
+                   if c.kind == "all-reduce" and "tensor" in c.axes)
+    assert VIT.layers == 2 and tensor_all_reduces(3) - tensor_all_reduces(2) == 4
 
 
 @pytest.mark.parametrize("kind,M", [("1f1b", 4), ("gpipe", 2), ("zb-h1", 4)])
@@ -156,15 +171,10 @@ def test_vit_pipeline_matches_unpipelined(vit_reference, vit_init, kind, M):
     assert_trees_close(grads, vit_reference[1], rtol=1e-5, atol=1e-6, what=f"vit {kind} grads")
 
 
-def fsdp_tp_2x4():
-    """The fsdp_tp ViT step that test_vit_strategy_matches_single_device runs, so inspect and
-    verify read the program it compiled (their figures are for any step; its metrics carry
-    the gradients)."""
-    return with_grads(vit_trainer, make_mesh(data=2, tensor=4), "fsdp_tp")
-
-
-def test_inspect_reports_collectives_and_memory(devices):
-    report = triax.inspect(fsdp_tp_2x4(), VIT_BATCHES[0])
+def test_inspect_reports_collectives_and_memory(vit_sharded):
+    """Read from the fsdp_tp step test_vit_strategy_matches_single_device compiled (the
+    figures are for any step; its metrics carry the gradients)."""
+    report = triax.inspect(vit_sharded("fsdp_tp", 2, 4), VIT_BATCHES[0])
     kinds = {(c.kind, c.axes) for c in report.collectives}
     assert ("all-reduce", ("tensor",)) in kinds
     assert any(k == "all-gather" and "data" in axes for k, axes in kinds)   # FSDP gathers
@@ -172,8 +182,8 @@ def test_inspect_reports_collectives_and_memory(devices):
     assert "blocks/qkv_D3NH" in report.to_text()
 
 
-def test_verify_says_whether_it_fits(devices):
-    trainer = fsdp_tp_2x4()
+def test_verify_says_whether_it_fits(vit_sharded):
+    trainer = vit_sharded("fsdp_tp", 2, 4)
     big = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**40)
     small = triax.verify(trainer, VIT_BATCHES[0], device_memory=2**10)
     assert big["fits"] and not small["fits"]
