@@ -367,7 +367,6 @@ class _Loop:
 
 
 @jax.jit
-@jax.jit
 def _all_finite(tree):
     # on the device: host-offloaded parameters (training.offload) are copied a leaf at a time
     return jax.numpy.all(jax.numpy.stack([
