@@ -152,8 +152,8 @@ class Engine(ModelRunner):
         ad = np.zeros(b, np.int32)
         ad[:n] = adapters if adapters is not None else 0
         self.cache, *out = self._prefill_jit(
-            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings, prompt_lens), with_logits, S, *extra,
+            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr,
+            self.sampling_seed(), self._rows(b, settings, prompt_lens), with_logits, S, *extra,
             **self._adapter_kw("adapters_b", ad))
         if n == 0:   # the warm-up's: a slice to no rows would be a program of its own
             return out
@@ -283,7 +283,7 @@ class Engine(ModelRunner):
         given = list(settings) if settings else [self.sampling] * B
         configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
         args = (self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-                self._rule(), self.history.seen_rows(
+                self.sampling_seed(), self.history.seen_rows(
                     row_settings(configs, self.history.generated(s, real)), s, real),
                 rows.astype(np.int32))
         if chunk is not None:
