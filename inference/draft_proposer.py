@@ -111,7 +111,7 @@ class DraftProposer:
                  or not 0 <= lengths[s] - eng.lengths[s] <= 1]
         if stale:
             eng.prefill(stale, [np.asarray(contexts[s][:lengths[s]]) for s in stale],
-                        seeds=[0] * len(stale))
+                        seeds=[0] * len(stale), padded=True)   # its tokens: unread
             for s in stale:
                 self.owner[s] = owners[s]
 
