@@ -150,6 +150,7 @@ class Batching(ChunkedPrefill):
                 toks = eng.prefill(slots, prompts, [x.seed for x in batch],
                                    [x.sampling or eng.sampling for x in batch], cached=cached,
                                    prompt_lens=[len(x.result.prompt) for x in batch],
+                                   padded=True,   # rows past the batch's: read by none
                                    **self._adapters_kw([x.adapter for x in batch]))
             except Exception as e:
                 self._engine_failed(r, batch, e)

@@ -32,7 +32,7 @@ import numpy as np
 
 from triax.inference.engine import Engine, EngineConfig
 from triax.inference.errors import InferenceError
-from triax.inference.sampling import sample
+from triax.inference.sampling import sample_rows
 from triax.inference.speculative import extend_forward, sink_table
 from triax.models.config import ModelConfig
 
@@ -93,16 +93,16 @@ class DraftProposer:
         B = engine.ecfg.max_batch
         self.owner: list = [None] * B
         self.fed_end = np.zeros(B, np.int64)
-        self._step_jit = jax.jit(self._step, donate_argnums=(1,), static_argnums=(8,))
+        self._step_jit = jax.jit(self._step, donate_argnums=(1,))
 
     def _step(self, params, cache, table_RM, tokens_RT, positions_RT, pick_R, seeds_R, key_R,
-              rule, rows):
+              seed, rows):
         tokens_RT = tokens_RT.reshape(positions_RT.shape)   # a step after the first: [R]
         logits_RTV, cache = extend_forward(self.engine, params, cache, table_RM, tokens_RT,
                                            positions_RT)
         logits_RV = jnp.take_along_axis(logits_RTV, pick_R[:, None, None], 1)[:, 0]
         logits_RV = logits_RV.astype(jnp.float32)
-        return cache, sample(logits_RV, rule, seeds_R, key_R, rows), logits_RV
+        return cache, sample_rows(logits_RV, seed, seeds_R, key_R, rows), logits_RV
 
     def _resync(self, slots, lengths, contexts, owners) -> None:
         """Prefill the slots whose draft cache does not hold their tokens before the last."""
@@ -111,11 +111,11 @@ class DraftProposer:
                  or not 0 <= lengths[s] - eng.lengths[s] <= 1]
         if stale:
             eng.prefill(stale, [np.asarray(contexts[s][:lengths[s]]) for s in stale],
-                        seeds=[0] * len(stale))
+                        seeds=[0] * len(stale), padded=True)   # its tokens: unread
             for s in stale:
                 self.owner[s] = owners[s]
 
-    def propose_device(self, k, rows, real, L_R, n_R, last_R, contexts, owners, seeds_R, rule,
+    def propose_device(self, k, rows, real, L_R, n_R, last_R, contexts, owners, seeds_R, seed,
                        row_arrays):
         """``k`` proposals per row of the step and the draft's logits for each, on the
         device, one ``[R]`` / ``[R, V]`` array per step (rows ``real`` are slots ``rows``;
@@ -155,7 +155,7 @@ class DraftProposer:
                 pick = np.zeros(len(rows), np.int32)
             eng.cache, d_prev, q = self._step_jit(eng.params, eng.cache, table, d, positions,
                                                   pick, seeds_R, (L_R + i).astype(np.int32),
-                                                  rule, row_arrays)
+                                                  seed, row_arrays)
             drafts.append(d_prev)
             logits.append(q)
         return tuple(drafts), tuple(logits)   # stacked inside the verify step

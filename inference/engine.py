@@ -122,9 +122,11 @@ class Engine(ModelRunner):
         return tuple(out) + (self.ecfg.max_batch,)
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
-                     with_logits=False, cached=None, prompt_lens=None, adapters=None):
+                     with_logits=False, cached=None, prompt_lens=None, adapters=None,
+                     padded=False):
         """``cached``: each row's positions already in its blocks (whole cached blocks; the
-        rest of its prompt computed); None: none cached (the plain program)."""
+        rest of its prompt computed); None: none cached (the plain program). ``padded``:
+        the bucket's ``b`` rows come back, unsliced (``prefill``)."""
         n, P = len(prompts), self.pool.block_size
         start = np.zeros(b, np.int32)
         if cached is not None:
@@ -152,11 +154,13 @@ class Engine(ModelRunner):
         ad = np.zeros(b, np.int32)
         ad[:n] = adapters if adapters is not None else 0
         self.cache, *out = self._prefill_jit(
-            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr, self._rule(),
-            self._rows(b, settings, prompt_lens), with_logits, S, *extra,
+            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr,
+            self.sampling_seed(), self._rows(b, settings, prompt_lens), with_logits, S, *extra,
             **self._adapter_kw("adapters_b", ad))
         if n == 0:   # the warm-up's: a slice to no rows would be a program of its own
             return out
+        if padded:
+            return tuple(out) if with_logits else out[0]
         return tuple(jax.tree.map(lambda x: x[:n], x) for x in out) if with_logits else \
             jax.tree.map(lambda x: x[:n], out[0])
 
@@ -170,7 +174,7 @@ class Engine(ModelRunner):
                 seeds: Sequence[int], settings: Optional[Sequence[SamplingConfig]] = None,
                 with_logits: bool = False, cached: Optional[Sequence[int]] = None,
                 prompt_lens: Optional[Sequence[int]] = None,
-                adapters: Optional[Sequence[int]] = None):
+                adapters: Optional[Sequence[int]] = None, padded: bool = False):
         """Write ``prompts`` into ``slots``; return their first sampled tokens (async array).
         ``settings``: each prompt's sampling (temperature, top-k, top-p); default the engine's.
         ``with_logits``: return ``(tokens, logits)``, each prompt's ``[V]`` logits the
@@ -182,7 +186,10 @@ class Engine(ModelRunner):
         ``prompt_lens``: each row's request prompt (a resumed row's ``prompts`` hold what it
         generated too, which penalties count as output); default the whole row.
         ``adapters``: each prompt's adapter slot in the LoRA table (default 0: none); its
-        rows keep it while they decode."""
+        rows keep it while they decode. ``padded``: return the batch bucket's rows, the
+        prompts' first and then padding, as the program gives them (the server reads the
+        first rows on the host; slicing on the device compiles a program per bucket and
+        number of prompts)."""
         lens = [len(p) for p in prompts]
         cached = list(cached) if cached is not None and any(cached) else None
         prompt_lens, adapters = self._start_prompts(slots, prompts, cached, prompt_lens,
@@ -190,7 +197,7 @@ class Engine(ModelRunner):
         b = next(b for b in self._prefill_batches() if b >= len(prompts))
         T = self._bucket(max(n - c for n, c in zip(lens, cached or [0] * len(lens))))
         out = self._run_prefill(slots, prompts, seeds, b, T, settings, with_logits, cached,
-                                prompt_lens, adapters)
+                                prompt_lens, adapters, padded)
         self._prompts_written(slots, prompts, adapters)
         return out
 
@@ -283,7 +290,7 @@ class Engine(ModelRunner):
         given = list(settings) if settings else [self.sampling] * B
         configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
         args = (self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-                self._rule(), self.history.seen_rows(
+                self.sampling_seed(), self.history.seen_rows(
                     row_settings(configs, self.history.generated(s, real)), s, real),
                 rows.astype(np.int32))
         if chunk is not None:

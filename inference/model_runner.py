@@ -142,11 +142,11 @@ class ModelRunner:
             raise InferenceError("many adapters (--adapter NAME=DIR) are served on tensor "
                                  "and data layouts; drop pipe and context from --mesh")
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
-        # The sampling rule is static (a new rule compiles anew); stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,),
-                                    static_argnums=(7, 9, 10))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(6, 9))
-        self._mixed_jit = jax.jit(self._mixed, donate_argnums=(1,), static_argnums=(6,))
+        # Sampling is data (each row's settings, the engine's seed): changing either compiles
+        # nothing; stop tokens are host-side.
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(9, 10))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(9,))
+        self._mixed_jit = jax.jit(self._mixed, donate_argnums=(1,))
         self.compiles = {"prefill": set(), "decode": set(), "mixed": set()}
         self.launches = {"prefill": 0, "decode": 0, "mixed": 0}   # programs run, by kind
 
@@ -179,8 +179,8 @@ class ModelRunner:
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
         return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
-                                      self._rule(), rows, row, False, **self._adapter_kw(
-                                          "adapters_B", row))
+                                      self.sampling_seed(), rows, row, False,
+                                      **self._adapter_kw("adapters_B", row))
 
     def fresh_cache(self) -> bool:
         """After a failed program: zeros for the cache if it consumed the donated one
@@ -191,17 +191,17 @@ class ModelRunner:
         return False
 
     # ---- traced programs ---------------------------------------------------------------------
-    def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, rule,
-                 rows=None, with_logits=False, S=0, start_b=None, read_bM=None,
+    def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, seed,
+                 rows, with_logits=False, S=0, start_b=None, read_bM=None,
                  adapters_b=None):
         # MoE: dropless, so padding and batch-mates take nothing; adapters_b: each row's
         # adapter slot in a LoRA table
         with runtime.using(moe_inference=True, adapter_rows=adapters_b):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
-                                      seeds_b, rule, rows, with_logits, S, start_b, read_bM)
+                                      seeds_b, seed, rows, with_logits, S, start_b, read_bM)
 
     def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
-                      rule, rows, with_logits, S, start_b, read_bM):
+                      seed, rows, with_logits, S, start_b, read_bM):
         """The prompts' tokens from ``start_b`` (cached prefixes: their first blocks, read
         through ``read_bM`` into a scratch of ``S`` positions; none: 0, ``S = T``) attend
         within a scratch cache, then enter the pool (``table_bM``: the blocks to write)."""
@@ -226,9 +226,9 @@ class ModelRunner:
         full_b = lengths_b if start_b is None else start_b + lengths_b
         # Penalized rows see their whole prompt here (they never start from cached blocks);
         # a resumed row's prompt is its request's, the rest it generated (``prompt_len``).
-        tok = sample_step(last_bV, rule, seeds_b, full_b, rows,
-                          seen=(tokens_bT, lengths_b, (rows or {}).get("prompt_len", lengths_b)))
-        if rows is not None and "prompt_logprobs" in rows:   # echo: in token order
+        tok = sample_step(last_bV, seed, seeds_b, full_b, rows,
+                          seen=(tokens_bT, lengths_b, rows.get("prompt_len", lengths_b)))
+        if "prompt_logprobs" in rows:   # echo: in token order
             lp = prompt_logprobs(jnp.take(logits_bTV, index, axis=1), tokens_bT)
             tok = {**(tok if isinstance(tok, dict) else {"token": tok}), **lp}
         # striped over context where the pool is (no communication: models.decode)
@@ -237,8 +237,8 @@ class ModelRunner:
         cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings())
         return (cache, tok, last_bV) if with_logits else (cache, tok)
 
-    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule,
-                rows=None, slots_B=None, with_logits=False, adapters_B=None):
+    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, seed, rows,
+                slots_B=None, with_logits=False, adapters_B=None):
         """One step of a bucket of rows (``B`` here: the bucket's); with ``slots_B``, tokens
         (and logits, ``with_logits``) come back scattered to their slots (``max_batch``:
         padding, dropped)."""
@@ -251,7 +251,7 @@ class ModelRunner:
                                           paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
                                                  self._cache_shardings())
-        tok = sample_step(logits_B1V[:, 0], rule, seeds_B, positions_B + 1, rows)
+        tok = sample_step(logits_B1V[:, 0], seed, seeds_B, positions_B + 1, rows)
         if slots_B is None:
             return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)
         n = self.ecfg.max_batch
@@ -262,7 +262,7 @@ class ModelRunner:
             logits_B1V[:, 0], mode="drop")
         return cache, tok_n, logits_nV
 
-    def _mixed(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, rule, rows,
+    def _mixed(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, seed, rows,
                slots_B, chunk_table_1M, chunk_1C, start_1, length_1, seed_1, chunk_rows):
         """One fused step: ``_decode``'s rows and one prompt chunk (``length_1`` tokens of
         ``chunk_1C`` from position ``start_1``, the rest padding) as one row of ``B + C``
@@ -280,9 +280,9 @@ class ModelRunner:
             logits_1XV, paged = self._fwd(params, tokens_1X, positions_1X, paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
                                                  self._cache_shardings())
-        tok = sample_step(logits_1XV[0, :B], rule, seeds_B, positions_B + 1, rows)
+        tok = sample_step(logits_1XV[0, :B], seed, seeds_B, positions_B + 1, rows)
         last_1V = jax.lax.dynamic_slice_in_dim(logits_1XV[0], B + length_1[0] - 1, 1)
-        first = sample_step(last_1V, rule, seed_1, start_1 + length_1, chunk_rows)
+        first = sample_step(last_1V, seed, seed_1, start_1 + length_1, chunk_rows)
         return cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), first
 
     @property
@@ -296,8 +296,9 @@ class ModelRunner:
         """The step's per-row adapter slots (a keyword argument) when there is a table."""
         return {name: rows} if self.table else {}
 
-    def _rule(self) -> SamplingConfig:
-        return dataclasses.replace(self.sampling, stop_tokens=())
+    def sampling_seed(self) -> np.ndarray:
+        """The engine's global seed as a step's input (a traced scalar, not a constant)."""
+        return np.int32(self.sampling.seed)
 
     def _rows(self, n: int, settings: Optional[Sequence[SamplingConfig]],
               prompt_lens: Optional[Sequence[int]] = None) -> dict:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from triax.inference.sampling import filtered_logits, row_keys, sample
+from triax.inference.sampling import filtered_logits, row_keys, sample_rows
 
 ACCEPT, RESIDUAL = 1, 2   # fold_in tags: the acceptance uniform, the residual draw
 
@@ -65,12 +65,13 @@ def per_position(rows: dict, T: int) -> dict:
     return {k: jnp.repeat(jnp.asarray(v), T, axis=0) for k, v in rows.items()}
 
 
-def target_draws(logits_BTV, rule, seeds_B, base_B, rows):
-    """Plain decoding's draw at every position (``base_B + 1 + i``'s key)."""
+def target_draws(logits_BTV, seed, seeds_B, base_B, rows):
+    """Plain decoding's draw at every position (``base_B + 1 + i``'s key; ``seed``: the
+    global seed, ``rows``: each row's settings, ``sampling.row_settings``)."""
     B, T = logits_BTV.shape[:2]
     pos = (base_B[:, None] + 1 + jnp.arange(T)[None]).reshape(-1)
-    return sample(_flat(logits_BTV), rule, jnp.repeat(seeds_B, T), pos,
-                  None if rows is None else per_position(rows, T)).reshape(B, T)
+    return sample_rows(_flat(logits_BTV).astype(jnp.float32), seed, jnp.repeat(seeds_B, T),
+                       pos, per_position(rows, T)).reshape(B, T)
 
 
 def probabilities(logits_XV, rows):
@@ -82,20 +83,16 @@ def probabilities(logits_XV, rows):
     return jnp.where((rows["temperature"] > 0)[:, None], soft, hot)
 
 
-def rejection_accept(logits_BTV, drafts_BK, q_BKV, n_B, rule, seeds_B, base_B, rows):
+def rejection_accept(logits_BTV, drafts_BK, q_BKV, n_B, seed, seeds_B, base_B, rows):
     """``(a_B, tokens_BT)`` for proposals drawn from ``q_BKV`` (each row's draft
     distribution at each position), by the rejection rule (module docstring)."""
     B, T, V = logits_BTV.shape
     K = T - 1
-    rows = rows if rows is not None else {
-        "temperature": jnp.full(B, rule.temperature, jnp.float32),
-        "top_k": jnp.full(B, rule.top_k, jnp.int32), "top_p": jnp.full(B, rule.top_p,
-                                                                       jnp.float32)}
     p_BKV = probabilities(_flat(logits_BTV[:, :K]), per_position(rows, K)).reshape(B, K, V)
     pd = jnp.take_along_axis(p_BKV, drafts_BK[..., None], -1)[..., 0]
     qd = jnp.take_along_axis(q_BKV, drafts_BK[..., None], -1)[..., 0]
     pos_BK = base_B[:, None] + 1 + jnp.arange(K)[None]
-    keys = row_keys(rule.seed, jnp.repeat(seeds_B, K), pos_BK.reshape(-1))
+    keys = row_keys(seed, jnp.repeat(seeds_B, K), pos_BK.reshape(-1))
     u_BK = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, ACCEPT)))(
         keys).reshape(B, K)
     a_B = leading(u_BK * qd < pd, n_B)
@@ -104,7 +101,7 @@ def rejection_accept(logits_BTV, drafts_BK, q_BKV, n_B, rule, seeds_B, base_B, r
     fix_BK = jax.vmap(lambda k, r: jax.random.categorical(jax.random.fold_in(k, RESIDUAL),
                                                           jnp.log(r)))(
         keys, resid_BKV.reshape(B * K, V)).reshape(B, K).astype(jnp.int32)
-    bonus_BT = target_draws(logits_BTV, rule, seeds_B, base_B, rows)
+    bonus_BT = target_draws(logits_BTV, seed, seeds_B, base_B, rows)
     def at(x):   # each row's entry at its accepted count
         return jnp.take_along_axis(x, jnp.minimum(a_B, x.shape[1] - 1)[:, None], 1)[:, 0]
     last_B = jnp.where(a_B < n_B, at(fix_BK), at(bonus_BT))

@@ -137,15 +137,16 @@ def filtered_logits(logits_BV, rows):
     return jnp.where((p_B < 1.0)[:, None] & (x_BV < cutoff), -jnp.inf, x_BV)
 
 
-def _sample_rows(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows):
+def sample_rows(logits_BV, seed, request_seeds_B, positions_B, rows):
     """Each row with its own temperature, top-k and top-p (a request's own settings); a row
-    whose temperature is 0 takes the argmax. Same filters as the static path, per row."""
+    whose temperature is 0 takes the argmax. Same filters as the static path, per row.
+    ``seed``: the global seed (an int, or a traced scalar: the same keys)."""
     t_B = rows["temperature"]
     greedy_B = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
 
     def drawn(_):
         x_BV = filtered_logits(logits_BV, rows)
-        keys = row_keys(cfg.seed, request_seeds_B, positions_B)
+        keys = row_keys(seed, request_seeds_B, positions_B)
         tok = jax.vmap(jax.random.categorical)(keys, x_BV).astype(jnp.int32)
         return jnp.where(t_B > 0, tok, greedy_B)
 
@@ -158,7 +159,7 @@ def sample(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows=No
     ``temperature`` / ``top_k`` / ``top_p`` arrays (``row_settings``) in place of ``cfg``'s."""
     logits_BV = logits_BV.astype(jnp.float32)
     if rows is not None:
-        return _sample_rows(logits_BV, cfg, request_seeds_B, positions_B, rows)
+        return sample_rows(logits_BV, cfg.seed, request_seeds_B, positions_B, rows)
     if cfg.greedy:
         return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     logits_BV = _filter_top_p(_filter_top_k(logits_BV / cfg.temperature, cfg.top_k), cfg.top_p)
@@ -179,12 +180,14 @@ def row_settings(configs, generated=None, prefill: bool = False) -> dict:
     return {**rows, **penalty_rows(configs, gen), **logprob_rows(configs, prefill)}
 
 
-def sample_step(logits_BV, cfg: SamplingConfig, request_seeds_B, positions_B, rows,
-                seen=None):
+def sample_step(logits_BV, seed, request_seeds_B, positions_B, rows, seen=None):
     """The engine's sampling inside a jitted step: penalties and bias on the logits (rows
     that ask; ``seen = (history_BL, length_B, prompt_len_B)``, the tokens each row has
-    seen), then ``sample``. Returns the tokens, or with ``rows["logprobs"]`` a dict of
-    them and their log-probabilities under the model (``inference.logprobs``)."""
-    raw_BV, extra = logits_BV.astype(jnp.float32), rows or {}   # None: ``cfg`` for all
-    tok_B = sample(adjust_logits(raw_BV, extra, seen), cfg, request_seeds_B, positions_B, rows)
-    return with_logprobs(raw_BV, tok_B, extra)
+    seen), then each row's own draw (``rows``: ``row_settings``' arrays; ``seed``: the
+    global seed, traced). Both are inputs, not constants, so one program serves every mix
+    of settings and any engine seed. Returns the tokens, or with ``rows["logprobs"]`` a dict
+    of them and their log-probabilities under the model (``inference.logprobs``)."""
+    raw_BV = logits_BV.astype(jnp.float32)
+    tok_B = sample_rows(adjust_logits(raw_BV, rows, seen), seed, request_seeds_B,
+                         positions_B, rows)
+    return with_logprobs(raw_BV, tok_B, rows)

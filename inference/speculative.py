@@ -109,7 +109,7 @@ class Speculator:
 
     def __init__(self, engine, config: SpeculativeConfig, proposer):
         self.engine, self.config, self.k, self.proposer = engine, config, config.k, proposer
-        self._verify_jit = jax.jit(self._verify, donate_argnums=(1,), static_argnums=(10,))
+        self._verify_jit = jax.jit(self._verify, donate_argnums=(1,))
         self.stats = {"rounds": 0, "proposed": 0, "accepted": 0}
 
     def usable(self, settings: Sequence[SamplingConfig], active) -> bool:
@@ -123,7 +123,7 @@ class Speculator:
 
     # ---- traced --------------------------------------------------------------------------
     def _verify(self, params, cache, table_RM, last_R, positions_RT, base_R, n_R, seeds_R,
-                drafts_RK, q_RKV, rule, rows, slots_R):
+                drafts_RK, q_RKV, seed, rows, slots_R):
         if isinstance(drafts_RK, tuple):   # a draft's, one array per step (stacked here)
             drafts_RK, q_RKV = jnp.stack(drafts_RK, 1), jnp.stack(q_RKV, 1)
         tokens_RT = jnp.concatenate([last_R[:, None], drafts_RK], axis=1)   # t, d_1..d_k
@@ -132,12 +132,12 @@ class Speculator:
         logits_RTV = logits_RTV.astype(jnp.float32)
         R, T, V = logits_RTV.shape
         if q_RKV is None:   # point-mass proposals
-            a_R, tok_RT = coupled_accept(target_draws(logits_RTV, rule, seeds_R, base_R, rows),
+            a_R, tok_RT = coupled_accept(target_draws(logits_RTV, seed, seeds_R, base_R, rows),
                                          drafts_RK, n_R)
         else:
             q = probabilities(q_RKV.reshape(R * (T - 1), V), per_position(rows, T - 1))
             a_R, tok_RT = rejection_accept(logits_RTV, drafts_RK, q.reshape(R, T - 1, V), n_R,
-                                           rule, seeds_R, base_R, rows)
+                                           seed, seeds_R, base_R, rows)
         out = {"token": tok_RT, "accepted": a_R}
         if "logprobs" in rows:   # the model's own, at every position (raw logits)
             lp = with_logprobs(logits_RTV.reshape(R * T, V), tok_RT.reshape(-1),
@@ -200,16 +200,16 @@ class Speculator:
         ok = i <= n_R[:, None]
         positions = np.where(ok, L_R[:, None] + i, sink).astype(np.int32)
         last_R = np.where(real, np.asarray(last)[s], 0).astype(np.int32)
-        rule = eng._rule()
+        seed = eng.sampling_seed()
         if self.proposer.host_side:
             d_RK = np.where(real[:, None], drafts[s], 0).astype(np.int32)
             q = None
         else:
             d_RK, q = self.proposer.propose_device(K, rows, real, L_R, n_R, last_R, contexts,
-                                                   owners, seeds_R, rule, row_arrays)
+                                                   owners, seeds_R, seed, row_arrays)
         eng.compiles.setdefault("verify", set()).add(rows.shape)
         eng.cache, out = self._verify_jit(eng.params, eng.cache, table, last_R, positions,
-                                          L_R, n_R, seeds_R, d_RK, q, rule, row_arrays,
+                                          L_R, n_R, seeds_R, d_RK, q, seed, row_arrays,
                                           rows.astype(np.int32))
         return Round(rows, real, lengths, counts, np.asarray(last), out)
 

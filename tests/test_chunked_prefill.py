@@ -31,10 +31,17 @@ def _serve(eng, max_step_tokens):
     return server, results, seen
 
 
+@pytest.fixture(scope="module")
+def unchunked(engines):
+    """The reference: whole prompts on one device (layouts agree exactly in fp32, so
+    tensor=2 is checked against it too, without compiling its own whole-prompt programs)."""
+    return _serve(engines["one"], 0)[1]
+
+
 @pytest.mark.parametrize("layout", ["one", "tensor2"])
-def test_chunked_tokens_equal_unchunked_with_the_prefix_cache(layout, engines):
+def test_chunked_tokens_equal_unchunked_with_the_prefix_cache(layout, engines, unchunked):
     eng = engines[layout]
-    _, whole, _ = _serve(eng, 0)
+    whole = unchunked
     server, chunked, seen = _serve(eng, BUDGET)
     assert [r.tokens for r in chunked] == [r.tokens for r in whole], (
         f"{layout}: chunked prefill's tokens differ from whole prompts'")

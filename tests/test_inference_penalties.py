@@ -79,7 +79,7 @@ def test_one_trace_for_any_requests_with_the_same_controls_and_raw_logprobs():
     @jax.jit
     def step(logits, rows):
         traces.append(1)
-        return sample_step(logits, SamplingConfig(), jnp.zeros(7, jnp.int32),
+        return sample_step(logits, 0, jnp.zeros(7, jnp.int32),
                            jnp.zeros(7, jnp.int32), rows, seen=(HIST, SEEN, PROMPT))
 
     with_lp = [SamplingConfig(**{**c.__dict__, "logprobs": True}) for c in CONFIGS]

@@ -47,7 +47,18 @@ def _serve(server, reqs, order):
 def test_fifty_requests_complete_with_their_own_tokens(setup):
     server, reqs, ref = setup
     server.warmup([len(p) for p, _ in reqs])  # compiles ahead; must leave no visible trace
-    out = _serve(server, reqs, range(len(reqs)))
+    compiles = []
+
+    def listen(event, secs, **_):
+        if "backend_compile" in event:
+            compiles.append(event)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = _serve(server, reqs, range(len(reqs)))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    # the warm-up compiled every program served (none per batch of prompts, e.g. a slice)
+    assert compiles == [], f"serving compiled {len(compiles)} programs after the warm-up"
     assert sorted(out) == list(range(50))
     for i, (prompt, n) in enumerate(reqs):
         r = out[i]
@@ -92,8 +103,12 @@ def test_stop_token_ends_a_request_and_frees_its_slot(setup, devices):
 
 
 def test_sampled_results_independent_of_arrival_order(setup):
+    """The engine's sampling (and its seed) swapped for a sampled one: each row's settings
+    and the seed are the steps' inputs, so the greedy runs' programs serve it, none new."""
     server, reqs, ref = setup
-    eng = server.engines[0]  # one replica keeps the extra (sampling) compile small
+    eng = server.engines[0]
+    eng.warmup([len(p) for p, _ in reqs[:12]])   # greedy (compiled already after the first test)
+    programs = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size())
     eng.sampling = SamplingConfig(temperature=1.5, top_k=20, top_p=0.95, seed=5)
     try:
         forward = _serve(Server([eng]), reqs[:12], range(12))
@@ -102,6 +117,8 @@ def test_sampled_results_independent_of_arrival_order(setup):
         eng.sampling = SamplingConfig()
     assert {i: r.tokens for i, r in forward.items()} == {i: r.tokens for i, r in shuffled.items()}
     assert any(forward[i].tokens != ref[i][:reqs[i][1]] for i in range(12))  # it did sample
+    assert (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size()) == programs, \
+        "a new sampling rule compiled a new program"
 
 
 def test_an_idle_replica_takes_waiting_requests_with_the_same_tokens(setup, monkeypatch):

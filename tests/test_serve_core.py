@@ -47,7 +47,8 @@ class FakeEngine:
 
     check_prompt = Engine.check_prompt   # the context and the pool's blocks
 
-    def prefill(self, slots, prompts, seeds, settings=None, cached=None, prompt_lens=None):
+    def prefill(self, slots, prompts, seeds, settings=None, cached=None, prompt_lens=None,
+                padded=False):   # (its rows are the prompts: nothing pads them)
         for s, p in zip(slots, prompts):
             self.kv.grow(s, len(p))
         self.lengths[list(slots)] = [len(p) for p in prompts]

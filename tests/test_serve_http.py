@@ -1,6 +1,6 @@
 """``triax serve`` as its users meet it: one real server subprocess on 127.0.0.1 (a free
-port), the tiny Hugging Face Llama fixture with a chat template added, on four replicas of
-four layouts at once (pipe=2; context=2; tensor=2; tensor=2), called through the real
+port), the tiny Hugging Face Llama fixture with a chat template added, on three replicas of
+three layouts at once (pipe=2; context=2; tensor=2: six devices), called through the real
 ``openai`` client and raw HTTP (httpx). Greedy answers are the golden tokens that
 ``transformers`` produced (which ``triax generate`` reproduces: tests/test_hf_generate.py).
 The server is started once for the module; the last test drains it with SIGTERM."""
@@ -24,8 +24,11 @@ from triax.hf.tokenizer import load_tokenizer
 MODEL = "llama-chat"
 TEMPLATE = ("{% for m in messages %}{{ m.role[0] | upper }}: {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}A:{% endif %}")
-LAYOUT = "pipe=2;context=2;tensor=2;tensor=2"
-SLOTS, MAX_QUEUE, MAX_LEN = 2, 16, 80   # 8 slots in all, 16 waiting at most
+# One replica per layout: a second replica of a layout would compile all its programs again
+# (JAX keys them by device) and route no differently (tests/test_inference_serving.py).
+LAYOUT = "pipe=2;context=2;tensor=2"
+REPLICAS, DEVICES = 3, 6
+SLOTS, MAX_QUEUE, MAX_LEN = 2, 16, 80   # 6 slots in all, 16 waiting at most
 # Each replica's pool: 4 blocks of 16 positions, so a pipe=2 replica's two row groups hold 32
 # positions each and a one-group replica's 64: no replica holds a request of MAX_LEN.
 KV_BLOCKS = 4
@@ -42,7 +45,7 @@ def served(tmp_path_factory):
          "--kv-blocks", str(KV_BLOCKS), "--dtype", "float32", "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "JAX_NUM_CPU_DEVICES": "8"})
+        env={**os.environ, "JAX_NUM_CPU_DEVICES": str(DEVICES)})
     line = proc.stdout.readline()  # blocks until ready (or the process ended)
     if "ready at" not in line:
         proc.kill()
@@ -85,19 +88,19 @@ def _settled(s) -> bool:
 
 
 def test_ready_line_health_and_models(served):
-    assert "pipe=2; context=2; tensor=2; tensor=2" in served["line"]
+    assert "pipe=2; context=2; tensor=2" in served["line"]
     h = httpx.get(served["url"] + "/health")
     assert h.status_code == 200 and h.json()["status"] == "ok"
     assert [m.id for m in _client(served).models.list().data] == [MODEL]
-    # Four replicas' pools of --kv-blocks blocks each.
+    # Three replicas' pools of --kv-blocks blocks each.
     text = httpx.get(served["url"] + "/metrics").text
     assert re.search(r"^triax_kv_blocks_in_use \S+$", text, re.M), text
-    assert _metric(served, "triax_kv_blocks_total") == 4 * KV_BLOCKS
+    assert _metric(served, "triax_kv_blocks_total") == REPLICAS * KV_BLOCKS
     assert _metric(served, "triax_kv_blocks_in_use") == 0
 
 
 def test_greedy_completions_equal_the_golden_tokens_on_every_replica(served):
-    """120 requests from 16 concurrent clients, mixed prompts and lengths, over the four
+    """120 requests from 16 concurrent clients, mixed prompts and lengths, over the three
     layouts: each answered once with the offline greedy text; every slot back at the end."""
     prompts, url = _prompts(served), served["url"]
     jobs = [(i % 4, 1 + (i * 5) % 8) for i in range(120)]  # (prompt, max_tokens)
@@ -133,7 +136,7 @@ def test_greedy_completions_equal_the_golden_tokens_on_every_replica(served):
         assert 0 <= cached < n   # prefix cache hits, which depend on who came first
     assert _metric(served, "triax_requests_total") - before == len(jobs)
     text = httpx.get(url + "/metrics").text
-    for r in range(4):  # every layout answered some of them
+    for r in range(REPLICAS):  # every layout answered some of them
         assert re.search(rf'triax_requests_total{{.*replica="{r}"}} [1-9]', text), r
         assert f'triax_replica_queue_depth{{replica="{r}"}} 0.0' in text, r   # all served
     assert _settled(served)
@@ -251,7 +254,7 @@ def test_full_queue_gets_429_with_retry_after(served):
                 for _ in range(60)))
     rs = asyncio.run(main())
     codes = [r.status_code for r in rs]
-    assert set(codes) == {200, 429} and codes.count(200) >= SLOTS * 4
+    assert set(codes) == {200, 429} and codes.count(200) >= SLOTS * REPLICAS
     refused = next(r for r in rs if r.status_code == 429)
     assert refused.headers["retry-after"] == "1"
     assert refused.json()["error"]["type"] == "rate_limit_error"

@@ -218,8 +218,12 @@ def test_penalties_and_logit_bias_reproduce_a_numpy_decode(served):
     """Greedy decoding under each control (and all together) equals the reference's argmax
     of the numpy-penalized logits, step by step."""
     ref, p = served["ref"], served["prompts"][3][:8]
-    settings = [dict(presence_penalty=-2.0), dict(frequency_penalty=-2.0),
-                dict(repetition_penalty=0.3), dict(logit_bias={"7": 9.0, "11": 4.0}),
+    # A bias of 0 (changing no logit) beside each penalty alone: its rows carry the same
+    # controls as all together's, one program (a program per set of row controls), while
+    # each penalty alone still decides the text.
+    zero = {"logit_bias": {"0": 0.0}}
+    settings = [dict(presence_penalty=-2.0, **zero), dict(frequency_penalty=-2.0, **zero),
+                dict(repetition_penalty=0.3, **zero), dict(logit_bias={"7": 9.0, "11": 4.0}),
                 dict(presence_penalty=0.5, frequency_penalty=-0.4, repetition_penalty=0.6,
                      logit_bias={"3": 5.0})]
     for kw in settings:

@@ -30,7 +30,6 @@ def _rounds(P0, P1, Q0, Q1, N):
     """The first two tokens of ``N`` sequences (one seed each) decoded speculatively with
     k=2 from a target whose next-token law is ``P0``, then ``P1[first]``, and a draft's
     ``Q0``, ``Q1[first]``; a round that emits one token is followed by a second round."""
-    rule = SamplingConfig(temperature=1.0)
     rows = {"temperature": jnp.ones(N), "top_k": jnp.zeros(N, jnp.int32),
             "top_p": jnp.ones(N)}
     seeds = jnp.arange(N)
@@ -44,7 +43,7 @@ def _rounds(P0, P1, Q0, Q1, N):
         d2 = draw(Q1[d1], base + 2)
         logits = jnp.log(jnp.stack([p0, P1[d1], P1[d1]], axis=1))   # the last: the bonus's
         return rejection_accept(logits, jnp.stack([d1, d2], 1), jnp.stack([q0, Q1[d1]], 1),
-                                jnp.full(N, 2), rule, seeds, jnp.full(N, base), rows)
+                                jnp.full(N, 2), 0, seeds, jnp.full(N, base), rows)
 
     a, tok = round_(jnp.broadcast_to(P0, (N, 4)), jnp.broadcast_to(Q0, (N, 4)), 0)
     first = tok[:, 0]
