@@ -8,27 +8,28 @@ from triax.models import lora
 from triax.training.step import Trainer
 
 
-def start_params(trainer):
-    """The trainer's init with every B made non-zero (B = 0 would zero A's gradients)."""
-    params = jax.device_get(trainer.init(0)["params"])
-    ad, base = lora.split(params)
+def start_state(trainer):
+    """The trainer's init (host arrays) with every B made non-zero (B = 0 would zero A's
+    gradients). Its optimizer state is the fresh one of any layout of the same model and
+    optimizer, so ``run_steps`` places it (``Trainer.place``): no program per layout to
+    build a fresh state."""
+    state = jax.device_get(trainer.init(0))
+    ad, base = lora.split(state["params"])
     rng = np.random.default_rng(1)
     ad = jax.tree_util.tree_map_with_path(
         lambda p, x: (0.05 * rng.standard_normal(x.shape)).astype(x.dtype)
         if p[-1].key == "b" else x, ad)
-    return lora.join(ad, base)
+    return {**state, "params": lora.join(ad, base)}
 
 
-def run_steps(cfg, mesh, strategy, pipeline, params, B, T, steps=3):
-    """``steps`` compiled steps from ``params`` on batches of seeds 0, 1, …: the losses, the
-    first step's gradients (``step_grads.first_step_grads``), the final params and optimizer
-    state, the compiled step and its trainer."""
+def run_steps(cfg, mesh, strategy, pipeline, start, B, T, steps=3):
+    """``steps`` compiled steps from the host train state ``start`` (``start_state``) on
+    batches of seeds 0, 1, …: the losses, the first step's gradients
+    (``step_grads.first_step_grads``), the final params and optimizer state, the compiled
+    step and its trainer."""
     tr = Trainer(cfg, mesh, strategy, pipeline=pipeline)
     compiled = tr.lower(B, T).compile()
-    # The model's form in and out (uneven stages store their blocks stage by stage).
-    state = jax.jit(lambda p: tr.fresh_state(tr.to_stored(p)),
-                    out_shardings=tr.state_shardings)(
-        jax.device_put(params, tr.model_param_shardings))
+    state = tr.place(start)   # the model's form in (uneven stages: restacked), a transfer
     losses = []
     for i in range(steps):
         state, m = compiled(state, tr.shard_batch(tr.example_batch(B, T, seed=i)))

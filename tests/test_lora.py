@@ -12,7 +12,7 @@ import re
 import jax
 import numpy as np
 import pytest
-from lora_helpers import run_steps, start_params
+from lora_helpers import run_steps, start_state
 from tree_checks import assert_trees_close
 
 from triax.mesh import make_mesh
@@ -36,8 +36,8 @@ CASES = {  # name: (cfg, mesh sizes, strategy, pipeline)
 }
 
 
-def run(cfg, mesh, strategy, pipeline, params):
-    return run_steps(cfg, mesh, strategy, pipeline, params, B, T, STEPS)
+def run(cfg, mesh, strategy, pipeline, start):
+    return run_steps(cfg, mesh, strategy, pipeline, start, B, T, STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +45,9 @@ def reference(devices):
     out = {}
     for cfg in (DENSE, MOE):
         tr = Trainer(cfg, make_mesh(devices=devices[:1]), "dp")
-        init = start_params(tr)
+        init = start_state(tr)
         out[cfg] = (init, run(cfg, tr.mesh, "dp", None, init))
-        if cfg is DENSE:   # the trainer's own init, before start_params (B = 0)
+        if cfg is DENSE:   # the trainer's own init, before start_state (B = 0)
             out["b_zero"] = jax.device_get(tr.init(0)["params"])
     return out
 
@@ -71,7 +71,7 @@ def test_lora_matches_single_device(name, reference, sharded):
     assert_trees_close(got["params"], ref["params"], rtol=1e-5, atol=1e-5,
                        what=f"{name} params after {STEPS} steps")
     # The base is bit-identical after training; the adapters moved.
-    ad0, base0 = lora.split(init)
+    ad0, base0 = lora.split(init["params"])
     ad, base = lora.split(got["params"])
     for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(base)[0],
                             jax.tree.leaves(base0)):
@@ -94,8 +94,12 @@ def test_step_zero_is_the_base(reference):
     ad, base = lora.split(params)
     assert all(not np.any(b) for p, b in jax.tree_util.tree_flatten_with_path(ad)[0]
                if p[-1].key == "b")
-    adapted = nnx.merge(abstract_model(DENSE).graphdef, params)(tokens)[0]
-    plain = nnx.merge(abstract_model(DENSE.replace(lora=None)).graphdef, base)(tokens)[0]
+
+    def logits(cfg, params):   # jitted: eagerly, each op outside the layer scan compiles
+        graphdef = abstract_model(cfg).graphdef
+        return jax.jit(lambda p: nnx.merge(graphdef, p)(tokens)[0])(params)
+    adapted = logits(DENSE, params)
+    plain = logits(DENSE.replace(lora=None), base)
     assert np.array_equal(adapted, plain)
 
 

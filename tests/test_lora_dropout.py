@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from lora_helpers import run_steps, start_params
+from lora_helpers import run_steps, start_state
 from tree_checks import assert_trees_close
 
 from triax.inference.reference import greedy_reference
@@ -19,10 +19,17 @@ from triax.training.config import RunConfig
 from triax.training.step import Trainer
 
 P = 0.25
+# One target of each kind of adapter input: q's is whole on every tensor rank, o's (heads ×
+# head dim) and down's (MLP dim) are split over tensor, so their masks must be drawn for
+# global positions. The adapters' own layouts on every target are test_lora.py's; here
+# each target adds only program size (the ZB-V step: 7 targets 703 fusions, 10.1 CPU-s
+# to lower and compile; q and down 391, 6.9 CPU-s).
+TARGETS = ("q_proj", "o_proj", "down_proj")
 # 4 layers: even over 2 stages (ZB-V's 4 chunks move whole: routed); 3: padded chunks.
-DROP = config.TINY.replace(num_layers=4, lora=LoraConfig(rank=4, alpha=8.0, dropout=P))
+DROP = config.TINY.replace(num_layers=4, lora=LoraConfig(rank=4, alpha=8.0, dropout=P,
+                                                         targets=TARGETS))
 DROP3 = DROP.replace(num_layers=3)
-PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0))
+PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0, targets=TARGETS))
 B, T, STEPS = 8, 12, 3
 TP_PIPE = dict(data=2, pipe=2, tensor=2)
 # One compile per case, so no two cases run the same path: fsdp_tp splits the batch (and
@@ -41,10 +48,12 @@ CASES = {"fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
 def reference(devices):
     """Per config, the start and its one-device runs (``dropout: run``; PLAIN: no dropout)."""
     mesh = make_mesh(devices=devices[:1])
-    init = start_params(Trainer(DROP, mesh, "dp"))
-    # DROP3 starts from DROP's first 3 layers (any start serves; no second init compile)
+    init = start_state(Trainer(DROP, mesh, "dp"))
+    # DROP3 starts from DROP's first 3 layers, its parameters' and their (fresh) moments'
+    # (any start serves; no second init compile)
     init3 = jax.tree_util.tree_map_with_path(
-        lambda p, x: x[:DROP3.num_layers] if p[0].key == "blocks" else x, init)
+        lambda p, x: x[:DROP3.num_layers] if any(getattr(k, "key", None) == "blocks"
+                                                 for k in p) else x, init)
     out = {}
     for cfg, start, twins in ((DROP, init, (DROP, PLAIN)), (DROP3, init3, (DROP3,))):
         out[cfg] = start, {c.lora.dropout: run_steps(c, mesh, "dp", None, start, B, T, STEPS)

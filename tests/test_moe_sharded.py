@@ -15,9 +15,12 @@ B, T, STEPS = 8, 8, 3
 DROPLESS = config.TINY_MOE.replace(num_layers=2)
 CAPACITY = DROPLESS.replace(moe=MoEConfig(num_experts=8, top_k=2, mlp_dim=64,
                                           capacity_factor=1.0, z_loss_weight=1e-3))
+# Each case compiles its own step. data=2 × expert=4 under dp is no case of its own: the
+# runner's path there (shard_map manual over expert × data, expert weights pcast over data,
+# all-to-all over expert) is ep2_fsdp's and dp2_ep2_pipe2's, and an all-to-all over more
+# than 2 expert ranks is ep8's.
 CASES = {  # name: (cfg, mesh sizes, strategy)
     "ep2_fsdp": (DROPLESS, dict(data=4, expert=2), "fsdp"),
-    "ep4": (DROPLESS, dict(data=2, expert=4), "dp"),
     "ep8": (DROPLESS, dict(expert=8), "dp"),
     "dp2_ep2_tp2_capacity": (CAPACITY, dict(data=2, expert=2, tensor=2), "tp"),
     # Without a pipeline schedule the layer stack is only stored split over `pipe` and XLA

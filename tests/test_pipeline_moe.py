@@ -47,14 +47,18 @@ def _microbatch_rows() -> np.ndarray:
 
 
 def _reference_loss(am, rows):
+    """The model on each micro-batch's rows in turn: a scan over ``rows``, so the program
+    holds the model once (a Python loop would trace and compile it M times)."""
     def loss(params, batch):
         model = nnx.merge(am.graphdef, params)
-        nll, aux = 0.0, []
-        for r in rows:
-            logits, a = model(batch["inputs"][r])
-            nll += weighted_nll_sum(logits, batch["targets"][r], jnp.ones((len(r), T)))
-            aux.append(a)
-        aux = jax.tree.map(lambda *v: sum(v) / M, *aux)
+
+        def microbatch(nll, xs):
+            inputs, targets = xs
+            logits, a = model(inputs)
+            return nll + weighted_nll_sum(logits, targets, jnp.ones(targets.shape)), a
+        nll, aux = jax.lax.scan(microbatch, jnp.zeros((), jnp.float32),
+                                (batch["inputs"][rows], batch["targets"][rows]))
+        aux = jax.tree.map(lambda v: jnp.sum(v) / M, aux)
         ce = nll / (B * T)
         return ce + aux["moe_loss_weighted"], {"ce": ce, **aux}
     return loss
