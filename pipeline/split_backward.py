@@ -76,15 +76,24 @@ class Residuals:
 
     @classmethod
     def trace(cls, apply, chunk, pieces, x, extras) -> "Residuals":
+        return cls.trace_with_jaxpr(apply, chunk, pieces, x, extras)[0]
+
+    @classmethod
+    def trace_with_jaxpr(cls, apply, chunk, pieces, x, extras):
+        """``trace``, and from the same one trace the jaxpr ``(chunk, pieces, x, extras) ->
+        stored leaves`` (what :class:`Rebuild` analyses) and ``apply``'s output tree: the
+        forward is traced once where it was traced three times."""
         info = {}
 
         def f(chunk, pieces, x, extras):
-            _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
+            out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
+            info["out_tree"] = jax.tree.structure(out)
             leaves, info["treedef"] = jax.tree.flatten(pullback)
             info["index"] = _param_index(leaves, (chunk, pieces))
             return [l for l, i in zip(leaves, info["index"]) if i is None]
-        shapes = jax.eval_shape(f, chunk, pieces, x, extras)
-        return cls(info["treedef"], tuple(info["index"]), tuple(shapes))
+        traced = jax.jit(f).trace(chunk, pieces, x, extras)   # what jax.eval_shape runs
+        res = cls(info["treedef"], tuple(info["index"]), tuple(traced.out_info))
+        return res, traced.jaxpr, info["out_tree"]
 
     def forward(self, apply, chunk, pieces, x, extras):
         """Run the forward; return its outputs and the leaves to stash."""
@@ -119,15 +128,18 @@ class Rebuild:
     on_last: frozenset            # of the wanted leaves, those the last-chunk flag decides
 
     @classmethod
-    def trace(cls, apply, chunk, pieces, x, extras: StageInputs, wanted) -> "Rebuild":
+    def trace(cls, apply, chunk, pieces, x, extras: StageInputs, wanted,
+              closed=None) -> "Rebuild":
         """``wanted``: the residual leaves the backward reads. The leaves that depend on
-        ``extras.last`` (the last-chunk flag) are the post-stack's (head, loss)."""
+        ``extras.last`` (the last-chunk flag) are the post-stack's (head, loss). ``closed``:
+        the jaxpr of the stored leaves (``Residuals.trace_with_jaxpr``), else traced here."""
         def stored(chunk, pieces, x, extras):
             _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
             leaves = jax.tree.leaves(pullback)
             return [l for l, i in zip(leaves, _param_index(leaves, (chunk, pieces)))
                     if i is None]
-        closed = jax.make_jaxpr(stored)(*_sds((chunk, pieces, x, extras)))
+        if closed is None:
+            closed = jax.make_jaxpr(stored)(*_sds((chunk, pieces, x, extras)))
         jaxpr, n = closed.jaxpr, len(closed.jaxpr.outvars)
         at = leaf_positions((chunk, pieces, x, extras))   # the jaxpr's invars, by name
         x_in, last_in = jax.tree.leaves(at[2]), at[3].last
@@ -201,8 +213,8 @@ class StageBackward:
     def trace(cls, apply, chunk, pieces, x, extras) -> "StageBackward":
         """``apply(chunk, pieces, x, extras) -> (y, loss)`` is what the backward
         differentiates; the arguments may be arrays, tracers or ShapeDtypeStructs."""
-        res = Residuals.trace(apply, chunk, pieces, x, extras)
-        loss_tree = jax.tree.structure(jax.eval_shape(apply, chunk, pieces, x, extras)[1])
+        res, stored, out_tree = Residuals.trace_with_jaxpr(apply, chunk, pieces, x, extras)
+        loss_tree = out_tree.children()[1]
         n_loss = loss_tree.num_leaves   # the loss may be a dict (a MoE's auxiliary losses)
 
         def pullback(stored, chunk, pieces, dy, *dloss):
@@ -227,7 +239,7 @@ class StageBackward:
                                  w_used=[True] * n_chunk + [False] * (n_params - n_chunk + 1),
                                  avail=[True] * (n_res + n_params) + [False] * (1 + n_loss))
         read = [i for i in range(n_res) if split.b_reads[i] or split.w_reads[i]]
-        rebuild = Rebuild.trace(apply, chunk, pieces, x, extras, read)
+        rebuild = Rebuild.trace(apply, chunk, pieces, x, extras, read, stored)
         stashed = tuple(i for i in read if i not in rebuild.leaves)
         cut = tuple(jax.ShapeDtypeStruct(k.aval.shape, k.aval.dtype) for k in split.cut)
         trees = (jax.tree.structure(chunk), jax.tree.structure(pieces))

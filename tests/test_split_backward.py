@@ -115,3 +115,31 @@ def test_zero_bubble_schedules_hold_1f1b_activation_buffers():
              for k in ("1f1b", "zb-v", "zb-h1")}
     assert total["zb-v"] <= 1.05 * total["1f1b"], total
     assert total["zb-h1"] <= 1.05 * total["1f1b"], total
+
+
+def test_the_stage_forward_is_traced_once():
+    """``StageBackward.trace`` takes the stash's shapes, the loss's structure and the jaxpr
+    ``Rebuild`` analyses from one trace of the stage's forward (it was traced three times:
+    a third of the planner's per-chunk trace time), and that ``Rebuild`` is the one a trace
+    of its own gives."""
+    from triax.pipeline.split_backward import Rebuild
+    from triax.sharding.partition import abstract_model
+    am = abstract_model(config.TINY.replace(num_layers=2))
+    pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
+    ints = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    extras = StageInputs({"inputs": ints, "targets": ints,
+                          "weights": jax.ShapeDtypeStruct((B, T), jnp.float32)},
+                         {"inv_total_weight": jnp.float32(1)}, True, True, jnp.arange(2))
+    x = jax.ShapeDtypeStruct((B, T, config.TINY.embed_dim), jnp.float32)
+    stage, calls = loss_only(Stage(am.graphdef)), []
+
+    def apply(*args):
+        calls.append(1)
+        return stage(*args)
+    sb = StageBackward.trace(apply, am.shapes["blocks"], pieces, x, extras)
+    assert len(calls) == 1
+    alone = Rebuild.trace(stage, am.shapes["blocks"], pieces, x, extras,
+                          sorted({*sb.stashed, *sb.rebuild.leaves}))
+    assert (alone.leaves, alone.reads, alone.on_last) == \
+        (sb.rebuild.leaves, sb.rebuild.reads, sb.rebuild.on_last)
+    assert str(alone.jaxpr) == str(sb.rebuild.jaxpr)
