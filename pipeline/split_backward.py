@@ -81,19 +81,19 @@ class Residuals:
     @classmethod
     def trace_with_jaxpr(cls, apply, chunk, pieces, x, extras):
         """``trace``, and from the same one trace the jaxpr ``(chunk, pieces, x, extras) ->
-        stored leaves`` (what :class:`Rebuild` analyses) and ``apply``'s output tree: the
-        forward is traced once where it was traced three times."""
+        stored leaves`` (what :class:`Rebuild` analyses) and ``apply``'s outputs' shapes:
+        the forward is traced once where it was traced three times."""
         info = {}
 
         def f(chunk, pieces, x, extras):
             out, pullback = jax.vjp(apply, chunk, pieces, x, extras)
-            info["out_tree"] = jax.tree.structure(out)
+            info["out"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), out)
             leaves, info["treedef"] = jax.tree.flatten(pullback)
             info["index"] = _param_index(leaves, (chunk, pieces))
             return [l for l, i in zip(leaves, info["index"]) if i is None]
         traced = jax.jit(f).trace(chunk, pieces, x, extras)   # what jax.eval_shape runs
         res = cls(info["treedef"], tuple(info["index"]), tuple(traced.out_info))
-        return res, traced.jaxpr, info["out_tree"]
+        return res, traced.jaxpr, info["out"]
 
     def forward(self, apply, chunk, pieces, x, extras):
         """Run the forward; return its outputs and the leaves to stash."""
@@ -213,8 +213,8 @@ class StageBackward:
     def trace(cls, apply, chunk, pieces, x, extras) -> "StageBackward":
         """``apply(chunk, pieces, x, extras) -> (y, loss)`` is what the backward
         differentiates; the arguments may be arrays, tracers or ShapeDtypeStructs."""
-        res, stored, out_tree = Residuals.trace_with_jaxpr(apply, chunk, pieces, x, extras)
-        loss_tree = out_tree.children()[1]
+        res, stored, out = Residuals.trace_with_jaxpr(apply, chunk, pieces, x, extras)
+        loss_tree = jax.tree.structure(out[1])
         n_loss = loss_tree.num_leaves   # the loss may be a dict (a MoE's auxiliary losses)
 
         def pullback(stored, chunk, pieces, dy, *dloss):
