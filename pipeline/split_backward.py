@@ -75,14 +75,11 @@ class Residuals:
     shapes: tuple                 # ShapeDtypeStruct of each stored leaf
 
     @classmethod
-    def trace(cls, apply, chunk, pieces, x, extras) -> "Residuals":
-        return cls.trace_with_jaxpr(apply, chunk, pieces, x, extras)[0]
-
-    @classmethod
-    def trace_with_jaxpr(cls, apply, chunk, pieces, x, extras):
-        """``trace``, and from the same one trace the jaxpr ``(chunk, pieces, x, extras) ->
-        stored leaves`` (what :class:`Rebuild` analyses) and ``apply``'s outputs' shapes:
-        the forward is traced once where it was traced three times."""
+    def trace(cls, apply, chunk, pieces, x, extras):
+        """The residuals, and from the same one trace of the forward the jaxpr ``(chunk,
+        pieces, x, extras) -> stored leaves`` (what :class:`Rebuild` analyses) and
+        ``apply``'s outputs' shapes (``StageBackward.trace`` traced the forward three times
+        for these)."""
         info = {}
 
         def f(chunk, pieces, x, extras):
@@ -132,7 +129,7 @@ class Rebuild:
               closed=None) -> "Rebuild":
         """``wanted``: the residual leaves the backward reads. The leaves that depend on
         ``extras.last`` (the last-chunk flag) are the post-stack's (head, loss). ``closed``:
-        the jaxpr of the stored leaves (``Residuals.trace_with_jaxpr``), else traced here."""
+        the jaxpr of the stored leaves (``Residuals.trace``), else traced here."""
         def stored(chunk, pieces, x, extras):
             _, pullback = jax.vjp(apply, chunk, pieces, x, extras)
             leaves = jax.tree.leaves(pullback)
@@ -213,7 +210,7 @@ class StageBackward:
     def trace(cls, apply, chunk, pieces, x, extras) -> "StageBackward":
         """``apply(chunk, pieces, x, extras) -> (y, loss)`` is what the backward
         differentiates; the arguments may be arrays, tracers or ShapeDtypeStructs."""
-        res, stored, out = Residuals.trace_with_jaxpr(apply, chunk, pieces, x, extras)
+        res, stored, out = Residuals.trace(apply, chunk, pieces, x, extras)
         loss_tree = jax.tree.structure(out[1])
         n_loss = loss_tree.num_leaves   # the loss may be a dict (a MoE's auxiliary losses)
 
