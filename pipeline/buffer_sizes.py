@@ -225,8 +225,7 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
         y, aux, _ = run_stack(stage.model(chunk, pieces), x, {"inputs": tokens}, exe)
         return y, aux
     with runtime.using(constraint=None):
-        res = Residuals.trace(blocks, chunk, pieces, x, ())
-        cts = jax.eval_shape(blocks, chunk, pieces, x, ())
+        res = Residuals.trace(blocks, chunk, pieces, x, ())   # its outputs' shapes: res.out
         read = reads(lambda stored, c, p, ct: res.pullback(stored, c, p)(ct),
-                     list(res.shapes), chunk, pieces, cts)
+                     list(res.shapes), chunk, pieces, res.out)
     return sum(nbytes(s) for s, r in zip(res.shapes, read) if r)

@@ -26,3 +26,18 @@ def test_fitted_chunk_equals_a_direct_trace(model, remat, layers, rows):
     assert sizes(*got) == sizes(*want)
     assert buffer_sizes._loop_residual_bytes(cfg, layers, exe, rows, 32) \
         == buffer_sizes._trace_loop_bytes(cfg, layers, exe, rows, 32)
+
+
+def test_the_loop_is_traced_once(monkeypatch):
+    """The loop's residual bytes come from one trace of the chunk's layer loop: its outputs'
+    shapes (the pullback's cotangents) from the residuals' trace, not a second one."""
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run_stack(*args, **kwargs)
+    run_stack = buffer_sizes.run_stack
+    monkeypatch.setattr(buffer_sizes, "run_stack", counted)
+    fresh = buffer_sizes._trace_loop_bytes.__wrapped__.__wrapped__    # no memo in front
+    assert fresh(config.get("tiny"), 2, ExecConfig(), 2, 32) > 0
+    assert len(calls) == 1
