@@ -1,6 +1,7 @@
 """The environment every test process starts with, written once: ``tests/conftest.py`` and
 ``notebooks/conftest.py`` apply it before JAX starts, and the processes tests spawn (CLI
 runs, multi-process workers, notebook kernels) inherit it through ``os.environ``."""
+import gc
 import os
 from pathlib import Path
 
@@ -27,6 +28,12 @@ def strict_env(env: dict) -> dict:
 def apply(devices: bool = True) -> None:
     """Set the suite's environment; ``devices=False`` (notebooks) leaves the device count and
     platform to the code under test, as a reader's kernel would."""
+    # Python's cyclic GC, for this (test) process only: at the default threshold of 700
+    # allocations, tracing and lowering set off ~7,000 young and ~30 full collections per few
+    # test files, each full one walking every object JAX, flax and the suite hold (measured
+    # with gc.callbacks: 10 of 105 CPU-s). At 50,000 the GC costs ~1 CPU-s and full
+    # collections still run, so memory stays bounded (peak RSS +40 MB).
+    gc.set_threshold(50_000, 10, 10)
     if devices:
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
