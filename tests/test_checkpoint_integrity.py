@@ -10,6 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from compile_counter import compiles_during
 from triax.checkpoint import CorruptCheckpoint, Checkpointer, checksums
 from triax.cli.main import main
 from triax.training.config import RunConfig
@@ -124,16 +125,8 @@ def test_one_process_saves_compile_no_slice_programs(devices, tmp_path):
     state = {f"w{i}": jax.device_put(np.full((i + 3, 8), i, np.float32), rep)
              for i in range(3)}
     checksums(state)   # the save's checksum program, compiled before counting
-    compiles = []
-
-    def listen(event, secs, **_):
-        if "backend_compile" in event:
-            compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
-        with Checkpointer(str(tmp_path / "c"), async_save=False) as ckpt:
-            ckpt.save(1, state, {}, wait=True)
-            assert ckpt.verify(1) is None
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    with compiles_during() as compiles, \
+            Checkpointer(str(tmp_path / "c"), async_save=False) as ckpt:
+        ckpt.save(1, state, {}, wait=True)
+        assert ckpt.verify(1) is None
     assert compiles == [], f"{len(compiles)} programs compiled by the save"

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from compile_counter import compiles_during
 from triax.inference.engine import EngineConfig
 from triax.inference.reference import greedy_reference
 from triax.inference.sampling import SamplingConfig
@@ -47,16 +48,8 @@ def _serve(server, reqs, order):
 def test_fifty_requests_complete_with_their_own_tokens(setup):
     server, reqs, ref = setup
     server.warmup([len(p) for p, _ in reqs])  # compiles ahead; must leave no visible trace
-    compiles = []
-
-    def listen(event, secs, **_):
-        if "backend_compile" in event:
-            compiles.append(event)
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles_during() as compiles:
         out = _serve(server, reqs, range(len(reqs)))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     # the warm-up compiled every program served (none per batch of prompts, e.g. a slice)
     assert compiles == [], f"serving compiled {len(compiles)} programs after the warm-up"
     assert sorted(out) == list(range(50))
