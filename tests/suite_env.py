@@ -1,8 +1,8 @@
 """The environment every test process starts with, written once: ``tests/conftest.py`` and
 ``notebooks/conftest.py`` apply it before JAX starts, and the processes tests spawn (CLI
 runs, multi-process workers, notebook kernels) inherit it through ``os.environ``."""
-import gc
 import os
+import sys
 from pathlib import Path
 
 # LLVM's optimisation level for the CPU code XLA emits. The suite checks results, HLO,
@@ -10,6 +10,7 @@ from pathlib import Path
 # are tiny, so compiling them dominates and -O0 codegen roughly halves it (measured: the
 # dp-8 equivalence test 30 s -> 16 s). Benchmarks and users keep XLA's default.
 BACKEND_OPT = "--xla_backend_optimization_level=0"
+CHILD_SITE = Path(__file__).resolve().parent / "child_site"
 
 
 # The strict JAX settings of the test processes (tests/conftest.py applies them). The
@@ -28,12 +29,14 @@ def strict_env(env: dict) -> dict:
 def apply(devices: bool = True) -> None:
     """Set the suite's environment; ``devices=False`` (notebooks) leaves the device count and
     platform to the code under test, as a reader's kernel would."""
-    # Python's cyclic GC, for this (test) process only: at the default threshold of 700
-    # allocations, tracing and lowering set off ~7,000 young and ~30 full collections per few
-    # test files, each full one walking every object JAX, flax and the suite hold (measured
-    # with gc.callbacks: 10 of 105 CPU-s). At 50,000 the GC costs ~1 CPU-s and full
-    # collections still run, so memory stays bounded (peak RSS +40 MB).
-    gc.set_threshold(50_000, 10, 10)
+    # child_site/sitecustomize.py (the cyclic GC's threshold) for this process and, through
+    # PYTHONPATH, every Python process it starts.
+    if str(CHILD_SITE) not in sys.path:
+        sys.path.insert(0, str(CHILD_SITE))
+        import sitecustomize  # noqa: F401  (Python's own attempt at start found none)
+    path = os.environ.get("PYTHONPATH", "")
+    if str(CHILD_SITE) not in path.split(os.pathsep):
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(CHILD_SITE), path) if p)
     if devices:
         os.environ.setdefault("JAX_NUM_CPU_DEVICES", "8")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
