@@ -44,18 +44,24 @@ def load_draft(source: str, target: ModelConfig, mesh, strategy, seed: int = 0,
     ``seed``, ``num_layers`` overriding its depth). Its vocabulary must be the target's."""
     from triax.inference.checkpoint import load_params
     if os.path.isfile(os.path.join(source, "config.json")):
-        from triax.hf.load import load as hf_load
-        cfg, params, _ = hf_load(source, mesh, strategy)
+        from triax.hf.load import load_params as hf_params, read_model_config
+        cfg = read_model_config(source)
+        _check_vocab(source, cfg, target)   # before any weight is read or placed
+        params, _ = hf_params(source, cfg, mesh, strategy)
     elif os.path.isdir(source):
         cfg, params = load_params(mesh, checkpoint=source, strategy=strategy)
     else:
         cfg, params = load_params(mesh, model=source, seed=seed, strategy=strategy,
                                   num_layers=num_layers)
+    _check_vocab(source, cfg, target)
+    return DraftWeights(cfg, params)
+
+
+def _check_vocab(source: str, cfg: ModelConfig, target: ModelConfig) -> None:
     if cfg.vocab_size != target.vocab_size:
         raise InferenceError(f"--draft-model {source!r} has a vocabulary of {cfg.vocab_size} "
                              f"ids and the target {target.vocab_size}: a draft must share the "
                              f"target's tokenizer")
-    return DraftWeights(cfg, params)
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """``--quantize int8`` serving (``models.quantize``, ``inference.served_weights``): logits
 within a stated tolerance of bf16's, greedy agreement wherever bf16's choice is clear of it;
-tensor=2 replicas and pipe=2 equal to the one-device int8 engine (int8 values and scales bit
+a tensor=2 replica and pipe=2 equal to the one-device int8 engine (int8 values and scales bit
 for bit, fp32 logits tight); weight bytes per device read from the placed arrays and the
 compiled decode step, against the planner's figure (``costs``); the ready line and
 /metrics name it; an unmerged PEFT adapter over the int8 base within the tolerance of PEFT's
@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from triax.costs.memory import estimate
 from triax.costs.workload import Layout, Workload
 from triax.inference.engine import Engine, EngineConfig, held_bytes_per_device
-from triax.inference.generate import build_server
+from triax.inference.generate import build_server, engine_config_for
 from triax.inference.replicas import replica_meshes
 from triax.inference.served_weights import bytes_per_device
 from triax.inference.server import Server
@@ -95,20 +95,21 @@ def test_int8_logits_within_tolerance_of_bf16(bf16_vs_int8):
 
 @pytest.fixture(scope="module")
 def int8_layouts(setup, devices):
-    """The fp32 int8 engine on one device, a server's two replicas of tensor=2 (each
-    quantizing on its own mesh the weights handed over from device 0), and pipe=2."""
+    """The fp32 int8 engine on one device, a server's replica of tensor=2 (quantizing on its
+    own mesh the weights handed over from device 0), and pipe=2. One replica: a second
+    runs the same path (``Server.from_params`` hands every replica the same weights, each
+    engine quantizes on its own mesh) on other devices, compiling every program again."""
     m1, params, prompts = setup
     ecfg = _ecfg("float32", "int8")
     one = Engine(CFG, params, m1, "tp", ecfg)
-    server = Server.from_params(CFG, params, replica_meshes({"tensor": 2}, 2, devices[2:6]),
+    server = Server.from_params(CFG, params, replica_meshes({"tensor": 2}, 1, devices[2:4]),
                                 "tp", ecfg)
-    engines = {f"tensor=2 replica {i} of 2": e for i, e in enumerate(server.engines, 1)}
+    engines = {"tensor=2 replica": server.engines[0]}
     engines["pipe=2"] = Engine(CFG, params, make_mesh(pipe=2, devices=devices[6:8]), "tp", ecfg)
     return one, _run(one, prompts), engines, prompts
 
 
-@pytest.mark.parametrize("name", ["tensor=2 replica 1 of 2", "tensor=2 replica 2 of 2",
-                                  "pipe=2"])
+@pytest.mark.parametrize("name", ["tensor=2 replica", "pipe=2"])
 def test_int8_layouts_match_single_device(int8_layouts, name):
     one, (tok, lg), engines, prompts = int8_layouts
     eng = engines[name]
@@ -131,6 +132,12 @@ def test_int8_layouts_match_single_device(int8_layouts, name):
     np.testing.assert_allclose(g, lg, rtol=1e-5, atol=1e-6, err_msg=f"{name} int8 logits")
 
 
+# ``--plan auto``'s request in test_plan_auto_prices_int8_weights: its engine config is
+# tp2_bytes' too, so the decode step choose_serving compiles is tp2_bytes' (a cache hit).
+PLAN = dict(longest=8, max_new_tokens=4, slots=SLOTS)
+POOL = {"dtype": "bfloat16", "kv_blocks": 8}
+
+
 @pytest.fixture(scope="module")
 def tp2_bytes(devices):
     """Per device on tensor=2, bf16 and int8: placed weights, the compiled decode step's
@@ -139,7 +146,7 @@ def tp2_bytes(devices):
     params = init_params(abstract_model(CFG), mesh, "tp", 0)
     out = {}
     for q in ("none", "int8"):
-        ecfg = _ecfg("bfloat16", q)
+        ecfg = engine_config_for(CFG, {"tensor": 2}, **PLAN, **POOL, quantize=q)
         eng = Engine(CFG, params, mesh, "tp", ecfg)
         args = memory_from_compiled(Engine(CFG, None, mesh, "tp", ecfg).lower_decode()
                                     .compile()).argument_bytes
@@ -171,9 +178,8 @@ def test_int8_weight_bytes_per_device(tp2_bytes):
 def test_plan_auto_prices_int8_weights(tp2_bytes):
     """``--plan auto`` with ``--quantize`` (one candidate: 4 replicas of tensor=2): the plan's
     weights are the engine's placed bytes, and its compiled decode step is the smaller."""
-    choice = {q: choose_serving(CFG, longest=8, max_new_tokens=4, slots=SLOTS,
-                                mesh_sizes={"tensor": 2}, device_memory="1GiB",
-                                pool={"dtype": "bfloat16", "quantize": q, "kv_blocks": 8})
+    choice = {q: choose_serving(CFG, **PLAN, mesh_sizes={"tensor": 2}, device_memory="1GiB",
+                                pool={**POOL, "quantize": q})
               for q in ("none", "int8")}
     for q, c in choice.items():
         assert int(c.plan.memory.params) == tp2_bytes[q]["placed"], q

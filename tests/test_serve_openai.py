@@ -203,6 +203,11 @@ def test_n_best_of_and_seeds(served):
     assert [streamed[i] for i in range(3)] == [ch.text for ch in three.choices]
 
 
+# A bias of 0 changes no logit; a request carrying it runs the programs of the bias's set of
+# row controls (a program per set and bucket), shared with the tests that need a bias.
+ZERO_BIAS = {"logit_bias": {"0": 0.0}}
+
+
 def _penalized(logits, seq, prompt_len, presence, frequency, repetition, bias):
     """vLLM's penalties on the model's raw logits, in numpy."""
     x = logits.copy()
@@ -221,9 +226,9 @@ def test_penalties_and_logit_bias_reproduce_a_numpy_decode(served):
     # A bias of 0 (changing no logit) beside each penalty alone: its rows carry the same
     # controls as all together's, one program (a program per set of row controls), while
     # each penalty alone still decides the text.
-    zero = {"logit_bias": {"0": 0.0}}
-    settings = [dict(presence_penalty=-2.0, **zero), dict(frequency_penalty=-2.0, **zero),
-                dict(repetition_penalty=0.3, **zero), dict(logit_bias={"7": 9.0, "11": 4.0}),
+    settings = [dict(presence_penalty=-2.0, **ZERO_BIAS),
+                dict(frequency_penalty=-2.0, **ZERO_BIAS),
+                dict(repetition_penalty=0.3, **ZERO_BIAS), dict(logit_bias={"7": 9.0, "11": 4.0}),
                 dict(presence_penalty=0.5, frequency_penalty=-0.4, repetition_penalty=0.6,
                      logit_bias={"3": 5.0})]
     for kw in settings:
@@ -310,8 +315,8 @@ def test_response_format_json_schema_holds_on_many_seeds(served):
                                                   "strict": True}}
     kw = dict(model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, n=8)
     texts = []
-    for seed in (3, 4):
-        r = c.chat.completions.create(seed=seed, response_format=fmt, **kw)
+    for seed in (3, 4):   # (ZERO_BIAS: json_object's programs below)
+        r = c.chat.completions.create(seed=seed, response_format=fmt, **kw, **ZERO_BIAS)
         assert all(ch.finish_reason == "stop" for ch in r.choices)
         texts += [ch.message.content for ch in r.choices]
     assert all(_valid(t, SCHEMA) for t in texts), texts
@@ -324,7 +329,7 @@ def test_response_format_json_schema_holds_on_many_seeds(served):
                                     logit_bias=close, **kw)
     assert all(isinstance(json.loads(ch.message.content), dict) for ch in obj.choices)
     chunks = c.chat.completions.create(seed=6, response_format=fmt, stream=True,
-                                       **{**kw, "n": 1})
+                                       **{**kw, "n": 1}, **ZERO_BIAS)
     assert _valid("".join(ch.choices[0].delta.content or "" for ch in chunks
                           if ch.choices), SCHEMA)
     with pytest.raises(openai.BadRequestError, match="response_format") as e:
@@ -348,7 +353,7 @@ def test_tool_choice_forces_calls_parsed_into_tool_calls(served):
     delta too; ``none`` calls nothing; a conversation with earlier calls renders."""
     c = _client(served)
     kw = dict(model=MODEL, messages=[{"role": "user", "content": "JSON"}], max_tokens=50,
-              temperature=1.0, tools=TOOLS)
+              temperature=1.0, tools=TOOLS, **ZERO_BIAS)   # the schema test's programs
     params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
     named = c.chat.completions.create(n=4, seed=1, **kw, tool_choice={
         "type": "function", "function": {"name": "weather"}})
@@ -363,7 +368,7 @@ def test_tool_choice_forces_calls_parsed_into_tool_calls(served):
     (delta,) = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
     jsonschema.validate(json.loads(delta.function.arguments), params[delta.function.name])
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
-    # logprobs on the two plain requests: as above
+    # logprobs on the two plain requests: the programs other tests compiled
     none = c.chat.completions.create(seed=1, tool_choice="none", logprobs=True,
                                      **{**kw, "max_tokens": 4})
     assert none.choices[0].message.tool_calls is None
@@ -445,7 +450,7 @@ def test_concurrent_streams_share_the_batch(served):
     answer alone (a row's penalties are its own)."""
     p = served["prompts"][1]
     bodies = [{"model": MODEL, "prompt": p, "max_tokens": 4, "temperature": 0,
-               "ignore_eos": True, "presence_penalty": -0.4 * i, "logprobs": 1}
+               "ignore_eos": True, "presence_penalty": -0.4 * i, "logprobs": 1, **ZERO_BIAS}
               for i in range(6)]
 
     async def main():

@@ -32,8 +32,19 @@ def reference(params):
     return greedy_reference(CFG, params, PROMPTS, NEW)[0]
 
 
-def _server(params, devices, max_bypass=None):
-    server = Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp", ECFG)
+@pytest.fixture(scope="module")
+def engine(params, devices):
+    """One engine for the module's servers: a new engine's jitted programs would be traced
+    and lowered again (its own jit objects); every test leaves its slots and blocks free."""
+    return Server.from_params(CFG, params, [make_mesh(devices=devices[:1])], "tp",
+                              ECFG).engines[0]
+
+
+def _server(engine, max_bypass=None):
+    for s in range(engine.ecfg.max_batch):   # what a test that failed mid-run left held
+        if engine.kv.busy(s):
+            engine.release(s)
+    server = Server([engine])
     if max_bypass is not None:
         server.schedulers[0].max_bypass = max_bypass   # the replica's queue's bound
     return server
@@ -49,8 +60,8 @@ def _done(server):
     return server.kv_blocks_in_use == 0 and not kv.refs.any() and server.queued == 0
 
 
-def test_preempted_requests_resume_exactly(params, reference, devices):
-    server = _server(params, devices)
+def test_preempted_requests_resume_exactly(engine, reference):
+    server = _server(engine)
     ids = [server.submit(p, NEW) for p in PROMPTS]
     results = server.run()
     assert [results[i].tokens for i in ids] == reference
@@ -58,8 +69,8 @@ def test_preempted_requests_resume_exactly(params, reference, devices):
     assert _done(server)
 
 
-def test_priority_orders_admission_and_preemption(params, reference, devices):
-    server = _server(params, devices)
+def test_priority_orders_admission_and_preemption(engine, reference):
+    server = _server(engine)
     low = server.submit(PROMPTS[1], NEW, priority=9)      # 5 blocks now, 7 at its end
     server._step()
     mid = server.submit(PROMPTS[3], NEW)                  # 3 blocks: arrives first ...
@@ -75,9 +86,8 @@ def test_priority_orders_admission_and_preemption(params, reference, devices):
     assert _done(server)
 
 
-def test_a_small_request_goes_past_a_large_one_at_most_max_bypass_times(params, reference,
-                                                                         devices):
-    server = _server(params, devices, max_bypass=1)
+def test_a_small_request_goes_past_a_large_one_at_most_max_bypass_times(engine, reference):
+    server = _server(engine, max_bypass=1)
     running = server.submit(PROMPTS[1], NEW)              # 5 blocks at once
     server._step()
     big = server.submit(PROMPTS[1], NEW)                  # 5 blocks: does not fit the 3 left
@@ -102,11 +112,11 @@ def edge_reference(params):
     return greedy_reference(CFG, params, EDGE, NEW)[0]
 
 
-def test_admission_reserves_the_first_decode_position(params, edge_reference, devices):
+def test_admission_reserves_the_first_decode_position(engine, edge_reference):
     """16 tokens: 5 blocks with its first decode's position, reserved at admission; the 13
     behind it (4 blocks) then waits (3 free) instead of being admitted into the 5th block,
     prefilled and preempted at the first decode."""
-    server = _server(params, devices)
+    server = _server(engine)
     ids = [server.submit(EDGE[0], 4), server.submit(EDGE[1], 4)]
     server._step()
     assert _queued(server) == [ids[1]]
@@ -115,12 +125,11 @@ def test_admission_reserves_the_first_decode_position(params, edge_reference, de
     assert server.stats["preemptions"] == 0 and _done(server)
 
 
-def test_admission_leaves_the_blocks_running_sequences_take_next(params, edge_reference,
-                                                                 devices):
+def test_admission_leaves_the_blocks_running_sequences_take_next(engine, edge_reference):
     """13 tokens, 4 blocks; after 3 steps its next decode (position 16) takes a 5th. The 14
     arriving then needs the 4 free blocks: admitted, it would be preempted in the same step
     for that 5th block; it waits for it instead."""
-    server = _server(params, devices)
+    server = _server(engine)
     first = server.submit(EDGE[1], NEW)
     for _ in range(3):
         server._step()

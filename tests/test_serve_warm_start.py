@@ -31,10 +31,12 @@ def _server(params):
 
 
 def _greedy(engine, steps: int = 3) -> list[int]:
-    out = [int(engine.prefill([0], [np.array([72, 105, 33])], seeds=[0])[0])]
+    # the rows read on the host, as the server does: indexing on the device is a program
+    out = [int(np.asarray(engine.prefill([0], [np.array([72, 105, 33])], seeds=[0],
+                                         padded=True))[0])]
     active = np.array([True])
     for _ in range(steps):
-        out.append(int(engine.decode(np.array([out[-1]]), active, np.zeros(1))[0]))
+        out.append(int(np.asarray(engine.decode(np.array([out[-1]]), active, np.zeros(1)))[0]))
     return out
 
 
