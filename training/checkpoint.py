@@ -14,7 +14,7 @@ The data position is read from a step's meta by ``data_position`` only, so a cha
 what the position is (a data-loader state) touches one function.
 
     >>> from triax.training.config import RunConfig
-    >>> open_checkpoints(RunConfig.of(resume=True), None, None, print)
+    >>> open_checkpoints(RunConfig.of(resume=True), None, print)
     Traceback (most recent call last):
     ...
     ValueError: --resume needs --checkpoint-dir DIR
@@ -43,8 +43,44 @@ class Resumed:
     data_state: Optional[list] = None   # None: a checkpoint from before data states
 
 
-def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) -> Resumed:
-    """Apply the resume policy above; ``trainer`` gives the restore target's shardings."""
+@dataclass
+class Opened:
+    """A checkpoint directory whose resume policy is checked and whose model matches (no
+    state read yet): ``resume`` restores onto a Trainer. ``train`` opens before it compiles
+    the step, so a wrong directory or model fails in a second, not after the compile."""
+
+    run: RunConfig
+    cfg: ModelConfig
+    ckpt: Optional[Checkpointer] = None
+    steps: tuple = ()
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+
+    def resume(self, trainer, note: Callable) -> Resumed:
+        """The policy's start: a fresh one, or the chosen step restored on ``trainer``'s
+        shardings (``trainer`` gives the restore target)."""
+        ck, ckpt, steps = self.run.checkpoint, self.ckpt, list(self.steps)
+        if ckpt is None or not steps:
+            return Resumed(ckpt)
+        if ck.resume_from is not None:
+            step = ck.resume_from
+            state, meta = restore_step(ckpt, step, self.cfg, trainer)   # an explicit pick
+            for newer in (s for s in steps if s > step and not ck.no_save):
+                note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
+                     f"{ckpt.set_aside(newer, 'superseded')}")
+        else:
+            state, meta, step = _newest_intact(ckpt, steps, self.cfg, trainer, ck.no_save, note)
+        note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
+             f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
+             f"{trainer.strategy.name})")
+        return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
+
+
+def open_checkpoints(run: RunConfig, cfg: ModelConfig, note: Callable) -> Opened:
+    """Apply the resume policy above up to the restore: the directory (writable unless
+    --no-save), which step, and that it holds ``cfg`` (read from its meta alone)."""
     ck = run.checkpoint
     resume = ck.resume or ck.resume_from is not None
     if not ck.checkpoint_dir:
@@ -54,7 +90,7 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) 
         if run.loop.on_nonfinite == "rollback":
             raise ValueError("--on-nonfinite rollback needs --checkpoint-dir DIR (it restores "
                              "the last checkpoint)")
-        return Resumed()
+        return Opened(run, cfg)
     ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
     steps = ckpt.steps()
     if ck.resume_from is not None and ck.resume_from not in steps:
@@ -63,23 +99,21 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) 
     if not steps:
         if resume:
             note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
-        return Resumed(ckpt)
+        return Opened(run, cfg, ckpt)
     if not resume:
         raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
                               f"{steps}); pass --resume to continue from step {steps[-1]}, "
                               f"or choose another --checkpoint-dir")
-    if ck.resume_from is not None:
-        step = ck.resume_from
-        state, meta = restore_step(ckpt, step, cfg, trainer)   # an explicit pick: no fallback
-        for newer in (s for s in steps if s > step and not ck.no_save):
-            note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
-                 f"{ckpt.set_aside(newer, 'superseded')}")
-    else:
-        state, meta, step = _newest_intact(ckpt, steps, cfg, trainer, ck.no_save, note)
-    note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
-         f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
-         f"{trainer.strategy.name})")
-    return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
+    # The model check of the step a restore would take first (a meta that does not read is
+    # the restore's to set aside); the restore checks it again, and each older one it falls to.
+    first = ck.resume_from if ck.resume_from is not None else steps[-1]
+    try:
+        meta = ckpt.read_meta(first)
+    except CorruptCheckpoint:
+        meta = None
+    if meta is not None:
+        _check_model(ckpt, first, meta, cfg)
+    return Opened(run, cfg, ckpt, tuple(steps))
 
 
 def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_place: bool,
@@ -108,12 +142,15 @@ def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_p
 def restore_step(ckpt: Checkpointer, step: int, cfg: ModelConfig, trainer) -> tuple[Any, dict]:
     """Step ``step``'s state on ``trainer``'s shardings and its meta, after checking that it
     holds ``cfg`` (``ModelMismatch``) and reads back whole (``CorruptCheckpoint``)."""
-    meta = ckpt.read_meta(step)
+    _check_model(ckpt, step, ckpt.read_meta(step), cfg)
+    state, meta = ckpt.restore(step, trainer.saved_abstract_state())   # the model's form
+    return trainer.restored(state), meta
+
+
+def _check_model(ckpt: Checkpointer, step: int, meta: dict, cfg: ModelConfig) -> None:
     check_same_model(meta.get("model", {}), cfg,
                      where=f"checkpoint step {step} in {ckpt.directory!r}",
                      fix="pass matching --model/--num-layers, or use another --checkpoint-dir")
-    state, meta = ckpt.restore(step, trainer.saved_abstract_state())   # the model's form
-    return trainer.restored(state), meta
 
 
 def data_position(meta: dict) -> int:
