@@ -14,18 +14,19 @@ The data position is read from a step's meta by ``data_position`` only, so a cha
 what the position is (a data-loader state) touches one function.
 
     >>> from triax.training.config import RunConfig
-    >>> open_checkpoints(RunConfig.of(resume=True), None, print)
+    >>> open_checkpoints(RunConfig.of(resume=True), None)
     Traceback (most recent call last):
     ...
     ValueError: --resume needs --checkpoint-dir DIR
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from triax.checkpoint import (CheckpointError, Checkpointer, CorruptCheckpoint,
-                              check_same_model)
+                              check_same_model, check_writable)
 from triax.mesh import describe
 from triax.models.config import ModelConfig
 from triax.training.config import RunConfig
@@ -45,24 +46,33 @@ class Resumed:
 
 @dataclass
 class Opened:
-    """A checkpoint directory whose resume policy is checked and whose model matches (no
-    state read yet): ``resume`` restores onto a Trainer. ``train`` opens before it compiles
-    the step, so a wrong directory or model fails in a second, not after the compile."""
+    """A checkpoint directory whose resume policy is checked and whose model matches, with
+    nothing written or restored yet: ``resume`` opens it and restores onto a Trainer.
+    ``train`` checks before it compiles the step (a wrong directory or model fails in a
+    second, not after the compile) and opens after the memory check (a step that does not
+    fit leaves the directory untouched)."""
 
     run: RunConfig
     cfg: ModelConfig
-    ckpt: Optional[Checkpointer] = None
-    steps: tuple = ()
-
-    def close(self) -> None:
-        if self.ckpt is not None:
-            self.ckpt.close()
 
     def resume(self, trainer, note: Callable) -> Resumed:
         """The policy's start: a fresh one, or the chosen step restored on ``trainer``'s
         shardings (``trainer`` gives the restore target)."""
-        ck, ckpt, steps = self.run.checkpoint, self.ckpt, list(self.steps)
-        if ckpt is None or not steps:
+        ck = self.run.checkpoint
+        if not ck.checkpoint_dir:
+            return Resumed()
+        ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
+        try:
+            return self._restore(ckpt, trainer, note)
+        except BaseException:
+            ckpt.close()
+            raise
+
+    def _restore(self, ckpt: Checkpointer, trainer, note: Callable) -> Resumed:
+        ck, steps = self.run.checkpoint, ckpt.steps()
+        if not steps:
+            if ck.resume or ck.resume_from is not None:
+                note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
             return Resumed(ckpt)
         if ck.resume_from is not None:
             step = ck.resume_from
@@ -78,9 +88,9 @@ class Opened:
         return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
 
 
-def open_checkpoints(run: RunConfig, cfg: ModelConfig, note: Callable) -> Opened:
-    """Apply the resume policy above up to the restore: the directory (writable unless
-    --no-save), which step, and that it holds ``cfg`` (read from its meta alone)."""
+def open_checkpoints(run: RunConfig, cfg: ModelConfig) -> Opened:
+    """Apply the resume policy above up to the restore, writing nothing: the directory
+    (writable unless --no-save), which step, and that it holds ``cfg`` (its meta alone)."""
     ck = run.checkpoint
     resume = ck.resume or ck.resume_from is not None
     if not ck.checkpoint_dir:
@@ -91,29 +101,36 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, note: Callable) -> Opened
             raise ValueError("--on-nonfinite rollback needs --checkpoint-dir DIR (it restores "
                              "the last checkpoint)")
         return Opened(run, cfg)
-    ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
-    steps = ckpt.steps()
-    if ck.resume_from is not None and ck.resume_from not in steps:
-        raise CheckpointError(f"--resume-from {ck.resume_from}: {ckpt.directory!r} holds "
-                              f"no such step (steps {steps})")
-    if not steps:
-        if resume:
-            note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
-        return Opened(run, cfg, ckpt)
-    if not resume:
-        raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
-                              f"{steps}); pass --resume to continue from step {steps[-1]}, "
-                              f"or choose another --checkpoint-dir")
-    # The model check of the step a restore would take first (a meta that does not read is
-    # the restore's to set aside); the restore checks it again, and each older one it falls to.
-    first = ck.resume_from if ck.resume_from is not None else steps[-1]
-    try:
-        meta = ckpt.read_meta(first)
-    except CorruptCheckpoint:
-        meta = None
-    if meta is not None:
-        _check_model(ckpt, first, meta, cfg)
-    return Opened(run, cfg, ckpt, tuple(steps))
+    if os.path.exists(ck.checkpoint_dir) and not os.path.isdir(ck.checkpoint_dir):
+        Checkpointer(ck.checkpoint_dir, read_only=True)   # its error: not a directory
+    if not ck.no_save:
+        check_writable(ck.checkpoint_dir, create=False)
+    if not os.path.exists(ck.checkpoint_dir):
+        if ck.resume_from is not None:
+            raise CheckpointError(f"--resume-from {ck.resume_from}: "
+                                  f"{os.path.abspath(ck.checkpoint_dir)!r} holds no such step "
+                                  f"(steps [])")
+        return Opened(run, cfg)
+    with Checkpointer(ck.checkpoint_dir, read_only=True) as ckpt:
+        steps = ckpt.steps()
+        if ck.resume_from is not None and ck.resume_from not in steps:
+            raise CheckpointError(f"--resume-from {ck.resume_from}: {ckpt.directory!r} holds "
+                                  f"no such step (steps {steps})")
+        if steps and not resume:
+            raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
+                                  f"{steps}); pass --resume to continue from step "
+                                  f"{steps[-1]}, or choose another --checkpoint-dir")
+        if steps:
+            # The step a restore takes first (a meta that does not read is the restore's to
+            # set aside); the restore checks it again, and each older one it falls back to.
+            first = ck.resume_from if ck.resume_from is not None else steps[-1]
+            try:
+                meta = ckpt.read_meta(first)
+            except CorruptCheckpoint:
+                meta = None
+            if meta is not None:
+                _check_model(ckpt, first, meta, cfg)
+    return Opened(run, cfg)
 
 
 def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_place: bool,

@@ -100,29 +100,26 @@ def train(run: RunConfig, note=print) -> TrainResult:
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
     built = build_run(run)
-    # The checkpoint directory and its model, checked before the step compiles.
-    opened = open_checkpoints(run, built.model, say)
-    try:   # the checkpointer is closed if the step fails to fit or to restore
-        # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
-        ds = run.dataset
-        source = open_data(ds.data, get_tokenizer(ds.tokenizer or run.source.init_from),
-                           built.model.vocab_size, ds.val_fraction)
-        t_compile, was_compiled = time.perf_counter(), built.compiled.is_step_compiled
-        if not run.planner.skip_memory_check:   # before any state exists: compiles abstractly
-            check_train_memory(built)
-        precompile_s = time.perf_counter() - t_compile
-        trainer = built.trainer
-        resumed = opened.resume(trainer, say)
-        if resumed.state is not None:
-            state = resumed.state
-        elif run.source.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
-            state = initial_state(trainer, built.model, run.source.init_from, run.lora.adapter,
-                                  run.loop.seed)
-        else:
-            state = built.compiled.init(run.loop.seed)
-    except BaseException:
-        opened.close()
-        raise
+    # The checkpoint directory and its model, checked (nothing written) before the step
+    # compiles; opened and restored after the memory check.
+    opened = open_checkpoints(run, built.model)
+    # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
+    ds = run.dataset
+    source = open_data(ds.data, get_tokenizer(ds.tokenizer or run.source.init_from),
+                       built.model.vocab_size, ds.val_fraction)
+    t_compile, was_compiled = time.perf_counter(), built.compiled.is_step_compiled
+    if not run.planner.skip_memory_check:   # before any state exists: compiles abstractly
+        check_train_memory(built)
+    precompile_s = time.perf_counter() - t_compile
+    trainer = built.trainer
+    resumed = opened.resume(trainer, say)
+    if resumed.state is not None:
+        state = resumed.state
+    elif run.source.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
+        state = initial_state(trainer, built.model, run.source.init_from, run.lora.adapter,
+                              run.loop.seed)
+    else:
+        state = built.compiled.init(run.loop.seed)
     cfg = built.model
     say(f"triax train: {cfg.name} ({cfg.num_params / 1e6:.2f}M params, {cfg.num_layers} layers) "
         f"on {describe(built.mesh)} [{jax.device_count()} {jax.devices()[0].platform} devices, "
