@@ -213,12 +213,18 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-def check_writable(directory: str) -> None:
+def check_writable(directory: str, create: bool = True) -> None:
     """Fail now, not at the first save hours later, if ``directory`` cannot be written (a
-    real write: permission bits say nothing to root or on a read-only mount)."""
+    real write: permission bits say nothing to root or on a read-only mount).
+    ``create=False`` leaves nothing behind: a directory not made yet is probed in the
+    nearest existing one above it, where it would be made."""
     try:
-        os.makedirs(directory, exist_ok=True)
-        probe = os.path.join(directory, f".triax-write-probe-{os.getpid()}")
+        where = os.path.abspath(directory)
+        if create:
+            os.makedirs(where, exist_ok=True)
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        probe = os.path.join(where, f".triax-write-probe-{os.getpid()}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)

@@ -11,9 +11,10 @@ from triax.mesh import make_mesh
 from triax.models import config
 from triax.pipeline.pipelined import PipelineConfig
 from triax.costs.memory import estimate
-from triax.planner.verify import compile_figures
+from triax.planner.verify import compile_figures, run_config
 from triax.costs.workload import Layout, Workload
 from triax.sharding.introspect import collectives_from_compiled
+from triax.training.setup import build_run
 from triax.training.step import Trainer
 
 CFG = config.TINY.replace(num_layers=2)
@@ -34,7 +35,10 @@ def reference(devices):
     return (*loss_and_grads(tr, params), params)
 
 
-@pytest.mark.parametrize("strategy", ["tp_sp", "fsdp_tp_sp"])
+# fsdp_tp_sp only: it runs tp_sp's rules (the residual stream split over tensor along the
+# sequence, the blocks' Megatron split) with the weights also sharded over data; tp_sp's own
+# rules run in test_pipelined_sequence_parallel_matches_single_device below.
+@pytest.mark.parametrize("strategy", ["fsdp_tp_sp"])
 def test_sequence_parallel_matches_single_device(reference, strategy):
     ref_loss, ref_grads, params = reference
     loss, grads = loss_and_grads(Trainer(CFG, make_mesh(data=2, tensor=4), strategy), params)
@@ -44,21 +48,29 @@ def test_sequence_parallel_matches_single_device(reference, strategy):
 
 # A shape where the residual stream dominates the saved activations (wide D, short T).
 WIDE = config.TINY.replace(embed_dim=512)
-WB, WT = 8, 64
+WB, WT = 16, 64     # 8 sequences per data rank
+
+
+def workload(layers):
+    return Workload.of(WIDE.replace(num_layers=layers), train=True, dtype="fp32", batch=WB,
+                       seq=WT)
 
 
 @pytest.fixture(scope="module")
 def compiled(devices):
-    """The training step at tensor=4 for TP and SP, with 2 and 3 layers."""
-    mesh = make_mesh(tensor=4, devices=devices[:4])
-    return mesh, {(st, n): Trainer(WIDE.replace(num_layers=n), mesh, st).lower(WB, WT).compile()
-                  for st in ("tp", "tp_sp") for n in (2, 3)}
+    """The training step at data=2 × tensor=4 for TP and SP, with 2 and 3 layers, built as
+    the planner's ``compile_figures`` builds a plan's (``build_run``): the SP step of 2 layers
+    is the one test_planner_models_the_sequence_parallel_saving reads, compiled once."""
+    runs = {(st, n): build_run(run_config(workload(n), Layout(data=2, tensor=4, strategy=st)),
+                               workload(n).cfg)
+            for st in ("tp", "tp_sp") for n in (2, 3)}
+    return runs["tp", 2].mesh, {k: r.compiled.step for k, r in runs.items()}
 
 
 def test_sequence_parallel_halves_temporaries(compiled):
     """The residual stream (norms, residual adds, the attention and MLP outputs) is stored
     split over tensor=4: the step's temporaries drop to about half of TP's (0.50 measured
-    for tiny with D=512, B=8, T=64)."""
+    for tiny with D=512, 8 sequences of T=64 per data rank)."""
     _, c = compiled
     temp = {st: c[st, 3].memory_analysis().temp_size_in_bytes for st in ("tp", "tp_sp")}
     assert temp["tp_sp"] < 0.6 * temp["tp"], temp
@@ -91,7 +103,7 @@ def test_planner_models_the_sequence_parallel_saving(devices):
     """The planner's activation term splits the residual stream as the rules do; its
     prediction for the SP step is within 5% of memory_analysis (TP's and SP's compiled peaks
     are ~28.2 and ~17.1 MB here)."""
-    w = Workload.of(WIDE.replace(num_layers=2), train=True, dtype="fp32", batch=16, seq=64)
+    w = workload(2)
     lay = Layout(data=2, tensor=4, strategy="tp_sp")
     got = compile_figures(w, lay)["memory"]["peak_bytes"]
     assert estimate(w, lay).modelled == pytest.approx(got, rel=0.05)

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from compile_counter import compiles_during
 from suite_env import strict_env
 
 from triax.cli.main import main
@@ -117,9 +118,10 @@ def test_model_config_mismatch_names_the_fields(runs, tmp_path):
     d, *_ = runs
     shutil.copytree(d / "at3", tmp_path / "c")
     run = BASE.replace(num_layers=1, checkpoint_dir=str(tmp_path / "c"), resume=True)
-    with pytest.raises(CheckpointError, match=r"different model \(num_layers: checkpoint 2 vs "
-                                              r"requested 1\)"):
+    with compiles_during() as compiles, pytest.raises(
+            CheckpointError, match=r"different model \(num_layers: checkpoint 2 vs requested 1\)"):
         train(run, **QUIET)
+    assert compiles == [], "the saved model is checked before the step compiles"
     assert Checkpointer(str(tmp_path / "c"), read_only=True).steps() == [3]
 
 

@@ -1,12 +1,14 @@
 """A full disk during a save, on a real filesystem that fills up (a small tmpfs mounted by the
 test, as root): the run stops with a clear message, the previous checkpoint stays intact and
-the half-written step is never resumed from. A read-only --checkpoint-dir fails at start-up."""
+the half-written step is never resumed from. A read-only --checkpoint-dir fails at start-up,
+before the step compiles."""
 import json
 import os
 import shutil
 import subprocess
 
 import pytest
+from compile_counter import compiles_during
 
 from triax.checkpoint import CheckpointError, Checkpointer
 from triax.cli.main import main
@@ -68,9 +70,11 @@ def test_full_disk_stops_the_run_and_keeps_the_last_checkpoint(tmp_path, mounts)
 
 def test_read_only_checkpoint_dir_fails_at_start_up(tmp_path, mounts, capsys):
     mounts(tmp_path / "ro", "ro", "size=1m")
-    with pytest.raises(CheckpointError, match=r"--checkpoint-dir .* is not writable \(Read-only "
-                                              r"file system\)"):
-        train(BASE.replace(checkpoint_dir=str(tmp_path / "ro" / "c")), **QUIET)
-    assert main(["train", "--checkpoint-dir", str(tmp_path / "ro"), "--steps", "2",
-                 "--no-progress"]) == 2
+    with compiles_during() as compiles:
+        with pytest.raises(CheckpointError, match=r"--checkpoint-dir .* is not writable "
+                                                  r"\(Read-only file system\)"):
+            train(BASE.replace(checkpoint_dir=str(tmp_path / "ro" / "c")), **QUIET)
+        assert main(["train", "--checkpoint-dir", str(tmp_path / "ro"), "--steps", "2",
+                     "--no-progress"]) == 2
+    assert compiles == [], "the directory is checked before the step compiles"
     assert "is not writable (Read-only file system)" in capsys.readouterr().err

@@ -14,18 +14,19 @@ The data position is read from a step's meta by ``data_position`` only, so a cha
 what the position is (a data-loader state) touches one function.
 
     >>> from triax.training.config import RunConfig
-    >>> open_checkpoints(RunConfig.of(resume=True), None, None, print)
+    >>> open_checkpoints(RunConfig.of(resume=True), None)
     Traceback (most recent call last):
     ...
     ValueError: --resume needs --checkpoint-dir DIR
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from triax.checkpoint import (CheckpointError, Checkpointer, CorruptCheckpoint,
-                              check_same_model)
+                              check_same_model, check_writable)
 from triax.mesh import describe
 from triax.models.config import ModelConfig
 from triax.training.config import RunConfig
@@ -43,8 +44,53 @@ class Resumed:
     data_state: Optional[list] = None   # None: a checkpoint from before data states
 
 
-def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) -> Resumed:
-    """Apply the resume policy above; ``trainer`` gives the restore target's shardings."""
+@dataclass
+class Opened:
+    """A checkpoint directory whose resume policy is checked and whose model matches, with
+    nothing written or restored yet: ``resume`` opens it and restores onto a Trainer.
+    ``train`` checks before it compiles the step (a wrong directory or model fails in a
+    second, not after the compile) and opens after the memory check (a step that does not
+    fit leaves the directory untouched)."""
+
+    run: RunConfig
+    cfg: ModelConfig
+
+    def resume(self, trainer, note: Callable) -> Resumed:
+        """The policy's start: a fresh one, or the chosen step restored on ``trainer``'s
+        shardings (``trainer`` gives the restore target)."""
+        ck = self.run.checkpoint
+        if not ck.checkpoint_dir:
+            return Resumed()
+        ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
+        try:
+            return self._restore(ckpt, trainer, note)
+        except BaseException:
+            ckpt.close()
+            raise
+
+    def _restore(self, ckpt: Checkpointer, trainer, note: Callable) -> Resumed:
+        ck, steps = self.run.checkpoint, ckpt.steps()
+        if not steps:
+            if ck.resume or ck.resume_from is not None:
+                note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
+            return Resumed(ckpt)
+        if ck.resume_from is not None:
+            step = ck.resume_from
+            state, meta = restore_step(ckpt, step, self.cfg, trainer)   # an explicit pick
+            for newer in (s for s in steps if s > step and not ck.no_save):
+                note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
+                     f"{ckpt.set_aside(newer, 'superseded')}")
+        else:
+            state, meta, step = _newest_intact(ckpt, steps, self.cfg, trainer, ck.no_save, note)
+        note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
+             f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
+             f"{trainer.strategy.name})")
+        return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
+
+
+def open_checkpoints(run: RunConfig, cfg: ModelConfig) -> Opened:
+    """Apply the resume policy above up to the restore, writing nothing: the directory
+    (writable unless --no-save), which step, and that it holds ``cfg`` (its meta alone)."""
     ck = run.checkpoint
     resume = ck.resume or ck.resume_from is not None
     if not ck.checkpoint_dir:
@@ -54,32 +100,37 @@ def open_checkpoints(run: RunConfig, cfg: ModelConfig, trainer, note: Callable) 
         if run.loop.on_nonfinite == "rollback":
             raise ValueError("--on-nonfinite rollback needs --checkpoint-dir DIR (it restores "
                              "the last checkpoint)")
-        return Resumed()
-    ckpt = Checkpointer(ck.checkpoint_dir, keep=ck.keep_checkpoints, read_only=ck.no_save)
-    steps = ckpt.steps()
-    if ck.resume_from is not None and ck.resume_from not in steps:
-        raise CheckpointError(f"--resume-from {ck.resume_from}: {ckpt.directory!r} holds "
-                              f"no such step (steps {steps})")
-    if not steps:
-        if resume:
-            note(f"triax train: no checkpoint in {ckpt.directory}; starting from step 0")
-        return Resumed(ckpt)
-    if not resume:
-        raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
-                              f"{steps}); pass --resume to continue from step {steps[-1]}, "
-                              f"or choose another --checkpoint-dir")
-    if ck.resume_from is not None:
-        step = ck.resume_from
-        state, meta = restore_step(ckpt, step, cfg, trainer)   # an explicit pick: no fallback
-        for newer in (s for s in steps if s > step and not ck.no_save):
-            note(f"triax train: --resume-from {step}: set newer step {newer} aside as "
-                 f"{ckpt.set_aside(newer, 'superseded')}")
-    else:
-        state, meta, step = _newest_intact(ckpt, steps, cfg, trainer, ck.no_save, note)
-    note(f"triax train: resumed step {step} from {ckpt.directory} (saved on "
-         f"{meta.get('mesh')} / {meta.get('strategy')}; now {describe(trainer.mesh)} / "
-         f"{trainer.strategy.name})")
-    return Resumed(ckpt, state, data_position(meta), step, meta.get("data_state"))
+        return Opened(run, cfg)
+    if os.path.exists(ck.checkpoint_dir) and not os.path.isdir(ck.checkpoint_dir):
+        Checkpointer(ck.checkpoint_dir, read_only=True)   # its error: not a directory
+    if not ck.no_save:
+        check_writable(ck.checkpoint_dir, create=False)
+    if not os.path.exists(ck.checkpoint_dir):
+        if ck.resume_from is not None:
+            raise CheckpointError(f"--resume-from {ck.resume_from}: "
+                                  f"{os.path.abspath(ck.checkpoint_dir)!r} holds no such step "
+                                  f"(steps [])")
+        return Opened(run, cfg)
+    with Checkpointer(ck.checkpoint_dir, read_only=True) as ckpt:
+        steps = ckpt.steps()
+        if ck.resume_from is not None and ck.resume_from not in steps:
+            raise CheckpointError(f"--resume-from {ck.resume_from}: {ckpt.directory!r} holds "
+                                  f"no such step (steps {steps})")
+        if steps and not resume:
+            raise CheckpointError(f"{ckpt.directory!r} already holds checkpoints (steps "
+                                  f"{steps}); pass --resume to continue from step "
+                                  f"{steps[-1]}, or choose another --checkpoint-dir")
+        if steps:
+            # The step a restore takes first (a meta that does not read is the restore's to
+            # set aside); the restore checks it again, and each older one it falls back to.
+            first = ck.resume_from if ck.resume_from is not None else steps[-1]
+            try:
+                meta = ckpt.read_meta(first)
+            except CorruptCheckpoint:
+                meta = None
+            if meta is not None:
+                _check_model(ckpt, first, meta, cfg)
+    return Opened(run, cfg)
 
 
 def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_place: bool,
@@ -108,12 +159,15 @@ def _newest_intact(ckpt: Checkpointer, steps: list[int], cfg, trainer, keep_in_p
 def restore_step(ckpt: Checkpointer, step: int, cfg: ModelConfig, trainer) -> tuple[Any, dict]:
     """Step ``step``'s state on ``trainer``'s shardings and its meta, after checking that it
     holds ``cfg`` (``ModelMismatch``) and reads back whole (``CorruptCheckpoint``)."""
-    meta = ckpt.read_meta(step)
+    _check_model(ckpt, step, ckpt.read_meta(step), cfg)
+    state, meta = ckpt.restore(step, trainer.saved_abstract_state())   # the model's form
+    return trainer.restored(state), meta
+
+
+def _check_model(ckpt: Checkpointer, step: int, meta: dict, cfg: ModelConfig) -> None:
     check_same_model(meta.get("model", {}), cfg,
                      where=f"checkpoint step {step} in {ckpt.directory!r}",
                      fix="pass matching --model/--num-layers, or use another --checkpoint-dir")
-    state, meta = ckpt.restore(step, trainer.saved_abstract_state())   # the model's form
-    return trainer.restored(state), meta
 
 
 def data_position(meta: dict) -> int:

@@ -100,6 +100,9 @@ def train(run: RunConfig, note=print) -> TrainResult:
     main = jax.process_index() == 0
     say = note if main else (lambda *a, **k: None)
     built = build_run(run)
+    # The checkpoint directory and its model, checked (nothing written) before the step
+    # compiles; opened and restored after the memory check.
+    opened = open_checkpoints(run, built.model)
     # --init-from DIR brings the model's own tokenizer unless --tokenizer names another.
     ds = run.dataset
     source = open_data(ds.data, get_tokenizer(ds.tokenizer or run.source.init_from),
@@ -109,7 +112,7 @@ def train(run: RunConfig, note=print) -> TrainResult:
         check_train_memory(built)
     precompile_s = time.perf_counter() - t_compile
     trainer = built.trainer
-    resumed = open_checkpoints(run, built.model, trainer, say)
+    resumed = opened.resume(trainer, say)
     if resumed.state is not None:
         state = resumed.state
     elif run.source.init_from:  # fine-tuning: step 0 holds the Hugging Face weights
