@@ -26,9 +26,9 @@ def compile_step(kind, M, mesh):
 @pytest.fixture(scope="module")
 def steps():
     """1F1B and GPipe at M = 2S and 8S on data=2 × pipe=2, compiled: the temporaries of
-    each, and 1F1B M=4's program (its collectives and loop, below). The same per-device
-    micro-batch on either mesh, so data=2 only adds the one gradient all-reduce (and lets
-    the structural test read a program the memory tests compile anyway)."""
+    each, and 1F1B M=4's program, whose collectives and loop the structural test reads
+    (one compile fewer than a pipe-only mesh for the temporaries: the schedules' memory
+    does not depend on data, whose micro-batch per device is the same ``b``)."""
     mesh = make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
     out = {(k, M): compile_step(k, M, mesh) for k in ("1f1b", "gpipe") for M in (4, 16)}
     return mesh, out
