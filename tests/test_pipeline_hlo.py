@@ -24,10 +24,20 @@ def compile_step(kind, M, mesh):
 
 
 @pytest.fixture(scope="module")
-def temps():
-    mesh = make_mesh(pipe=2, devices=jax.devices()[:2])
-    return {(k, M): memory_from_compiled(compile_step(k, M, mesh)[1]).temp_bytes
-            for k in ("1f1b", "gpipe") for M in (4, 16)}
+def steps():
+    """1F1B and GPipe at M = 2S and 8S on data=2 × pipe=2, compiled: the temporaries of
+    each, and 1F1B M=4's program, whose collectives and loop the structural test reads
+    (one compile fewer than a pipe-only mesh for the temporaries: the schedules' memory
+    does not depend on data, whose micro-batch per device is the same ``b``)."""
+    mesh = make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
+    out = {(k, M): compile_step(k, M, mesh) for k in ("1f1b", "gpipe") for M in (4, 16)}
+    return mesh, out
+
+
+@pytest.fixture(scope="module")
+def temps(steps):
+    return {key: memory_from_compiled(compiled).temp_bytes
+            for key, (_, compiled) in steps[1].items()}
 
 
 def test_1f1b_temporaries_below_gpipe(temps):
@@ -40,9 +50,9 @@ def test_1f1b_flat_while_gpipe_grows(temps):
     assert temps[("gpipe", 16)] > 2 * temps[("gpipe", 4)]
 
 
-def test_pipe_carries_only_permutes_and_the_scan_is_not_unrolled():
-    mesh = make_mesh(data=2, pipe=2, devices=jax.devices()[:4])
-    pp, compiled = compile_step("1f1b", 4, mesh)
+def test_pipe_carries_only_permutes_and_the_scan_is_not_unrolled(steps):
+    mesh, programs = steps
+    pp, compiled = programs[("1f1b", 4)]
     ticks = pp.schedule.ticks
     colls = collectives_from_compiled(compiled, mesh)
     over_pipe = [c for c in colls if "pipe" in c.axes]
