@@ -259,8 +259,10 @@ def _init_program(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, dtype) -> Ca
     """``seed -> params`` for the built-in model of ``cfg`` (its ``make`` is ``Transformer``
     of ``cfg``, so the config names the init), sharded on ``mesh``."""
     am = abstract_model(cfg)
-    return jax.jit(lambda seed: init_fn(am, seed, dtype)(),
-                   out_shardings=param_shardings(am, mesh, strategy))
+
+    def init(seed):
+        return init_fn(am, seed, dtype)()
+    return jax.jit(init, out_shardings=param_shardings(am, mesh, strategy))
 
 
 def init_fn(am: AbstractModel, seed: int = 0, dtype=None) -> Callable[[], PyTree]:
