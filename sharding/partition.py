@@ -236,9 +236,33 @@ def activation_sharding(mesh: Mesh, strategy: str | Strategy,
 
 def init_params(am: AbstractModel, mesh: Mesh, strategy: str | Strategy, seed: int = 0,
                 dtype=None) -> PyTree:
-    """Create parameters already sharded: each device only materialises its shard."""
-    shardings = param_shardings(am, mesh, strategy)
-    return jax.jit(init_fn(am, seed, dtype), out_shardings=shardings)()
+    """Create parameters already sharded: each device only materialises its shard. The
+    built-in model's init is one jitted program per (config, mesh, strategy, dtype), its
+    seed an input: initialising that model again on that layout (another seed, engine or
+    replica) traces and compiles nothing."""
+    key = (am.cfg, mesh, get_strategy(strategy), dtype)
+    if am.cfg is not None and _hashable(key):
+        return _init_program(*key)(seed)
+    return jax.jit(init_fn(am, seed, dtype), out_shardings=param_shardings(am, mesh, strategy))()
+
+
+def _hashable(key) -> bool:
+    try:
+        hash(key)
+    except TypeError:   # a user's strategy with unhashable parts: jitted per call
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=32)
+def _init_program(cfg: ModelConfig, mesh: Mesh, strategy: Strategy, dtype) -> Callable:
+    """``seed -> params`` for the built-in model of ``cfg`` (its ``make`` is ``Transformer``
+    of ``cfg``, so the config names the init), sharded on ``mesh``."""
+    am = abstract_model(cfg)
+
+    def init(seed):
+        return init_fn(am, seed, dtype)()
+    return jax.jit(init, out_shardings=param_shardings(am, mesh, strategy))
 
 
 def init_fn(am: AbstractModel, seed: int = 0, dtype=None) -> Callable[[], PyTree]:

@@ -16,8 +16,12 @@ from chunked_workload import (BS, BUDGET, CFG, ECFG, LONG, NEW, STREAMS,
 
 
 @pytest.fixture(scope="module")
-def engines(devices):
-    params = host_params(CFG, devices)
+def params(devices):
+    return host_params(CFG, devices)
+
+
+@pytest.fixture(scope="module")
+def engines(params, devices):
     return {name: Engine(CFG, params, make_mesh(devices=devices[:n], tensor=n), "tp", ECFG)
             for name, n in (("one", 1), ("tensor2", 2))}
 
@@ -56,23 +60,30 @@ def test_chunked_tokens_equal_unchunked_with_the_prefix_cache(layout, engines, u
     assert len(between) >= 2 * 3, "the streams stalled during the chunked prefill"
 
 
-def test_chunked_rows_preempted_under_pressure_resume_exactly(devices):
+def test_chunked_rows_preempted_under_pressure_resume_exactly(params, engines, devices):
     # 16 blocks of 4 for 4 slots: the requests need 4 + 4 + 13 + 13 blocks by their ends, so
     # the growing streams preempt the newest, the long prompt, still prefilling one block a
     # step (a budget of 4 under 2 decode rows), and it starts again.
-    tight = Engine(CFG, host_params(CFG, devices), make_mesh(devices=devices[:1]), "tp",
+    tight = Engine(CFG, params, make_mesh(devices=devices[:1]), "tp",
                    EngineConfig(max_batch=4, max_len=64, min_bucket=64, block_size=BS,
                                 kv_blocks=16))
-    out = []
-    for budget in (0, 4):
-        server = Server([tight], max_step_tokens=budget)
-        ids = [server.submit(p, NEW) for p in STREAMS + [LONG, LONG[::-1]]]
-        results = server.run()
-        out.append([results[i].tokens for i in ids])
-        assert server.kv_blocks_in_use == 0 and server.prefilling == [{}]
+    prompts = STREAMS + [LONG, LONG[::-1]]
+    # The reference: whole prompts, unpressured, on the module's one-device engine (its
+    # programs are the unchunked run's; nothing of these prompts is cached there).
+    whole = engines["one"]
+    whole.kv.forget_cached()
+    server = Server([whole])
+    ids = [server.submit(p, NEW) for p in prompts]
+    results = server.run()
+    reference = [results[i].tokens for i in ids]
+    assert server.stats["preemptions"] == 0 and server.stats["prefix_hits"] == 0
+    server = Server([tight], max_step_tokens=4)
+    ids = [server.submit(p, NEW) for p in prompts]
+    results = server.run()
+    assert server.kv_blocks_in_use == 0 and server.prefilling == [{}]
     # (and the chunks ran fused beside the streams: tests/test_mixed_step.py)
     assert server.stats["preemptions"] > 0 and server.stats["mixed_steps"] > 0
-    assert out[1] == out[0]
+    assert [results[i].tokens for i in ids] == reference
 
 
 def _rows(*specs):

@@ -175,21 +175,24 @@ def test_decode_moves_partials_not_the_cache_and_the_cache_is_split(layout, engi
                for c in collectives_from_compiled(compiled, eng.mesh)), compiled
 
 
-def test_cli_generate_context2_tensor4_gives_the_reference_tokens(capsys, monkeypatch, params):
+def test_cli_generate_context2_tensor4_gives_the_reference_tokens(capsys, monkeypatch,
+                                                                   reference):
     """``triax generate --mesh context=2,tensor=4``: the tokens of ``--mesh tensor=8`` (which
     equal the no-cache reference, tests/test_inference_generate.py), checked against the
-    reference itself to save a second CLI run."""
+    reference itself to save a second CLI run: the module's, as the prompt is the text of
+    ``PROMPTS[3]`` (26 bytes, the byte tokenizer's ids; over both ranks of its bucket)."""
     gen = importlib.import_module("triax.inference.generate")   # the package's `generate`
     servers = []                                                 # is the function
     real = gen.generate
     monkeypatch.setattr(gen, "generate", lambda server, *a, **k: (servers.append(server),
                                                                    real(server, *a, **k))[1])
-    prompt = "A prompt long enough to split over the context ranks."
+    prompt = bytes(PROMPTS[3]).decode()
+    assert list(gen.TOKENIZER.encode(prompt)) == PROMPTS[3]
     assert main(["generate", "--model", "tiny", "--num-layers", "1", "--seed", "0",
                  "--slots", "1", "--prompt", prompt, "--max-new-tokens", "4", "--json",
                  "--mesh", "context=2,tensor=4", "--context-attention", "ring",
                  "--dtype", "float32"]) == 0
     got = [r["tokens"] for r in json.loads(capsys.readouterr().out)["results"]]
-    assert got == greedy_reference(CFG, params, [gen.TOKENIZER.encode(prompt)], 4)[0]
+    assert got == [reference[0][3][:4]]
     eng = servers[-1].engines[0]
     assert eng.context is not None and eng.strategy.context_attention == "ring"

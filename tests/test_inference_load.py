@@ -25,7 +25,7 @@ from triax.sharding.partition import abstract_model, init_params
 pytestmark = pytest.mark.slow  # ~15 s on a loaded 2-core machine
 
 CFG = config.TINY.replace(num_layers=1)
-ECFG = EngineConfig(max_batch=4, max_len=16, min_bucket=16)  # one prompt bucket, 3 row buckets
+ECFG = EngineConfig(max_batch=2, max_len=16, min_bucket=16)  # one prompt bucket, 2 row buckets
 N, THREADS, MAX_NEW = 1000, 4, 5
 
 

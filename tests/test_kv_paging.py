@@ -232,7 +232,8 @@ def test_the_serve_flags_size_the_pool(devices):
     from triax.cli.main import build_parser
     from triax.cli.serving_flags import serve_config
     from triax.inference.generate import build_server
-    base = ["serve", "--model", "tiny", "--num-layers", "1", "--mesh", "tensor=1", "--slots",
+    # 2 layers: the module's model, so its initial weights are the `params` fixture's program
+    base = ["serve", "--model", "tiny", "--num-layers", "2", "--mesh", "tensor=1", "--slots",
             "4", "--max-len", "32"]
     args = build_parser().parse_args(base + ["--kv-blocks", "6", "--kv-block-size", "8"])
     server = build_server(serve_config(args), longest=32, max_new_tokens=0,
