@@ -88,6 +88,15 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     return out
 
 
+@functools.lru_cache(maxsize=64)
+def _abstract(cfg: ModelConfig):
+    """``abstract_model(cfg)``, once per model: every probe trace of a model (four chunk
+    sizes for the stash, four for the loop, per remat policy) builds its chunk from it, and
+    ``nnx.eval_shape`` of a whole model's constructor costs as much as a small trace.
+    Read only here (its shapes are mapped, never written)."""
+    return abstract_model(cfg)
+
+
 @functools.lru_cache(maxsize=256)
 def _program(schedule):
     # Read only here; the planner prices many batch shapes on each schedule's one program.
@@ -179,7 +188,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
                     seq_len: int):
     """One chunk's stash and split backward (``StageBackward``: what F stashes, what B_in
     stashes for W) and its activation, traced abstractly."""
-    am = abstract_model(cfg)
+    am = _abstract(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
@@ -213,7 +222,7 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
     micro-batch: the stash's share that the loop itself emits (the embedding's and the
     head's residuals come from the stage's conditionals, outside it), those its pullback
     reads (XLA drops the rest from the loop). Traced abstractly."""
-    am = abstract_model(cfg)
+    am = _abstract(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}

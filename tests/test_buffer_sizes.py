@@ -41,3 +41,21 @@ def test_the_loop_is_traced_once(monkeypatch):
     fresh = buffer_sizes._trace_loop_bytes.__wrapped__.__wrapped__    # no memo in front
     assert fresh(config.get("tiny"), 2, ExecConfig(), 2, 32) > 0
     assert len(calls) == 1
+
+
+def test_a_models_probes_share_one_abstract_model(monkeypatch):
+    """The stash's and the loop's probe traces of one model build their chunks from one
+    ``abstract_model`` (``nnx.eval_shape`` of the whole constructor), not one per trace."""
+    calls = []
+    abstract_module = buffer_sizes.abstract_model.__globals__["abstract_module"]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return abstract_module(*args, **kwargs)
+    monkeypatch.setitem(buffer_sizes.abstract_model.__globals__, "abstract_module", counted)
+    cfg = config.get("tiny").replace(num_layers=3)     # a model no other test probes
+    buffer_sizes._abstract.cache_clear()
+    for layers in buffer_sizes._PROBE_LAYERS:
+        buffer_sizes._stage_backward(cfg, layers, ExecConfig(), 2, 32)
+        buffer_sizes._trace_loop_bytes.__wrapped__.__wrapped__(cfg, layers, ExecConfig(), 2, 32)
+    assert len(calls) == 1
