@@ -72,8 +72,9 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     strategy that shares a pipeline layout."""
     schedule = config.build(stages)
     # Uneven stages: every stage's buffers are the longest's (one SPMD program).
-    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual,
-                            counts=config.stage_layers).per_chunk
+    layers = StageLayers(cfg.num_layers, stages, schedule.virtual, counts=config.stage_layers)
+    per_chunk, uneven = layers.per_chunk, layers.slot_counts is not None
+    cfg = _one_layer(cfg)       # the chunk's traces read the model's layer, not its depth
     inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
     program = _program(schedule)
     layouts = slot_layouts(inputs, schedule.kind.split_backward) \
@@ -81,11 +82,18 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     out = slot_buffer_bytes(program, layouts, nbytes(x))
     out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
         if per_chunk > 1 and schedule.has_backward else 0
-    uneven = StageLayers(cfg.num_layers, stages, schedule.virtual,
-                         counts=config.stage_layers).slot_counts is not None
     out["slot"] = _layer_residual_bytes(cfg, exe, rows, seq_len) \
         if uneven and schedule.has_backward else 0
     return out
+
+
+def _one_layer(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` at one layer: what a chunk's traces are keyed on. A chunk is built from the
+    model's per-layer parameters at the chunk's own layer count (``_stage_backward``), so its
+    traced shapes are the same at every depth of the model (``tests/test_buffer_sizes.py``),
+    and every depth (tiny at 2, 4, 6 or 8 layers, any ``--num-layers``) shares the traces,
+    in memory and on disk."""
+    return cfg.replace(num_layers=1)
 
 
 @functools.lru_cache(maxsize=64)
