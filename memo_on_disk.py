@@ -1,8 +1,9 @@
 """A memo on disk for the planner's abstract traces, shared by every process that plans.
 
 The planner prices a pipelined layout from traced shapes (``pipeline.buffer_sizes``) and
-weighs schedules by op costs read from a compiled probe step (``planner.op_costs``). Each is
-a pure function of its arguments and of the code, costs about a second, and is asked again
+weighs schedules by op costs read from a compiled probe step (``planner.op_costs``) and by
+their tables (ZB-V's greedy orders: ``pipeline.generators``). Each is a pure function of its
+arguments and of the code, costs about a second, and is asked again
 by every process that plans the same model: the suite's two workers, its notebook kernels,
 a CLI run. ``on_disk`` keeps the results in ``$TRIAX_CACHE_DIR`` (unset: memory only, as
 before), keyed by the function, the ``repr`` of its arguments (frozen dataclasses, enums,

@@ -72,8 +72,9 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     strategy that shares a pipeline layout."""
     schedule = config.build(stages)
     # Uneven stages: every stage's buffers are the longest's (one SPMD program).
-    per_chunk = StageLayers(cfg.num_layers, stages, schedule.virtual,
-                            counts=config.stage_layers).per_chunk
+    layers = StageLayers(cfg.num_layers, stages, schedule.virtual, counts=config.stage_layers)
+    per_chunk, uneven = layers.per_chunk, layers.slot_counts is not None
+    cfg = _one_layer(cfg)       # the chunk's traces read the model's layer, not its depth
     inputs, x = _slot_inputs(cfg, per_chunk, exe, rows, seq_len)
     program = _program(schedule)
     layouts = slot_layouts(inputs, schedule.kind.split_backward) \
@@ -81,11 +82,27 @@ def _buffer_bytes(cfg: ModelConfig, stages: int, config: "PipelineConfig", exe: 
     out = slot_buffer_bytes(program, layouts, nbytes(x))
     out["loop"] = _loop_residual_bytes(cfg, per_chunk, exe, rows, seq_len) \
         if per_chunk > 1 and schedule.has_backward else 0
-    uneven = StageLayers(cfg.num_layers, stages, schedule.virtual,
-                         counts=config.stage_layers).slot_counts is not None
     out["slot"] = _layer_residual_bytes(cfg, exe, rows, seq_len) \
         if uneven and schedule.has_backward else 0
     return out
+
+
+def _one_layer(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` at one layer: what a chunk's traces are keyed on. A chunk is built from the
+    model's per-layer parameters at the chunk's own layer count (``_stage_backward``), so its
+    traced shapes are the same at every depth of the model (``tests/test_buffer_sizes.py``),
+    and every depth (tiny at 2, 4, 6 or 8 layers, any ``--num-layers``) shares the traces,
+    in memory and on disk."""
+    return cfg.replace(num_layers=1)
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract(cfg: ModelConfig):
+    """``abstract_model(cfg)``, once per model: every probe trace of a model (four chunk
+    sizes for the stash, four for the loop, per remat policy) builds its chunk from it, and
+    ``nnx.eval_shape`` of a whole model's constructor costs as much as a small trace.
+    Read only here (its shapes are mapped, never written)."""
+    return abstract_model(cfg)
 
 
 @functools.lru_cache(maxsize=256)
@@ -179,7 +196,7 @@ def _stage_backward(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: int
                     seq_len: int):
     """One chunk's stash and split backward (``StageBackward``: what F stashes, what B_in
     stashes for W) and its activation, traced abstractly."""
-    am = abstract_model(cfg)
+    am = _abstract(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}
@@ -213,7 +230,7 @@ def _trace_loop_bytes(cfg: ModelConfig, per_chunk: int, exe: ExecConfig, rows: i
     micro-batch: the stash's share that the loop itself emits (the embedding's and the
     head's residuals come from the stage's conditionals, outside it), those its pullback
     reads (XLA drops the rest from the loop). Traced abstractly."""
-    am = abstract_model(cfg)
+    am = _abstract(cfg)
     sd = jax.ShapeDtypeStruct
     chunk = jax.tree.map(lambda a: sd((per_chunk,) + a.shape[1:], a.dtype), am.shapes["blocks"])
     pieces = {k: v for k, v in am.shapes.items() if k != "blocks"}

@@ -68,3 +68,16 @@ def test_buffer_sizes_trace_is_read_back_not_retraced(cache_dir, monkeypatch):
         raise AssertionError("traced again")
     monkeypatch.setattr(buffer_sizes, "_stage_backward", no_trace)
     assert trace(*args) == traced
+
+
+def test_a_second_process_reads_the_zb_v_orders(cache_dir, monkeypatch):
+    """ZB-V's greedy orders (seconds at 16-32 stages, for every plan search over a big
+    cluster) are read back, not searched again."""
+    from triax.pipeline import generators
+    calls = []
+    greedy = generators._zb_v_greedy
+    monkeypatch.setattr(generators, "_zb_v_greedy", lambda *a: calls.append(a) or greedy(*a))
+    first = generators.zb_v_orders(4, 8, 2)
+    searched = len(calls)
+    assert searched and generators.zb_v_orders(4, 8, 2) == first
+    assert len(calls) == searched
