@@ -1,5 +1,5 @@
 """Test-wide setup: 8 simulated CPU devices and strict JAX, set once before JAX starts."""
-from suite_env import STRICT_JAX, apply
+from suite_env import STRICT_JAX, apply, share_programs_across_devices
 
 apply()
 
@@ -8,6 +8,7 @@ import pytest  # noqa: E402
 
 for _name, _value in STRICT_JAX.items():
     jax.config.update(_name, _value)
+share_programs_across_devices()
 
 
 @pytest.fixture(scope="session")

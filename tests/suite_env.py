@@ -56,3 +56,22 @@ def apply(devices: bool = True) -> None:
         if flag.split("=")[0] not in flags:
             flags = f"{flags} {flag}".strip()
     os.environ["XLA_FLAGS"] = flags
+
+
+def share_programs_across_devices() -> None:
+    """Key the persistent compilation cache without the device assignment, as JAX already
+    does on GPU (``jax._src.cache_key.get``: ``strip_device_assignment`` is GPU-only). On the
+    CPU the same program on other devices (a second serving replica, a step on a sub-mesh
+    of other devices) then loads the first one's executable instead of compiling it again;
+    the assignment still comes from the compile options at load, so it runs on its own
+    devices (``tests/test_suite_env.py`` checks the values and devices of a collective
+    program loaded this way). Called by ``tests/conftest.py`` once JAX is imported."""
+    from jax._src import cache_key
+    hash_options = cache_key._hash_serialized_compile_options
+    if getattr(hash_options, "strips_devices", False):
+        return
+
+    def without_devices(hash_obj, compile_options, strip_device_assignment=False):
+        return hash_options(hash_obj, compile_options, strip_device_assignment=True)
+    without_devices.strips_devices = True
+    cache_key._hash_serialized_compile_options = without_devices

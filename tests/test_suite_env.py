@@ -12,3 +12,33 @@ def test_child_processes_get_the_gc_threshold():
     out = subprocess.run([sys.executable, "-c", "import gc; print(gc.get_threshold())"],
                          env=dict(os.environ), capture_output=True, text=True, check=True)
     assert out.stdout.strip() == str(gc.get_threshold()) == "(50000, 10, 10)"
+
+
+def test_a_program_on_other_devices_loads_the_first_ones_executable(tmp_path):
+    """suite_env.share_programs_across_devices: a second replica's program is a persistent-
+    cache hit, and it runs on its own devices with its own values (a collective program)."""
+    script = r'''
+import os, sys
+import jax, jax.numpy as jnp, numpy as np
+sys.path.insert(0, os.environ["TESTS_DIR"])
+from suite_env import share_programs_across_devices
+share_programs_across_devices()
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+hits = []
+jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if "cache_hits" in e else None)
+for devs in (jax.devices()[0:2], jax.devices()[2:4], jax.devices()[5:7]):
+    mesh = Mesh(np.array(devs), ("t",), axis_types=(AxisType.Auto,))
+    x_np = np.arange(8.0).reshape(2, 4) + devs[0].id
+    x = jax.device_put(x_np, NamedSharding(mesh, P("t")))
+    y = jax.jit(lambda x: x @ x.T + x.sum(), out_shardings=NamedSharding(mesh, P()))(x)
+    assert {d.id for d in y.devices()} == {d.id for d in devs}, y.devices()
+    np.testing.assert_array_equal(np.asarray(y), x_np @ x_np.T + x_np.sum())
+print(len(hits))
+'''
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_NUM_CPU_DEVICES="8",
+               JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               TESTS_DIR=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "2", "the programs on devices 2-3 and 5-6 compiled again"
