@@ -44,10 +44,13 @@ def test_int8_base_sharded_matches_single_device(name, reference):
     assert all(a.dtype == b.dtype and np.array_equal(a, b)
                for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(base0)))
     assert any(x.dtype == np.int8 for x in jax.tree.leaves(base))
-    # The int8 init made on the mesh (amax over split input dims) is the one-device init.
-    sharded_init = jax.device_get(got["trainer"].init(0)["params"])
-    assert_trees_close(lora.split(sharded_init)[1], base0, rtol=0, atol=0,
-                       what=f"{name} int8 init")
+    # The int8 init made on the mesh (amax over split input dims) is the one-device init;
+    # dp splits no dim (test_scales_shard_like_the_weights_output_axes), so its init is the
+    # one device's program replicated: checked where fsdp_tp splits them.
+    if strategy != "dp":
+        sharded_init = jax.device_get(got["trainer"].init(0)["params"])
+        assert_trees_close(lora.split(sharded_init)[1], base0, rtol=0, atol=0,
+                           what=f"{name} int8 init")
 
 
 def _spec(sharding, ndim):
