@@ -28,7 +28,6 @@ PROMPTS = ["hello world", "the cat"]
 NEW = 8
 # one engine on the CLI's 8 devices; 4 slots = one row per data shard (one prefill bucket)
 LAYOUT = ["--mesh", "data=4,tensor=2", "--slots", "4", "--dtype", "float32"]
-SERVE_LEN = 32
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +81,7 @@ def _serve_completions(monkeypatch, argv):
                 texts.append(r.json()["choices"][0]["text"])
     monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr("signal.signal", lambda *a: None)   # serve's SIGTERM handler
-    # generate's sequence length for these prompts (prompt + NEW, rounded up to 16:
-    # inference.generate.engine_config_for), so serve's engine runs generate's very programs
-    assert main(["serve", *argv, "--port", "0", "--served-model-name", "m", "--max-len",
-                 str(SERVE_LEN), *LAYOUT]) == 0
+    assert main(["serve", *argv, "--port", "0", "--served-model-name", "m", *LAYOUT]) == 0
     return texts
 
 
