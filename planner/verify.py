@@ -75,16 +75,21 @@ def compile_figures(w: Workload, lay: Layout) -> dict:
     """Compile the plan's train step in this process (needs exactly ``lay.devices`` JAX
     devices) and return {"memory": MemoryReport json, "collectives": {axis: payload}}."""
     import jax  # see the note at the imports
-    from triax.sharding.introspect import bytes_over, collectives_from_compiled, \
-        memory_from_compiled
     from triax.training.setup import build_run
 
     if len(jax.devices()) != lay.devices:
         raise ValueError(f"plan needs {lay.devices} devices, JAX has {len(jax.devices())}; "
                          f"use verify() (it starts a subprocess with the right count)")
     run = build_run(run_config(w, lay), w.cfg)
-    compiled = run.compiled.step
-    cols = collectives_from_compiled(compiled, run.mesh)
+    return figures(run.compiled.step, run.mesh)
+
+
+def figures(compiled, mesh) -> dict:
+    """{"memory": MemoryReport json, "collectives": {axis: payload}} of a compiled train step
+    on ``mesh`` (``compile_figures``' reading, for a step compiled elsewhere)."""
+    from triax.sharding.introspect import bytes_over, collectives_from_compiled, \
+        memory_from_compiled  # loads JAX; see the note at the imports
+    cols = collectives_from_compiled(compiled, mesh)
     # A collective over several axes counts toward each; one in a branch of unknown
     # frequency counts at its bound (as if the branch ran every time), never per execution.
     by_axis = {a: bytes_over(cols, axis=a, unknown="at_most")
@@ -123,7 +128,12 @@ def verify(w: Workload, lay: Layout, timeout: float = 600.0) -> dict:
     # of a mixed-precision plan is checked as the fp32 plan it actually compiles to, with
     # the attention kernel the CPU runs (`auto` is the reference kernel there).
     w = dataclasses.replace(w, dtype="fp32", backend="cpu")
-    got = _in_process_or_subprocess(w, lay, timeout)
+    return compare(w, lay, _in_process_or_subprocess(w, lay, timeout))
+
+
+def compare(w: Workload, lay: Layout, got: dict) -> dict:
+    """``verify``'s rows: the plan's predictions beside ``got``, the :func:`figures` of its
+    train step compiled as fp32 on simulated CPU devices."""
     mem = estimate(w, lay)
     predicted_comm = {a: t.payload for a, t in traffic(w, lay).items()}
     axes = sorted(set(predicted_comm) | set(got["collectives"]))

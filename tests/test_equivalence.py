@@ -16,13 +16,16 @@ from triax.training.step import Trainer
 
 CFG = config.TINY.replace(num_layers=2)
 B, T = 8, 16
-# One mesh per strategy where one mesh already uses each axis the strategy names: dp, fsdp
-# and zero1 name only `data` (data=8); tp and fsdp_tp name `data` and `tensor` (2x4 uses
-# both). fsdp on 2x4 keeps the case of an axis the strategy leaves idle (weights replicated
-# over `tensor`, sharded over a data=2). Dropped as the same path: dp 4x2, zero1 4x2 (the
-# idle tensor axis, as fsdp 2x4), tp 1x8 and fsdp_tp 4x2 (the axes tp/fsdp_tp 2x4 split).
-CASES = [("dp", 8, 1), ("fsdp", 8, 1), ("fsdp", 2, 4), ("zero1", 8, 1), ("tp", 2, 4),
-         ("fsdp_tp", 2, 4)]
+# One mesh per strategy where one mesh already uses each axis the strategy names: dp and
+# zero1 name only `data` (data=8); tp names `data` and `tensor` (2x4 uses both, tensor=4
+# replicating the 2 KV heads). fsdp on 2x4 keeps the case of an axis the strategy leaves idle
+# (weights replicated over `tensor`, sharded over a data=2). Dropped as the same path: dp 4x2,
+# zero1 4x2 (the idle tensor axis, as fsdp 2x4), tp 1x8 and fsdp_tp 4x2 (the axes tp 2x4
+# splits); fsdp 8x1 and fsdp_tp 2x4, whose rules the HSDP cases run with a replica axis added
+# (fsdp's weights split over data=4, fsdp_tp's over data and tensor; tensor=4's replicated
+# KV heads are tp 2x4's).
+CASES = [("dp", 8, 1), ("fsdp", 2, 4), ("zero1", 8, 1), ("tp", 2, 4)]
+HSDP_CASES = [("fsdp", dict(replica=2, data=4)), ("fsdp_tp", dict(replica=2, data=2, tensor=2))]
 
 
 def batches(trainer, n=3):
@@ -79,10 +82,7 @@ def test_strategy_matches_single_device(reference, init, strategy, data, tensor)
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="params after 3 steps")
 
 
-@pytest.mark.parametrize("strategy,sizes", [
-    ("fsdp", dict(replica=2, data=4)),
-    ("fsdp_tp", dict(replica=2, data=2, tensor=2)),
-])
+@pytest.mark.parametrize("strategy,sizes", HSDP_CASES)
 def test_hsdp_matches_single_device(reference, init, strategy, sizes):
     """HSDP: FSDP within each replica group of the batch, replicated across groups."""
     ref_loss, ref_grads, ref_losses, ref_params = reference
@@ -114,9 +114,9 @@ def test_tp_overlap_matches_single_device(reference, init, strategy, data, tenso
 
 def test_remat_matches_plain(reference, init):
     """Remat: loss, gradients and 3 steps equal the plain step's; the one compiled step, read
-    for its memory, keeps under half the temporaries of its plain twin (fsdp_tp 2x4 above,
+    for its memory, keeps under half the temporaries of its plain twin (HSDP fsdp_tp above,
     the same program: compiled once per run)."""
-    mesh = make_mesh(data=2, tensor=4)
+    mesh = make_mesh(**dict(HSDP_CASES)["fsdp_tp"])
     trainer = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="full"))
     loss, grads, losses, params = run(trainer, init)
     ref_loss, ref_grads, ref_losses, ref_params = reference

@@ -1,9 +1,9 @@
-"""LoRA over a frozen base equals one device on every layout (dp, fsdp_tp, tensor × pipe with
-1F1B and ZB-H1, expert parallelism): loss, adapter gradients and 3 steps (fp32); the base is
-bit-identical after training and has no optimizer state. The same compiled steps show what a
-frozen base costs: no weight-gradient matmul for any base weight (plain and the ZB-H1 split
-backward) and the optimizer state's bytes are the adapters' AdamW moments
-(``memory_analysis``), against full fine-tuning twins.
+"""LoRA over a frozen base equals one device on every layout (fsdp_tp, tensor × pipe with
+1F1B and ZB-H1, dp with expert parallelism): loss, adapter gradients and 3 steps (fp32); the
+base is bit-identical after training and has no optimizer state. The same compiled steps show
+what a frozen base costs: no weight-gradient matmul for any base weight (the one-device dp
+step and the ZB-H1 split backward) and the optimizer state's bytes are the adapters' AdamW
+moments (``memory_analysis``), against full fine-tuning twins.
 
 The adapter gradients are read from the first step's Adam moment (``mu = (1 - b1)·g`` of the
 clipped gradient, the gradient the optimizer uses): one compile per layout, not two."""
@@ -24,11 +24,13 @@ from triax.training.step import Trainer
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 DENSE = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0))
 MOE = config.TINY_MOE.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0, targets=ATTN))
-# rows per device (micro-)batch (12) are no weight dimension, so a 2-D dot whose result has
-# only weight dimensions is a weight gradient (test_no_weight_gradient_dots).
+# rows per device (micro-)batch (12 or 8 × 12) are no weight dimension, so a 2-D dot whose
+# result has only weight dimensions is a weight gradient (test_no_weight_gradient_dots).
 B, T, STEPS = 8, 12, 3
+# No dp case on data=8: the dp strategy's path (replicated adapters, their gradients
+# all-reduced over data) is the expert case's (dp on data=2 × expert=4), and every target's
+# gradient reduction over data is fsdp_tp's and the pipelines' (data=2).
 CASES = {  # name: (cfg, mesh sizes, strategy, pipeline)
-    "dp": (DENSE, dict(data=8), "dp", None),
     "fsdp_tp": (DENSE, dict(data=2, tensor=4), "fsdp_tp", None),
     "tp_pipe_1f1b": (DENSE, dict(data=2, pipe=2, tensor=2), "tp", PipelineConfig("1f1b")),
     "tp_pipe_zbh1": (DENSE, dict(data=2, pipe=2, tensor=2), "tp", PipelineConfig("zb-h1")),
@@ -122,7 +124,15 @@ def test_bf16_base_is_stored_in_bf16():
 WEIGHT_DIMS = {d // s for d in (DENSE.embed_dim, DENSE.num_heads * DENSE.head_dim,
                                 DENSE.num_kv_heads * DENSE.head_dim, DENSE.mlp_dim,
                                 2 * DENSE.mlp_dim, DENSE.vocab_size) for s in (1, 2)}
-TWINS = {"dp": "dp", "zb-h1": "tp_pipe_zbh1"}   # layout: the LoRA case it is compared with
+# layout: the LoRA case it is compared with (dp: the one-device reference's compiled step)
+TWINS = {"dp": None, "zb-h1": "tp_pipe_zbh1"}
+
+
+@pytest.fixture(scope="module")
+def lora_steps(reference, sharded):
+    """Per layout of ``TWINS``, the LoRA run whose compiled step is read."""
+    return {layout: reference[DENSE][1] if case is None else sharded[case]
+            for layout, case in TWINS.items()}
 
 
 def weight_grad_dots(hlo: str) -> int:
@@ -132,29 +142,29 @@ def weight_grad_dots(hlo: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def full_ft(sharded):
-    """Full fine-tuning twins of two LoRA cases: the same mesh, strategy and pipeline."""
+def full_ft(lora_steps):
+    """Full fine-tuning twins of two LoRA steps: the same mesh, strategy and pipeline."""
     out = {}
-    for layout, case in TWINS.items():
-        tr = sharded[case]["trainer"]
+    for layout, run in lora_steps.items():
+        tr, case = run["trainer"], TWINS[layout]
         full = Trainer(DENSE.replace(lora=None), tr.mesh, tr.strategy.name,
-                       pipeline=CASES[case][3])
+                       pipeline=None if case is None else CASES[case][3])
         out[layout] = (full, full.lower(B, T).compile())
     return out
 
 
 @pytest.mark.parametrize("layout", list(TWINS))
-def test_no_weight_gradient_dots_for_the_base(sharded, full_ft, layout):
+def test_no_weight_gradient_dots_for_the_base(lora_steps, full_ft, layout):
     full = weight_grad_dots(full_ft[layout][1].as_text())
-    adapted = weight_grad_dots(sharded[TWINS[layout]]["compiled"].as_text())
+    adapted = weight_grad_dots(lora_steps[layout]["compiled"].as_text())
     # Full fine-tuning: q, k, v, o, the fused gate|up and down per layer (the scanned body,
     # compiled once) and the head; LoRA: none (its adapters' gradients have a rank dim).
     assert full >= 7, full
     assert adapted == 0, adapted
 
 
-def test_optimizer_state_is_the_adapters_moments(sharded, full_ft):
-    tr_lora, c_lora = sharded["dp"]["trainer"], sharded["dp"]["compiled"]
+def test_optimizer_state_is_the_adapters_moments(lora_steps, full_ft):
+    tr_lora, c_lora = lora_steps["dp"]["trainer"], lora_steps["dp"]["compiled"]
     tr_full, c_full = full_ft["dp"]
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa
     base = nbytes(tr_full.abstract.shapes)
@@ -162,7 +172,7 @@ def test_optimizer_state_is_the_adapters_moments(sharded, full_ft):
     assert adapters == 4 * lora.param_count(DENSE.lora, DENSE)
     opt = lambda tr: nbytes(jax.eval_shape(tr.fresh_state, tr.abstract.shapes)["opt_state"])  # noqa
     assert opt(tr_lora) == 2 * adapters + opt(tr_full) - 2 * base
-    # The compiled step's arguments (state + batch), per device (dp: replicated): full FT
+    # The compiled step's arguments (state + batch), on the one device: full FT
     # holds the base and 2 moments of it; LoRA the base, the adapters and their 2 moments.
     arg_full = c_full.memory_analysis().argument_size_in_bytes
     arg_lora = c_lora.memory_analysis().argument_size_in_bytes

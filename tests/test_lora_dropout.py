@@ -89,17 +89,23 @@ def test_the_mask_drops_p_and_rescales_the_rest():
     another layer or another target draws another mask; no seeds: x unchanged."""
     lo = DROP.lora
     from flax import nnx
-    x = jnp.ones((4, 64, 32), jnp.float32)
+    x = np.ones((4, 64, 32), np.float32)
     pairs = [lora.LoraPair((32,), ("embed",), (8,), ("mlp",), lo, nnx.Rngs(0), target=t)
              for t in ("q_proj", "k_proj")]
-    batch = {lora.DROPOUT_SEEDS: lora.dropout_seeds(3, (4, 64))}
-    assert np.array_equal(pairs[0].dropped(x), x)          # no layer context: no dropout
-    with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(0))):
-        q0, k0 = (np.asarray(p.dropped(x)) for p in pairs)
-    with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(1))):
-        q1 = np.asarray(pairs[0].dropped(x))
-    with runtime.using(lora_dropout=lora.layer_dropout({}, jnp.int32(0))):   # eval, decode
-        assert np.array_equal(pairs[0].dropped(x), x)
+
+    @jax.jit   # one program, not one per eager op of the mask
+    def masks(x):
+        batch = {lora.DROPOUT_SEEDS: lora.dropout_seeds(3, (4, 64))}
+        plain = pairs[0].dropped(x)                         # no layer context: no dropout
+        with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(0))):
+            q0, k0 = (p.dropped(x) for p in pairs)
+        with runtime.using(lora_dropout=lora.layer_dropout(batch, jnp.int32(1))):
+            q1 = pairs[0].dropped(x)
+        with runtime.using(lora_dropout=lora.layer_dropout({}, jnp.int32(0))):  # eval, decode
+            evald = pairs[0].dropped(x)
+        return plain, evald, q0, k0, q1
+    plain, evald, q0, k0, q1 = (np.asarray(y) for y in masks(x))
+    assert np.array_equal(plain, x) and np.array_equal(evald, x)
     for y in (q0, k0, q1):
         assert set(np.unique(y)) == {0.0, np.float32(1 / (1 - P))}
         assert abs(np.mean(y == 0) - P) < 0.02, np.mean(y == 0)   # 8192 draws: σ ≈ 0.005

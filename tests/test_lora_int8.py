@@ -26,8 +26,6 @@ from triax.models import config, lora
 from triax.models.config import LoraConfig
 from triax.models.quantize import SUFFIX, cast_like, kernel, quantize
 from triax.models.transformer import Transformer
-from triax.planner.verify import verify
-from triax.costs.workload import Layout, Workload
 from triax.training.step import Trainer
 
 BASE = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0))
@@ -85,7 +83,8 @@ def test_hf_base_quantizes_and_merged_export_dequantizes(steps):
     tr = steps["int8"][0]
     pq = jax.device_get(tr.init(0)["params"])
     like = lora.split(tr.abstract.shapes)[1]
-    got = jax.jit(lambda b: cast_like(b, like))(lora.split(p32)[1])   # as --init-from runs it
+    # as --init-from runs it; compared on the host (no program per eager op and leaf)
+    got = jax.device_get(jax.jit(lambda b: cast_like(b, like))(lora.split(p32)[1]))
     assert jax.tree.structure(got) == jax.tree.structure(lora.split(pq)[1])
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(lora.split(pq)[1])):
         # exact but for a rounding tie (XLA may divide by the scale as a reciprocal product)
@@ -194,8 +193,3 @@ def test_int8_quarters_the_projection_bytes(steps):
     rest = args("float32") - 4 * n
     assert 4 * n / (args("int8") - rest) > 3.5, (n, scales)
 
-
-def test_planned_int8_lora_state_matches_the_compile(devices):
-    w = Workload.of(INT8, train=True, dtype="fp32", batch=8, seq=16)
-    mem = verify(w, Layout(data=2, tensor=4, strategy="fsdp_tp"))["memory"]
-    assert mem["predicted_state"] == pytest.approx(mem["compiled_state"], abs=64), mem

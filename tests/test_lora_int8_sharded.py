@@ -1,17 +1,19 @@
 """An int8 LoRA base (``--base-dtype int8``) under dp and fsdp_tp equals the one-device int8
-run (loss, adapter gradients, 3 steps; fp32 adapters, tight tolerance), and each
+run (loss, adapter gradients, 3 steps; fp32 adapters, tight tolerance), each
 per-output-channel scale is split like its weight's output axes (replicated along the input
-dims it keeps as 1)."""
+dims it keeps as 1), and the planner's state bytes are the compiled fsdp_tp step's."""
 import jax
 import numpy as np
 import pytest
 from lora_helpers import run_steps, start_state
 from tree_checks import assert_trees_close
 
+from triax.costs.workload import Layout, Workload
 from triax.mesh import make_mesh
 from triax.models import config, lora
 from triax.models.config import LoraConfig
 from triax.models.quantize import SUFFIX
+from triax.planner.verify import compare, figures
 from triax.training.step import Trainer
 
 INT8 = config.TINY.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0, base_dtype="int8"))
@@ -29,11 +31,18 @@ def reference(devices):
     return init, run_steps(INT8, mesh, "dp", None, init, B, T, STEPS)
 
 
+@pytest.fixture(scope="module")
+def sharded(reference):
+    init, _ = reference
+    return {name: run_steps(INT8, make_mesh(**sizes), strategy, None, init, B, T, STEPS)
+            for name, (sizes, strategy) in CASES.items()}
+
+
 @pytest.mark.parametrize("name", list(CASES))
-def test_int8_base_sharded_matches_single_device(name, reference):
+def test_int8_base_sharded_matches_single_device(name, reference, sharded):
     sizes, strategy = CASES[name]
     init, ref = reference
-    got = run_steps(INT8, make_mesh(**sizes), strategy, None, init, B, T, STEPS)
+    got = sharded[name]
     np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
     assert_trees_close(got["grads"], ref["grads"], rtol=1e-5, atol=1e-7,
                        what=f"{name} adapter gradients over an int8 base")
@@ -44,10 +53,13 @@ def test_int8_base_sharded_matches_single_device(name, reference):
     assert all(a.dtype == b.dtype and np.array_equal(a, b)
                for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(base0)))
     assert any(x.dtype == np.int8 for x in jax.tree.leaves(base))
-    # The int8 init made on the mesh (amax over split input dims) is the one-device init.
-    sharded_init = jax.device_get(got["trainer"].init(0)["params"])
-    assert_trees_close(lora.split(sharded_init)[1], base0, rtol=0, atol=0,
-                       what=f"{name} int8 init")
+    # The int8 init made on the mesh (amax over split input dims) is the one-device init;
+    # dp splits no dim (test_scales_shard_like_the_weights_output_axes), so its init is the
+    # one device's program replicated: checked where fsdp_tp splits them.
+    if strategy != "dp":
+        sharded_init = jax.device_get(got["trainer"].init(0)["params"])
+        assert_trees_close(lora.split(sharded_init)[1], base0, rtol=0, atol=0,
+                           what=f"{name} int8 init")
 
 
 def _spec(sharding, ndim):
@@ -74,3 +86,15 @@ def test_scales_shard_like_the_weights_output_axes(name, devices):
             split_out += any(a is not None for a in w_spec[1 + k:])
     # fsdp_tp splits every projection's output over tensor or data; dp splits nothing
     assert split_out == (6 if name == "fsdp_tp" else 0), split_out
+
+
+def test_planned_int8_lora_state_matches_the_compile(sharded):
+    """The planner's params + optimizer bytes per device (``verify.compare``: what ``plan
+    --verify`` prints) against the compiled fsdp_tp step's state arguments (its step above,
+    read with ``verify.figures``: no second compile)."""
+    run = sharded["fsdp_tp"]
+    sizes, strategy = CASES["fsdp_tp"]
+    w = Workload.of(INT8, train=True, dtype="fp32", batch=B, seq=T, backend="cpu")
+    mem = compare(w, Layout(**sizes, strategy=strategy),
+                  figures(run["compiled"], run["trainer"].mesh))["memory"]
+    assert mem["predicted_state"] == pytest.approx(mem["compiled_state"], abs=64), mem
