@@ -1,6 +1,7 @@
 """One call from "weights + mesh + prompts" to generated text (used by the CLI and notebook).
 
-    >>> config = ServeConfig.of(model="tiny", num_layers=1, seed=0, mesh="data=2,tensor=4")
+    >>> config = ServeConfig.of(model="tiny", num_layers=1, seed=0, mesh="data=2,tensor=4",
+    ...                         slots=2)   # one slot per prompt: one prefill, one decode program
     >>> server = build_server(config, max_new_tokens=4)
     >>> out = generate(server, ["Hello", "The mesh"], max_new_tokens=4)
     >>> [len(r["tokens"]) for r in out["results"]], out["decode_tokens_per_s"] > 0
