@@ -40,7 +40,7 @@ from triax.inference.kv_blocks import KVBlocks
 from triax.inference.model_runner import (EngineConfig, ModelRunner,  # noqa: F401 (re-exported)
                                           held_bytes_per_device)
 from triax.inference.penalties import TokenHistory
-from triax.inference.sampling import SamplingConfig, row_settings
+from triax.inference.sampling import SamplingConfig, draw_rows, draws, row_settings
 from triax.models.config import ModelConfig
 from triax.models.runtime import ExecConfig
 from triax.sharding.rules import Strategy
@@ -123,10 +123,11 @@ class Engine(ModelRunner):
 
     def _run_prefill(self, slots, prompts, seeds, b: int, T: int, settings=None,
                      with_logits=False, cached=None, prompt_lens=None, adapters=None,
-                     padded=False):
+                     padded=False, draw=False):
         """``cached``: each row's positions already in its blocks (whole cached blocks; the
         rest of its prompt computed); None: none cached (the plain program). ``padded``:
-        the bucket's ``b`` rows come back, unsliced (``prefill``)."""
+        the bucket's ``b`` rows come back, unsliced (``prefill``). ``draw``: run the draw
+        program even if no row samples (the warm-up's)."""
         n, P = len(prompts), self.pool.block_size
         start = np.zeros(b, np.int32)
         if cached is not None:
@@ -153,10 +154,12 @@ class Engine(ModelRunner):
         self.launches["prefill"] += 1
         ad = np.zeros(b, np.int32)
         ad[:n] = adapters if adapters is not None else 0
-        self.cache, *out = self._prefill_jit(
-            self.params, self.cache, table, tokens, lengths, slot_arr, seed_arr,
-            self.sampling_seed(), self._rows(b, settings, prompt_lens), with_logits, S, *extra,
+        rows = self._rows(b, settings, prompt_lens)
+        self.cache, tok, logits = self._prefill_jit(
+            self.params, self.cache, table, tokens, lengths, slot_arr, rows, S, *extra,
             **self._adapter_kw("adapters_b", ad))
+        tok = self._sampled(tok, logits, seed_arr, start + lengths, rows, force=draw)
+        out = (tok, logits[0])
         if n == 0:   # the warm-up's: a slice to no rows would be a program of its own
             return out
         if padded:
@@ -225,22 +228,24 @@ class Engine(ModelRunner):
             self.kv.register(s, p, self.adapter_keys[a])
 
     def warmup(self, prompt_lengths: Sequence[int],
-               progress: Optional[Callable[[str], None]] = None, mixed_tokens: int = 0) -> None:
+               progress: Optional[Callable[[str], None]] = None, mixed_tokens: int = 0,
+               sampled: bool = True) -> None:
         """Compile prefill (every batch bucket × the needed length buckets) and decode ahead
         of serving, so served timings exclude compilation; with ``mixed_tokens`` (a chunked
         server's ``max_step_tokens``) the mixed steps too, every decode bucket × the chunk
-        buckets up to it. Call it with no live slots (its rows are all padding: nothing is
-        written). ``progress(line)`` hears each program compiled: which bucket, k of n, and
-        its seconds."""
+        buckets up to it; with ``sampled`` (requests that may sample) the draw program of
+        every row count too. Call it with no live slots (its rows are all padding: nothing
+        is written). ``progress(line)`` hears each program compiled: which bucket, k of n,
+        and its seconds."""
         B = self.ecfg.max_batch
         zeros = np.zeros(B, np.int32)
         runs = [(f"prefill {b} rows × {T} tokens",   # every row dropped: cache unchanged
-                 lambda b=b, T=T: self._run_prefill([], [], [], b, T))
+                 lambda b=b, T=T: self._run_prefill([], [], [], b, T, draw=sampled))
                 for T in sorted({self._bucket(n) for n in prompt_lengths})
                 for b in self._prefill_batches()]
         runs += [(f"decode {self.pool.groups * k} rows",   # every row padding: nothing written
                   lambda k=k: self._run_decode(np.full(self.pool.groups * k, B), zeros, zeros,
-                                               zeros, None))
+                                               zeros, None, draw=sampled))
                  for k in self._decode_buckets()]
         if mixed_tokens and self.mixes:   # a chunk is at most the budget, or one block
             longest = self._bucket(min(max(mixed_tokens, self.pool.block_size),
@@ -250,8 +255,8 @@ class Engine(ModelRunner):
             runs += [(f"mixed {k} rows + {C} tokens",   # no rows, an empty chunk: no writes
                       lambda k=k, C=C: self._run_decode(
                           np.full(k, B), zeros, zeros, zeros, None, chunk=(
-                              none, np.zeros((1, C), np.int32), one, one, one,
-                              self._rows(1, None))))
+                              none, np.zeros((1, C), np.int32), one, one,
+                              self._rows(1, None), one), draw=sampled))
                      for C in self.ecfg.buckets() if C <= longest
                      for k in self._decode_buckets()]
         for i, (what, run) in enumerate(runs, 1):
@@ -280,8 +285,10 @@ class Engine(ModelRunner):
         return rows.reshape(-1)
 
     def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False,
-                    chunk=None):
-        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``)."""
+                    chunk=None, draw=False):
+        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``) and the
+        chunk's seed; ``draw``: run the draw programs even if no row samples (the
+        warm-up's)."""
         B = self.ecfg.max_batch
         real = rows < B
         s = np.where(real, rows, 0)
@@ -289,21 +296,46 @@ class Engine(ModelRunner):
         table = np.where(real[:, None], self.kv.tables[s], self.pool.blocks).astype(np.int32)
         given = list(settings) if settings else [self.sampling] * B
         configs = [given[i] if r else self.sampling for i, r in zip(s, real)]
-        args = (self.params, self.cache, table, pick(tokens), pick(positions), pick(seeds),
-                self.sampling_seed(), self.history.seen_rows(
-                    row_settings(configs, self.history.generated(s, real)), s, real),
-                rows.astype(np.int32))
+        settings_B = self.history.seen_rows(
+            row_settings(configs, self.history.generated(s, real)), s, real)
+        slots_B = rows.astype(np.int32)
+        args = (self.params, self.cache, table, pick(tokens), pick(positions), settings_B,
+                slots_B)
+        seeds_B, next_B = pick(seeds), pick(positions) + 1   # each row's key: its next position
         if chunk is not None:
             self.compiles["mixed"].add((*rows.shape, chunk[1].shape[1]))
             self.launches["mixed"] += 1
-            self.cache, *out = self._mixed_jit(*args, *chunk)
-            return tuple(out)
+            *chunk, seed_1 = chunk
+            self.cache, tok, first, logits, first_logits = self._mixed_jit(*args, *chunk)
+            _, _, start_1, length_1, chunk_rows = chunk
+            return (self._sampled(tok, logits, seeds_B, next_B, settings_B, slots_B, draw),
+                    self._sampled(first, first_logits, seed_1, start_1 + length_1, chunk_rows,
+                                  force=draw))
         self.compiles["decode"].add(rows.shape)
         self.launches["decode"] += 1
-        self.cache, *out = self._decode_jit(
-            *args, with_logits,
-            **self._adapter_kw("adapters_B", np.where(real, self.adapter_of[s], 0)))
-        return tuple(out) if with_logits else out[0]
+        self.cache, tok, logits = self._decode_jit(
+            *args, **self._adapter_kw("adapters_B", np.where(real, self.adapter_of[s], 0)))
+        tok = self._sampled(tok, logits, seeds_B, next_B, settings_B, slots_B, draw)
+        if not with_logits:
+            return tok
+        by_slot = np.zeros((B, logits[0].shape[-1]), logits[0].dtype)   # as the tokens are
+        by_slot[s[real]] = np.asarray(logits[0])[real]
+        return tok, by_slot
+
+    def _sampled(self, tok, logits, seeds, positions, rows, slots=None, force=False):
+        """A step's tokens: its own (greedy), or, where a row samples (or ``force``), the
+        draw program's from its ``logits`` (``sampling.draw``; one per row count, compiled
+        by the warm-up). The step's prompt log-probabilities stay."""
+        if not (force or draws(rows)):
+            return tok
+        self.compiles["draw"].add((len(seeds), slots is not None))
+        self.launches["draw"] += 1
+        drawn = self._draw_jit(logits, self.sampling_seed(), np.asarray(seeds, np.int32),
+                               np.asarray(positions, np.int32), draw_rows(rows),
+                               *(() if slots is None else (slots,)))
+        if isinstance(tok, dict):
+            return {**tok, **(drawn if isinstance(drawn, dict) else {"token": drawn})}
+        return drawn
 
     def decode(self, tokens: np.ndarray, active: np.ndarray, seeds: np.ndarray,
                settings: Optional[Sequence[SamplingConfig]] = None, with_logits: bool = False):
@@ -356,8 +388,8 @@ class Engine(ModelRunner):
         chunk[0, :n] = prompt[cached:]
         out = self._run_decode(rows, tokens, positions, seeds, settings, chunk=(
             self.kv.tables[slot][None], chunk, np.array([cached], np.int32),
-            np.array([n], np.int32), np.array([seed], np.int32),
-            self._rows(1, [setting or self.sampling])))
+            np.array([n], np.int32), self._rows(1, [setting or self.sampling]),
+            np.array([seed], np.int32)))
         self.lengths[active] += 1
         self._prompts_written([slot], [prompt], [0])
         return out

@@ -151,8 +151,9 @@ def generate(server: Server, prompts: Sequence[str], max_new_tokens: int,
     encoded = [tok.encode(p) for p in prompts]
     for e in encoded:  # reject bad requests before compiling anything
         server.check_request(e, max_new_tokens)
-    # So the reported rates exclude compilation.
-    server.warmup([len(e) for e in encoded], progress)
+    # So the reported rates exclude compilation (every request samples as the engine does).
+    server.warmup([len(e) for e in encoded], progress,
+                  sampled=not all(e.sampling.greedy for e in server.engines))
     ids = [server.submit(e, max_new_tokens) for e in encoded]
     results = server.run()
     out = []

@@ -33,7 +33,7 @@ from triax.inference.forward import check_pipeline, pipelined_forward, plain_for
 from triax.inference.kv_pool import (decode_microbatches, kv_pool, kv_storage_dtype,
                                      scratch_layout, split_context)
 from triax.inference.logprobs import prompt_logprobs, scatter_rows
-from triax.inference.sampling import SamplingConfig, row_settings, sample_step
+from triax.inference.sampling import SamplingConfig, draw, row_settings, step_tokens
 from triax.inference.served_weights import place_params, served_dtype
 from triax.mesh.build import mesh_sizes
 from triax.models.config import ModelConfig
@@ -144,11 +144,15 @@ class ModelRunner:
         self.cache = self._abstract_cache() if self.abstract else self._zeros_cache()
         # Sampling is data (each row's settings, the engine's seed): changing either compiles
         # nothing; stop tokens are host-side.
-        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(9, 10))
-        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,), static_argnums=(9,))
+        # Each step returns its greedy tokens and its logits; the draw (``sampling.draw``)
+        # runs on them only when a row samples: one program per row count, where the sort,
+        # softmax and hashes were part of every prefill, decode and mixed program.
+        self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7,))
+        self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
         self._mixed_jit = jax.jit(self._mixed, donate_argnums=(1,))
-        self.compiles = {"prefill": set(), "decode": set(), "mixed": set()}
-        self.launches = {"prefill": 0, "decode": 0, "mixed": 0}   # programs run, by kind
+        self._draw_jit = jax.jit(self._draw)
+        self.compiles = {"prefill": set(), "decode": set(), "mixed": set(), "draw": set()}
+        self.launches = {"prefill": 0, "decode": 0, "mixed": 0, "draw": 0}   # programs run
 
     @classmethod
     def from_seed(cls, cfg: ModelConfig, mesh: Mesh, seed: int = 0, strategy=SERVE_STRATEGY, **kw):
@@ -178,8 +182,7 @@ class ModelRunner:
         table = jax.ShapeDtypeStruct((B, self.pool.max_blocks), jnp.int32)
         rows = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                             self._rows(B, None))
-        return self._decode_jit.lower(self.params, self.cache, table, row, row, row,
-                                      self.sampling_seed(), rows, row, False,
+        return self._decode_jit.lower(self.params, self.cache, table, row, row, rows, row,
                                       **self._adapter_kw("adapters_B", row))
 
     def fresh_cache(self) -> bool:
@@ -191,17 +194,16 @@ class ModelRunner:
         return False
 
     # ---- traced programs ---------------------------------------------------------------------
-    def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b, seed,
-                 rows, with_logits=False, S=0, start_b=None, read_bM=None,
-                 adapters_b=None):
+    def _prefill(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, rows, S=0,
+                 start_b=None, read_bM=None, adapters_b=None):
         # MoE: dropless, so padding and batch-mates take nothing; adapters_b: each row's
         # adapter slot in a LoRA table
         with runtime.using(moe_inference=True, adapter_rows=adapters_b):
             return self._prefill_body(params, cache, table_bM, tokens_bT, lengths_b, slots_b,
-                                      seeds_b, seed, rows, with_logits, S, start_b, read_bM)
+                                      rows, S, start_b, read_bM)
 
-    def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, seeds_b,
-                      seed, rows, with_logits, S, start_b, read_bM):
+    def _prefill_body(self, params, cache, table_bM, tokens_bT, lengths_b, slots_b, rows, S,
+                      start_b, read_bM):
         """The prompts' tokens from ``start_b`` (cached prefixes: their first blocks, read
         through ``read_bM`` into a scratch of ``S`` positions; none: 0, ``S = T``) attend
         within a scratch cache, then enter the pool (``table_bM``: the blocks to write)."""
@@ -226,8 +228,8 @@ class ModelRunner:
         full_b = lengths_b if start_b is None else start_b + lengths_b
         # Penalized rows see their whole prompt here (they never start from cached blocks);
         # a resumed row's prompt is its request's, the rest it generated (``prompt_len``).
-        tok = sample_step(last_bV, seed, seeds_b, full_b, rows,
-                          seen=(tokens_bT, lengths_b, rows.get("prompt_len", lengths_b)))
+        tok, logits = step_tokens(last_bV, rows,
+                                  seen=(tokens_bT, lengths_b, rows.get("prompt_len", lengths_b)))
         if "prompt_logprobs" in rows:   # echo: in token order
             lp = prompt_logprobs(jnp.take(logits_bTV, index, axis=1), tokens_bT)
             tok = {**(tok if isinstance(tok, dict) else {"token": tok}), **lp}
@@ -235,13 +237,13 @@ class ModelRunner:
         cache = write_scratch(cache, tmp, table_bM, group_b,
                               1 if self.context is None else self.context.size, full_b)
         cache = jax.lax.with_sharding_constraint(cache, self._cache_shardings())
-        return (cache, tok, last_bV) if with_logits else (cache, tok)
+        return cache, tok, logits
 
-    def _decode(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, seed, rows,
-                slots_B=None, with_logits=False, adapters_B=None):
+    def _decode(self, params, cache, table_BM, tokens_B, positions_B, rows, slots_B=None,
+                adapters_B=None):
         """One step of a bucket of rows (``B`` here: the bucket's); with ``slots_B``, tokens
-        (and logits, ``with_logits``) come back scattered to their slots (``max_batch``:
-        padding, dropped)."""
+        come back scattered to their slots (``max_batch``: padding, dropped); the logits a
+        draw reads (``sampling.step_tokens``) in the bucket's order."""
         # Every layer reads the same table: it rides in the cache, scanned with the layers
         # (and split over pipeline stages and micro-batches like the pool).
         paged = {**cache, "table": jnp.broadcast_to(table_BM, (self.cfg.num_layers,
@@ -251,24 +253,19 @@ class ModelRunner:
                                           paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
                                                  self._cache_shardings())
-        tok = sample_step(logits_B1V[:, 0], seed, seeds_B, positions_B + 1, rows)
+        tok, logits = step_tokens(logits_B1V[:, 0], rows)
         if slots_B is None:
-            return (cache, tok, logits_B1V[:, 0]) if with_logits else (cache, tok)
-        n = self.ecfg.max_batch
-        tok_n = scatter_rows(tok, slots_B, n)
-        if not with_logits:
-            return cache, tok_n
-        logits_nV = jnp.zeros((n, logits_B1V.shape[-1]), logits_B1V.dtype).at[slots_B].set(
-            logits_B1V[:, 0], mode="drop")
-        return cache, tok_n, logits_nV
+            return cache, tok, logits
+        return cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), logits
 
-    def _mixed(self, params, cache, table_BM, tokens_B, positions_B, seeds_B, seed, rows,
-               slots_B, chunk_table_1M, chunk_1C, start_1, length_1, seed_1, chunk_rows):
+    def _mixed(self, params, cache, table_BM, tokens_B, positions_B, rows, slots_B,
+               chunk_table_1M, chunk_1C, start_1, length_1, chunk_rows):
         """One fused step: ``_decode``'s rows and one prompt chunk (``length_1`` tokens of
         ``chunk_1C`` from position ``start_1``, the rest padding) as one row of ``B + C``
         tokens, so every weight is read once (``models.decode.mixed_attention`` splits the
-        attention). ``(cache, tokens by slot, the chunk's sampled token)``: the decode rows
-        sample as ``_decode`` does, the chunk as ``_prefill`` does from its last token."""
+        attention). ``(cache, tokens by slot, the chunk's token, the rows' logits, the chunk's
+        logits)``: the decode rows' as ``_decode``'s, the chunk's as ``_prefill``'s from its
+        last token."""
         B, L = tokens_B.shape[0], self.cfg.num_layers
         tokens_1X = jnp.concatenate([tokens_B, chunk_1C[0]])[None]
         positions_1X = jnp.concatenate(
@@ -280,10 +277,17 @@ class ModelRunner:
             logits_1XV, paged = self._fwd(params, tokens_1X, positions_1X, paged)
         cache = jax.lax.with_sharding_constraint({n: paged[n] for n in cache},
                                                  self._cache_shardings())
-        tok = sample_step(logits_1XV[0, :B], seed, seeds_B, positions_B + 1, rows)
+        tok, logits = step_tokens(logits_1XV[0, :B], rows)
         last_1V = jax.lax.dynamic_slice_in_dim(logits_1XV[0], B + length_1[0] - 1, 1)
-        first = sample_step(last_1V, seed, seed_1, start_1 + length_1, chunk_rows)
-        return cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), first
+        first, first_logits = step_tokens(last_1V, chunk_rows)
+        return (cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), first, logits,
+                first_logits)
+
+    def _draw(self, logits, seed, seeds_B, positions_B, rows, slots_B=None):
+        """A step's sampled tokens (``sampling.draw``) from its ``logits``; with ``slots_B``,
+        scattered to their slots as the step's are."""
+        tok = draw(logits, seed, seeds_B, positions_B, rows)
+        return tok if slots_B is None else scatter_rows(tok, slots_B, self.ecfg.max_batch)
 
     @property
     def mixes(self) -> bool:

@@ -76,6 +76,11 @@ def penalty_rows(configs, generated) -> dict:
     return out
 
 
+def adjusts(rows: dict) -> bool:
+    """Whether ``adjust_logits`` changes anything for ``rows`` (a grammar, bias or penalties)."""
+    return any(k in rows for k in ("allowed", "bias_ids", "presence"))
+
+
 def adjust_logits(logits_BV, rows: dict, seen=None):
     """The logits after each row's bias and penalties (those ``rows`` carries). ``seen``:
     ``(tokens_BL, length_B, prompt_len_B)``, each row's first ``length`` tokens of which

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from triax.inference.logprobs import logprob_rows, with_logprobs
-from triax.inference.penalties import BIAS_WIDTH, LOGIT_BIAS_MAX, adjust_logits, penalty_rows
+from triax.inference.penalties import (BIAS_WIDTH, LOGIT_BIAS_MAX, adjust_logits, adjusts,
+                                       penalty_rows)
 
 
 class SamplingError(ValueError):
@@ -180,14 +181,55 @@ def row_settings(configs, generated=None, prefill: bool = False) -> dict:
     return {**rows, **penalty_rows(configs, gen), **logprob_rows(configs, prefill)}
 
 
-def sample_step(logits_BV, seed, request_seeds_B, positions_B, rows, seen=None):
-    """The engine's sampling inside a jitted step: penalties and bias on the logits (rows
-    that ask; ``seen = (history_BL, length_B, prompt_len_B)``, the tokens each row has
-    seen), then each row's own draw (``rows``: ``row_settings``' arrays; ``seed``: the
-    global seed, traced). Both are inputs, not constants, so one program serves every mix
-    of settings and any engine seed. Returns the tokens, or with ``rows["logprobs"]`` a dict
-    of them and their log-probabilities under the model (``inference.logprobs``)."""
+# What a draw reads of a row's settings (its penalties and bias are in the logits already).
+DRAW_KEYS = ("temperature", "top_k", "top_p", "logprobs")
+
+
+def draws(rows: dict) -> bool:
+    """Whether any row of a step samples (temperature > 0), on the host: only then does the
+    engine run the draw program (``draw``) on the step's logits."""
+    return bool(np.any(np.asarray(rows["temperature"]) > 0))
+
+
+def draw_rows(rows: dict) -> dict:
+    """``rows``' arrays a draw reads (``DRAW_KEYS``): penalties and bias make no draw of
+    their own."""
+    return {k: rows[k] for k in DRAW_KEYS if k in rows}
+
+
+def step_tokens(logits_BV, rows, seen=None):
+    """A jitted step's tokens: penalties and bias on the logits (rows that ask; ``seen =
+    (history_BL, length_B, prompt_len_B)``, the tokens each row has seen), then each row's
+    argmax (with ``rows["logprobs"]``, a dict of it and its log-probabilities under the
+    model: ``inference.logprobs``); and ``(logits, adjusted)``, what ``draw`` reads when a
+    row samples (``adjusted``: None where no row adjusts, the raw logits serve).
+
+    The draw is a program of its own, launched only for steps where a row samples, so a
+    step carries no sort, softmax or random hashing: each prefill (batch × length bucket),
+    decode and mixed program compiles without them, and one draw per row count serves them
+    all."""
     raw_BV = logits_BV.astype(jnp.float32)
-    tok_B = sample_rows(adjust_logits(raw_BV, rows, seen), seed, request_seeds_B,
-                         positions_B, rows)
+    adj_BV = adjust_logits(raw_BV, rows, seen)
+    greedy_B = jnp.argmax(adj_BV, axis=-1).astype(jnp.int32)
+    return with_logprobs(raw_BV, greedy_B, rows), (logits_BV, adj_BV if adjusts(rows) else None)
+
+
+def draw(logits, seed, request_seeds_B, positions_B, rows):
+    """Each row's own draw (``sample_rows``: its temperature, top-k, top-p and key) from a
+    step's ``(logits, adjusted)`` (``step_tokens``); greedy rows take the argmax, as in the
+    step. ``seed``: the engine's global seed (traced). The same tokens (and logprobs) as
+    ``sample_step`` on the same logits."""
+    logits_BV, adj_BV = logits
+    raw_BV = logits_BV.astype(jnp.float32)
+    tok_B = sample_rows(raw_BV if adj_BV is None else adj_BV, seed, request_seeds_B,
+                        positions_B, rows)
     return with_logprobs(raw_BV, tok_B, rows)
+
+
+def sample_step(logits_BV, seed, request_seeds_B, positions_B, rows, seen=None):
+    """``step_tokens`` and ``draw`` in one trace: penalties and bias, then each row's own
+    draw. ``rows``: ``row_settings``' arrays; ``seed``: the global seed, traced. Both are
+    inputs, not constants, so one program serves every mix of settings and any engine seed.
+    (The engine runs the two halves as two programs; tokens are the same.)"""
+    return draw(step_tokens(logits_BV, rows, seen)[1], seed, request_seeds_B, positions_B,
+                draw_rows(rows))

@@ -111,10 +111,11 @@ class Server(Batching, AdapterServing, ServerLimits):
 
     def warmup(self, prompt_lengths: Sequence[int],
                progress: Optional[Callable[[str], None]] = None,
-               replicas: Optional[Iterable[int]] = None) -> None:
+               replicas: Optional[Iterable[int]] = None, sampled: bool = True) -> None:
         """Compile every replica's programs (``replicas``: those, counted from 0) for these
         prompt lengths before serving; ``progress(line)`` hears each one (``Engine.warmup``),
-        named by its replica. ``inference.warm_start`` picks the replicas for ``serve``."""
+        named by its replica. ``inference.warm_start`` picks the replicas for ``serve``.
+        ``sampled=False``: no request will sample (greedy), so no draw program is needed."""
         if self._loop.locked() or self.free_slots < self.total_slots:
             raise InferenceError("warmup() needs an idle server (no live requests, not "
                                  "serving in the background); call it before start()")
@@ -122,7 +123,7 @@ class Server(Batching, AdapterServing, ServerLimits):
         for i in (range(n) if replicas is None else replicas):
             self.engines[i].warmup(prompt_lengths, progress and (
                 lambda line, i=i: progress(f"replica {i + 1}/{n}: {line}")),
-                self.max_step_tokens if self.fused_steps else 0)
+                self.max_step_tokens if self.fused_steps else 0, sampled)
 
     # ---- requests ----------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], max_new_tokens: int, seed: int | None = None,

@@ -11,7 +11,7 @@ import pytest
 from compile_counter import compiles_during
 from triax.inference.engine import EngineConfig
 from triax.inference.reference import greedy_reference
-from triax.inference.sampling import SamplingConfig
+from triax.inference.sampling import SamplingConfig, row_settings, sample_step
 from triax.inference.replicas import replica_meshes
 from triax.inference.server import Server
 from triax.mesh import make_mesh
@@ -101,7 +101,8 @@ def test_sampled_results_independent_of_arrival_order(setup):
     server, reqs, ref = setup
     eng = server.engines[0]
     eng.warmup([len(p) for p, _ in reqs[:12]])   # greedy (compiled already after the first test)
-    programs = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size())
+    programs = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size(),
+                eng._draw_jit._cache_size())   # the warm-up's draws too (one per row count)
     eng.sampling = SamplingConfig(temperature=1.5, top_k=20, top_p=0.95, seed=5)
     try:
         forward = _serve(Server([eng]), reqs[:12], range(12))
@@ -110,8 +111,35 @@ def test_sampled_results_independent_of_arrival_order(setup):
         eng.sampling = SamplingConfig()
     assert {i: r.tokens for i, r in forward.items()} == {i: r.tokens for i, r in shuffled.items()}
     assert any(forward[i].tokens != ref[i][:reqs[i][1]] for i in range(12))  # it did sample
-    assert (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size()) == programs, \
-        "a new sampling rule compiled a new program"
+    assert (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size(),
+            eng._draw_jit._cache_size()) == programs, "a new sampling rule compiled a new program"
+
+
+def test_steps_hold_no_draw_and_only_sampled_steps_run_one(setup):
+    """A step's program holds no sort (a sampled row's draw, ``sampling.draw``, is a program
+    of its own); greedy steps launch no draw; a sampled step's tokens are those of
+    ``sample_step`` (penalties and draw in one program) on the step's logits, its seeds and
+    positions."""
+    server, reqs, _ = setup
+    eng = server.engines[0]
+    assert "stablehlo.sort" not in eng.lower_decode().as_text()
+    prompts = [np.array(p, np.int32) for p, _ in reqs[:3]]
+    seeds, hot = [7, 8, 9], SamplingConfig(temperature=1.5, top_k=20, top_p=0.95)
+    settings = [hot, SamplingConfig(), hot]   # a greedy row beside sampled ones
+    before = eng.launches["draw"]
+    try:
+        eng.prefill(range(3), prompts, seeds)
+        assert eng.launches["draw"] == before, "a greedy step ran the draw"
+        tok, logits = eng.prefill(range(3), prompts, seeds, settings, with_logits=True)
+        assert eng.launches["draw"] == before + 1
+    finally:
+        for s in range(3):
+            eng.release(s)
+    one = jax.jit(sample_step)(logits, eng.sampling_seed(), np.array(seeds, np.int32),
+                               np.array([len(p) for p in prompts], np.int32),
+                               row_settings(settings))
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(one))
+    assert (np.asarray(tok) != np.asarray(logits).argmax(-1)).any()   # it did sample
 
 
 def test_an_idle_replica_takes_waiting_requests_with_the_same_tokens(setup, monkeypatch):

@@ -36,7 +36,8 @@ def _serve(eng, max_step_tokens, fused):
     def counted():
         before = dict(eng.launches)
         busy = step()
-        launched.append({k: n - before[k] for k, n in eng.launches.items()})
+        # the model's programs (a sampled row's draw runs beside whichever step ran)
+        launched.append({k: n - before[k] for k, n in eng.launches.items() if k != "draw"})
         return busy
     server._step = counted
     return server, [r.tokens for r in serve_long_prompts(server, eng)], launched
