@@ -14,6 +14,14 @@ def test_child_processes_get_the_gc_threshold():
     assert out.stdout.strip() == str(gc.get_threshold()) == "(50000, 10, 10)"
 
 
+def test_child_processes_write_bytecode():
+    """Each process the suite starts reads the bytecode the first one wrote, whatever
+    PYTHONDONTWRITEBYTECODE the suite was started with (suite_env.apply drops it)."""
+    out = subprocess.run([sys.executable, "-c", "import sys; print(sys.dont_write_bytecode)"],
+                         env=dict(os.environ), capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False" and not sys.dont_write_bytecode
+
+
 def test_a_program_on_other_devices_loads_the_first_ones_executable(tmp_path):
     """suite_env.share_programs_across_devices: a second replica's program is a persistent-
     cache hit, and it runs on its own devices with its own values (a collective program)."""
