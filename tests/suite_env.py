@@ -70,8 +70,14 @@ def share_programs_across_devices() -> None:
     of other devices) then loads the first one's executable instead of compiling it again;
     the assignment still comes from the compile options at load, so it runs on its own
     devices (``tests/test_suite_env.py`` checks the values and devices of a collective
-    program loaded this way). Called by ``tests/conftest.py`` once JAX is imported."""
+    program loaded this way). Called by ``tests/conftest.py`` once JAX is imported, and in
+    every other process of the suite by ``child_site/sitecustomize.py`` as JAX loads."""
     from jax._src import cache_key
+    keyed_without_devices(cache_key)
+
+
+def keyed_without_devices(cache_key) -> None:
+    """``share_programs_across_devices`` on the module ``jax._src.cache_key``."""
     hash_options = cache_key._hash_serialized_compile_options
     if getattr(hash_options, "strips_devices", False):
         return

@@ -24,13 +24,11 @@ def test_child_processes_write_bytecode():
 
 def test_a_program_on_other_devices_loads_the_first_ones_executable(tmp_path):
     """suite_env.share_programs_across_devices: a second replica's program is a persistent-
-    cache hit, and it runs on its own devices with its own values (a collective program)."""
+    cache hit, and it runs on its own devices with its own values (a collective program).
+    The child process gets it as every process of the suite does, from
+    child_site/sitecustomize.py as JAX loads (the test processes also call it: conftest)."""
     script = r'''
-import os, sys
 import jax, jax.numpy as jnp, numpy as np
-sys.path.insert(0, os.environ["TESTS_DIR"])
-from suite_env import share_programs_across_devices
-share_programs_across_devices()
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 hits = []
 jax.monitoring.register_event_listener(lambda e, **k: hits.append(e) if "cache_hits" in e else None)
@@ -44,8 +42,7 @@ for devs in (jax.devices()[0:2], jax.devices()[2:4], jax.devices()[5:7]):
 print(len(hits))
 '''
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp_path), JAX_NUM_CPU_DEVICES="8",
-               JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               TESTS_DIR=os.path.dirname(__file__))
+               JAX_PLATFORMS="cpu", JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stderr[-2000:]
