@@ -266,7 +266,7 @@ class Engine(ModelRunner):
                 progress(f"compiled {what} ({i}/{len(runs)}) in "
                          f"{time.perf_counter() - t0:.1f} s")
         if self.speculator is not None:   # its verify (and draft) programs too
-            self.speculator.warmup(prompt_lengths, progress)
+            self.speculator.warmup(prompt_lengths, progress, sampled)
 
     def _decode_buckets(self) -> tuple[int, ...]:
         """Rows per row group a decode step may run: powers of two, capped at its slots."""

@@ -39,7 +39,7 @@ from triax.inference.errors import CacheFullError, InferenceError
 from triax.inference.logprobs import row_entry, scatter_rows, with_logprobs
 from triax.inference.rejection import (coupled_accept, probabilities, per_position,
                                        rejection_accept, target_draws)
-from triax.inference.sampling import SamplingConfig, row_settings
+from triax.inference.sampling import SamplingConfig, draws, row_settings
 from triax.models import runtime
 
 METHODS = ("ngram", "draft")
@@ -63,6 +63,11 @@ class SpeculativeConfig:
         if (self.method == "draft") != (self.draft_model is not None):
             raise InferenceError("--speculative draft needs --draft-model (a preset, "
                                  "checkpoint or Hugging Face directory), and only it takes one")
+
+
+def _stacked(x):
+    """A draft's proposals (or distributions), one array per step, stacked on axis 1."""
+    return jnp.stack(x, 1) if isinstance(x, tuple) else x
 
 
 def usable(config: SamplingConfig) -> bool:
@@ -109,7 +114,11 @@ class Speculator:
 
     def __init__(self, engine, config: SpeculativeConfig, proposer):
         self.engine, self.config, self.k, self.proposer = engine, config, config.k, proposer
+        # The verify step takes each row's longest run of the target's argmaxes; where a row
+        # samples, the acceptance program (``_accept``: the rejection rule, or the target's
+        # own draws) runs on its logits: the verify step holds no sort, softmax or hashes.
         self._verify_jit = jax.jit(self._verify, donate_argnums=(1,))
+        self._accept_jit = jax.jit(self._accept)
         self.stats = {"rounds": 0, "proposed": 0, "accepted": 0}
 
     def usable(self, settings: Sequence[SamplingConfig], active) -> bool:
@@ -122,29 +131,45 @@ class Speculator:
         return all(usable(settings[i]) for i in rows)
 
     # ---- traced --------------------------------------------------------------------------
-    def _verify(self, params, cache, table_RM, last_R, positions_RT, base_R, n_R, seeds_R,
-                drafts_RK, q_RKV, seed, rows, slots_R):
-        if isinstance(drafts_RK, tuple):   # a draft's, one array per step (stacked here)
-            drafts_RK, q_RKV = jnp.stack(drafts_RK, 1), jnp.stack(q_RKV, 1)
+    def _verify(self, params, cache, table_RM, last_R, positions_RT, n_R, drafts_RK, rows,
+                slots_R):
+        """The target's forward over each row's last token and proposals; the greedy rows'
+        tokens (each proposal kept while it is the target's argmax: what the rejection rule
+        gives a point-mass target and draft), and the logits ``_accept`` reads."""
+        drafts_RK = _stacked(drafts_RK)
         tokens_RT = jnp.concatenate([last_R[:, None], drafts_RK], axis=1)   # t, d_1..d_k
         logits_RTV, cache = extend_forward(self.engine, params, cache, table_RM, tokens_RT,
                                            positions_RT)
         logits_RTV = logits_RTV.astype(jnp.float32)
+        a_R, tok_RT = coupled_accept(jnp.argmax(logits_RTV, -1).astype(jnp.int32), drafts_RK,
+                                     n_R)
+        return cache, self._out(logits_RTV, a_R, tok_RT, rows, slots_R), logits_RTV
+
+    def _accept(self, logits_RTV, drafts_RK, q_RKV, n_R, seeds_R, base_R, seed, rows, slots_R):
+        """Each row's accepted proposals and tokens by its own sampling, from the verify
+        step's logits: the rejection rule against the draft's distributions ``q_RKV``, or
+        for point-mass proposals (None) the target's own draws."""
+        drafts_RK = _stacked(drafts_RK)
         R, T, V = logits_RTV.shape
         if q_RKV is None:   # point-mass proposals
             a_R, tok_RT = coupled_accept(target_draws(logits_RTV, seed, seeds_R, base_R, rows),
                                          drafts_RK, n_R)
         else:
-            q = probabilities(q_RKV.reshape(R * (T - 1), V), per_position(rows, T - 1))
+            q = probabilities(_stacked(q_RKV).reshape(R * (T - 1), V),
+                              per_position(rows, T - 1))
             a_R, tok_RT = rejection_accept(logits_RTV, drafts_RK, q.reshape(R, T - 1, V), n_R,
                                            seed, seeds_R, base_R, rows)
+        return self._out(logits_RTV, a_R, tok_RT, rows, slots_R)
+
+    def _out(self, logits_RTV, a_R, tok_RT, rows, slots_R):
+        R, T, V = logits_RTV.shape
         out = {"token": tok_RT, "accepted": a_R}
         if "logprobs" in rows:   # the model's own, at every position (raw logits)
             lp = with_logprobs(logits_RTV.reshape(R * T, V), tok_RT.reshape(-1),
                                {"logprobs": None})
             out.update({k: v.reshape(R, T, *v.shape[1:]) for k, v in lp.items()
                         if k != "token"})
-        return cache, scatter_rows(out, slots_R, self.engine.ecfg.max_batch)
+        return scatter_rows(out, slots_R, self.engine.ecfg.max_batch)
 
     # ---- host --------------------------------------------------------------------------
     def _counts(self, slots, wanted, budgets) -> np.ndarray:
@@ -168,12 +193,13 @@ class Speculator:
         return n
 
     def launch(self, last, active, seeds, settings, contexts, budgets, owners=None,
-               rows=None) -> Round:
+               rows=None, draw=False) -> Round:
         """Start one step for the ``active`` slots: ``last`` their last tokens, ``contexts``
         each one's tokens so far (prompt and generated, ``last`` at the end), ``budgets``
         the tokens each may still emit, ``owners`` what holds each slot (a draft proposer
         re-syncs a slot whose owner changed). ``rows``: the step's row layout (default the
-        engine's decode buckets of the active slots)."""
+        engine's decode buckets of the active slots). ``draw``: run the acceptance program
+        even if no row samples (the warm-up's)."""
         eng, K = self.engine, self.k
         B, N, P = eng.ecfg.max_batch, eng.pool.blocks, eng.pool.block_size
         active = np.asarray(active, bool)
@@ -208,23 +234,29 @@ class Speculator:
             d_RK, q = self.proposer.propose_device(K, rows, real, L_R, n_R, last_R, contexts,
                                                    owners, seeds_R, seed, row_arrays)
         eng.compiles.setdefault("verify", set()).add(rows.shape)
-        eng.cache, out = self._verify_jit(eng.params, eng.cache, table, last_R, positions,
-                                          L_R, n_R, seeds_R, d_RK, q, seed, row_arrays,
-                                          rows.astype(np.int32))
+        slots_R = rows.astype(np.int32)
+        eng.cache, out, logits = self._verify_jit(eng.params, eng.cache, table, last_R,
+                                                  positions, n_R, d_RK, row_arrays, slots_R)
+        if draw or draws(row_arrays):
+            eng.compiles.setdefault("accept", set()).add(rows.shape)
+            eng.launches["accept"] = eng.launches.get("accept", 0) + 1
+            out = self._accept_jit(logits, d_RK, q, n_R, seeds_R, L_R, seed, row_arrays,
+                                   slots_R)
         return Round(rows, real, lengths, counts, np.asarray(last), out)
 
-    def warmup(self, prompt_lengths, progress=None) -> None:
-        """Compile the verify step (and a draft's programs) for every decode bucket, on rows
-        that are all padding (nothing is written), so served timings exclude compilation."""
+    def warmup(self, prompt_lengths, progress=None, sampled: bool = True) -> None:
+        """Compile the verify step (with ``sampled``, its acceptance program too; and a
+        draft's programs) for every decode bucket, on rows that are all padding (nothing is
+        written), so served timings exclude compilation."""
         eng = self.engine
         B = eng.ecfg.max_batch
         if not self.proposer.host_side:
-            self.proposer.engine.warmup(prompt_lengths)
+            self.proposer.engine.warmup(prompt_lengths, sampled=sampled)
         for k in eng._decode_buckets():
             t0 = time.perf_counter()
             rnd = self.launch(np.zeros(B, np.int32), np.zeros(B, bool), np.zeros(B, np.int32),
                               [eng.sampling] * B, [None] * B, [0] * B, [None] * B,
-                              rows=np.full(eng.pool.groups * k, B))
+                              rows=np.full(eng.pool.groups * k, B), draw=sampled)
             jax.block_until_ready(rnd.out)
             if progress is not None:
                 progress(f"compiled speculative verify {eng.pool.groups * k} rows × "

@@ -151,8 +151,12 @@ def test_greedy_ngram_is_plain_decoding(server, specs, plain):
     _use(server, specs, "ngram")
     server.warmup(sorted({len(p) for p in PROMPTS}))   # the verify steps compile here
     compiled = [{k: set(v) for k, v in e.compiles.items()} for e in server.engines]
+    accepts = [e.launches.get("accept", 0) for e in server.engines]
     got = _serve(server, specs, "ngram")
     assert [e.compiles for e in server.engines] == compiled, "serving compiled a program"
+    # greedy rows' tokens come from the verify step itself (its argmaxes); the acceptance
+    # program (the rejection rule, the target's draws) runs only where a row samples
+    assert [e.launches.get("accept", 0) for e in server.engines] == accepts
     assert [r.tokens for r in got] == plain, "ngram speculation changed greedy tokens"
     st = _stats(server)
     assert st["accepted"] > 0 and st["rounds"] < len(PROMPTS) * (NEW - 1)  # it did speculate
@@ -171,7 +175,9 @@ def test_sampled_tokens_are_plain_decodings(server, specs):
     hot = SamplingConfig(temperature=1.0, top_k=50)
     ref = [r.tokens for r in _serve(server, specs, None, hot)]
     assert [r.tokens for r in _serve(server, specs, "ngram", hot)] == ref
+    accepts = sum(e.launches.get("accept", 0) for e in server.engines)
     assert [r.tokens for r in _serve(server, specs, "self", hot)] == ref
+    assert sum(e.launches.get("accept", 0) for e in server.engines) > accepts
     st = _stats(server)
     assert st["accepted"] == st["proposed"] > 0
 
