@@ -256,7 +256,7 @@ class Engine(ModelRunner):
                       lambda k=k, C=C: self._run_decode(
                           np.full(k, B), zeros, zeros, zeros, None, chunk=(
                               none, np.zeros((1, C), np.int32), one, one,
-                              self._rows(1, None), one), draw=sampled))
+                              self._rows(1, None)), draw=sampled))
                      for C in self.ecfg.buckets() if C <= longest
                      for k in self._decode_buckets()]
         for i, (what, run) in enumerate(runs, 1):
@@ -285,9 +285,9 @@ class Engine(ModelRunner):
         return rows.reshape(-1)
 
     def _run_decode(self, rows, tokens, positions, seeds, settings, with_logits=False,
-                    chunk=None, draw=False):
-        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``) and the
-        chunk's seed; ``draw``: run the draw programs even if no row samples (the
+                    chunk=None, chunk_seed=0, draw=False):
+        """``chunk``: the mixed step's chunk arguments (``ModelRunner._mixed``), drawn with
+        ``chunk_seed``; ``draw``: run the draw programs even if no row samples (the
         warm-up's)."""
         B = self.ecfg.max_batch
         real = rows < B
@@ -305,12 +305,11 @@ class Engine(ModelRunner):
         if chunk is not None:
             self.compiles["mixed"].add((*rows.shape, chunk[1].shape[1]))
             self.launches["mixed"] += 1
-            *chunk, seed_1 = chunk
             self.cache, tok, first, logits, first_logits = self._mixed_jit(*args, *chunk)
             _, _, start_1, length_1, chunk_rows = chunk
             return (self._sampled(tok, logits, seeds_B, next_B, settings_B, slots_B, draw),
-                    self._sampled(first, first_logits, seed_1, start_1 + length_1, chunk_rows,
-                                  force=draw))
+                    self._sampled(first, first_logits, [chunk_seed], start_1 + length_1,
+                                  chunk_rows, force=draw))
         self.compiles["decode"].add(rows.shape)
         self.launches["decode"] += 1
         self.cache, tok, logits = self._decode_jit(
@@ -388,8 +387,8 @@ class Engine(ModelRunner):
         chunk[0, :n] = prompt[cached:]
         out = self._run_decode(rows, tokens, positions, seeds, settings, chunk=(
             self.kv.tables[slot][None], chunk, np.array([cached], np.int32),
-            np.array([n], np.int32), self._rows(1, [setting or self.sampling]),
-            np.array([seed], np.int32)))
+            np.array([n], np.int32), self._rows(1, [setting or self.sampling])),
+            chunk_seed=seed)
         self.lengths[active] += 1
         self._prompts_written([slot], [prompt], [0])
         return out
