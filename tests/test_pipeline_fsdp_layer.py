@@ -24,10 +24,15 @@ from triax.training.step import Trainer
 # per stage and differs only in the tick program (the order of the ops, a constant table
 # the scan reads, and how many slots its buffers hold), so its case here would compile the
 # 1F1B case's kernels again; GPipe itself is checked against one device by
-# test_pipeline_executor.py and test_stage_layers_uneven.py.
+# test_pipeline_executor.py and test_stage_layers_uneven.py. 1F1B runs uneven stages
+# (3, 1): each layer's gather inside its slot's conditional (the uneven layout under FSDP
+# by layer, which test_stage_layers_uneven.py leaves to this case); the even layout's
+# kernels by layer run in the other cases (ZB-H1's F is 1F1B's, interleaved's B on
+# whole-stage chunks is 1F1B's B; test_layer_mode_* compile 1F1B even by layer).
 B, T, M, STEPS, LR = 4, 8, 2, 3, 0.05
 SIZES = {"data": 2, "pipe": 2, "tensor": 2}
 SCHEDULES = [("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("zb-v", 1)]
+STAGE_LAYERS = {"1f1b": (3, 1)}
 CFG = config.TINY.replace(num_layers=4)
 
 
@@ -57,7 +62,8 @@ def trainers():
     """One trainer per schedule by layer on data × pipe × tensor under fsdp_tp."""
     mesh = make_mesh(**SIZES)
     return {kind: Trainer(CFG, mesh, "fsdp_tp",
-                          pipeline=PipelineConfig(kind, M, v, fsdp="layer"))
+                          pipeline=PipelineConfig(kind, M, v, fsdp="layer",
+                                                  stage_layers=STAGE_LAYERS.get(kind)))
             for kind, v in SCHEDULES}
 
 
@@ -71,6 +77,7 @@ def test_every_schedule_by_layer_matches_one_device(reference, trainers, kind):
     routed path test_pipeline_executor.py leaves to these cases)."""
     params, batch, want = reference
     assert trainers[kind].pipeline.layout.routed == (kind in ("interleaved", "zb-v"))
+    assert trainers[kind].pipeline.layout.counts == STAGE_LAYERS.get(kind)
     got = _sgd(trainers[kind], params, batch)
     for step, ((loss, grads), (loss0, grads0)) in enumerate(zip(got, want)):
         np.testing.assert_allclose(loss, loss0, rtol=1e-5, err_msg=f"step {step}")
