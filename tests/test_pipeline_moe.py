@@ -1,13 +1,21 @@
-"""MoE through the pipeline: ``tiny-moe`` on data=2 × pipe=2 × expert=2 equals one device
-(loss, gradients, auxiliary losses, 3 optimizer steps) under 1F1B, with the expert
-all-to-all inside the stages. The split backward's op kernels (B_in, W) run MoE against
-the same one-device run in ``test_dualpipe_v_moe.py`` (DualPipeV runs F, B, B_in, W and
-F&B), and a MoE chunk's B_in + W equal its full backward in ``test_split_backward.py``:
-a ZB-H1 case here compiled those kernels a third time.
+"""MoE through the pipeline: ``tiny-moe`` (4 layers: one per chunk of the V) on data=2 ×
+pipe=2 × expert=2 under DualPipeV equals one device (loss, gradients, auxiliary losses,
+parameters over 3 optimizer steps), with the expert all-to-all inside the stages; in the
+compiled step the overlapped F&B branch holds the expert all-to-alls of one micro-batch
+beside the other's matmuls: one tick, one branch, with no data between them, for the
+scheduler to overlap.
+
+One pipelined program serves every check: DualPipeV runs every op kernel the executor has
+(``tick_kernels``' F and B, which are 1F1B's and GPipe's, the split backward's B_in and W,
+which are ZB-H1's and ZB-V's, and F&B), so a 1F1B case here (once kept beside it) compiled
+its F and B with MoE again and differed only in the tick table, a constant the scan reads;
+a MoE chunk's B_in + W equal its full backward in ``test_split_backward.py``.
 
 The auxiliary losses are per micro-batch (``pipeline.stage._with_aux``), so the one-device
 reference runs the model on each micro-batch's rows (``_microbatch_rows``) and averages
 them, with the cross-entropy over the whole batch."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,10 +29,10 @@ from triax.models.loss import weighted_nll_sum
 from triax.pipeline.pipelined import Pipeline, PipelineConfig
 from triax.pipeline.schedules import ScheduleError
 from triax.sharding.introspect import collectives_from_compiled
+from triax.sharding.introspect.branch_costs import OP_SCOPE
+from triax.sharding.introspect.hlo_text import compiled_text, parse_module
 from triax.training.step import Trainer
 
-# 4 layers (2 per stage): the one-device reference is test_dualpipe_v_moe.py's program too,
-# which the suite's compile cache then holds once.
 CFG = config.TINY_MOE.replace(num_layers=4)
 B, T, M, STEPS = 16, 8, 4, 3
 SIZES = dict(data=2, pipe=2, expert=2)
@@ -94,9 +102,9 @@ def reference(devices):
 @pytest.fixture(scope="module")
 def pipelined(reference):
     mesh = make_mesh(**SIZES)
-    pipe = Pipeline(CFG, mesh, "dp", PipelineConfig("1f1b", M))
+    pipe = Pipeline(CFG, mesh, "dp", PipelineConfig("dualpipev", M))
     tr = Trainer(CFG, mesh, pipe.strategy, loss_and_grad=_with_grads(pipe.loss_and_grad))
-    return "1f1b", tr, _run(tr, reference[0])
+    return "dualpipev", tr, _run(tr, reference[0])
 
 
 def test_pipelined_moe_equals_one_device(reference, pipelined):
@@ -119,7 +127,7 @@ def test_all_to_all_over_expert_and_permutes_over_pipe_only(pipelined):
     assert a2a and all(c.axes == ("expert",) for c in a2a), a2a
     assert permutes and all(c.axes == ("pipe",) for c in permutes), permutes
     # The dispatch runs inside the tick loop: per micro-batch, dispatch + combine per layer
-    # of the stage, forward (B/W redo it backward).
+    # of the stage (its two chunks), forward (B/W redo it backward).
     fwd = 2 * (CFG.num_layers // SIZES["pipe"]) * M
     assert sum(c.count for c in a2a if c.frequency_known) >= 2 * fwd, a2a
 
@@ -129,3 +137,41 @@ def test_micro_batch_must_split_over_expert():
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32) for k in ("inputs", "targets")}
     with pytest.raises(ScheduleError, match="split over the expert axis"):
         jax.eval_shape(pipe.loss_and_grad, pipe.abstract.shapes, batch)
+
+
+def _ops_under(m, comp: str, depth: int = 0) -> list[str]:
+    """Every instruction run by one execution of ``comp`` (called computations, loop bodies
+    and nested branches included, fusions opened), as its op; an all-to-all of floating
+    values (the tokens dispatched and combined) as ``"all-to-all f"``."""
+    out = []
+    for ins in m.comps.get(comp, ()):
+        floats = ins.op == "all-to-all" and re.match(r"\(?(f|bf)\d", ins.type_text)
+        out.append("all-to-all f" if floats else ins.op)
+        if depth < 32:
+            for c in list(ins.branches) + [c for _, c in ins.calls]:
+                out += _ops_under(m, c, depth + 1)
+    return out
+
+
+def test_overlapped_branch_holds_one_microbatchs_all_to_all_and_the_others_matmuls(pipelined):
+    *_, (_, _, compiled) = pipelined
+    m = parse_module(compiled_text(compiled))
+    runs_by_label = {}
+    for instrs in m.comps.values():
+        for ins in instrs:
+            name = re.search(r'op_name="([^"]*)"', ins.rest)
+            label = re.search(re.escape(OP_SCOPE) + r"(\w+)", name.group(1)) if name else None
+            if ins.op == "conditional" and len(ins.branches) == 2 and label:
+                ops = _ops_under(m, ins.branches[1])   # the outermost, where nested share
+                if len(ops) > len(runs_by_label.get(label.group(1), ())):   # the scope
+                    runs_by_label[label.group(1)] = ops
+    assert {"FB", "F", "B"} <= set(runs_by_label), sorted(runs_by_label)
+    count = lambda label, op: sum(o == op for o in runs_by_label[label])  # noqa: E731
+    # The tokens' all-to-alls: F dispatches and combines, B sends their cotangents back;
+    # F&B runs both sets in its one branch. (The integer all-to-alls of the routing
+    # bookkeeping, the same for every micro-batch, XLA runs once for both.)
+    a2a = {k: count(k, "all-to-all f") for k in ("F", "B", "FB")}
+    assert a2a["F"] > 0 and a2a["B"] > 0 and a2a["FB"] == a2a["F"] + a2a["B"], a2a
+    # ... beside both micro-batches' matmuls, in the same branch.
+    dots = {k: count(k, "dot") for k in ("F", "B", "FB")}
+    assert dots["F"] > 0 and dots["FB"] == dots["F"] + dots["B"], dots
