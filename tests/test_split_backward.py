@@ -6,20 +6,21 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from tree_checks import assert_trees_close
-from flax import nnx
 from user_models import ViT, VitConfig, image_batch, vit_loss
 
 import triax
 
 from triax.mesh import make_mesh
-from triax.models import Transformer, config
+from triax.models import config
 from triax.models.runtime import ExecConfig
 from triax.pipeline.executor import loss_only
 from triax.pipeline.split_backward import StageBackward
 from triax.pipeline.stage import Stage
 from triax.pipeline.stage_inputs import StageInputs
+from triax.training.step import Trainer
 
 B, T = 2, 8
 
@@ -43,7 +44,7 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
             [(s.shape, s.dtype) for s in sb.cut_shapes]
         return full, (sb.backward_weight(stored, cut, chunk, pieces, extras), d_pieces, dx)
 
-    dy = jax.random.normal(jax.random.key(3), x.shape, x.dtype)
+    dy = jnp.asarray(np.random.default_rng(3).normal(size=x.shape).astype(x.dtype))
     for first in (True, False):
         for last in (True, False):
             full, split = both(chunk, pieces, x, jnp.bool_(first), jnp.bool_(last), dy)
@@ -54,16 +55,24 @@ def _split_vs_full(apply, chunk, pieces, inputs, x):
     return sb
 
 
-def _transformer(name, remat="none"):
+@functools.cache
+def _model(name):
+    """The model's graph and parameters from its trainer's one init program (the model built
+    eagerly compiled a program per op), once per model for both remat settings."""
     cfg = config.get(name, num_layers=2)
-    gd, state = nnx.split(Transformer(cfg, nnx.Rngs(0)))
-    params = nnx.to_pure_dict(state)
+    tr = Trainer(cfg, make_mesh(devices=jax.devices()[:1]), "dp")
+    return cfg, tr.abstract.graphdef, tr.init(0)["params"]
+
+
+def _transformer(name, remat="none"):
+    """The split against the full backward of the model's stage; inputs drawn on the host."""
+    cfg, gd, params = _model(name)
     pieces = {k: v for k, v in params.items() if k != "blocks"}
-    k = jax.random.split(jax.random.key(1), 3)
-    inputs = {"inputs": jax.random.randint(k[0], (B, T), 0, cfg.vocab_size),
-              "targets": jax.random.randint(k[1], (B, T), 0, cfg.vocab_size),
+    rng = np.random.default_rng(1)
+    inputs = {"inputs": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T), np.int32)),
+              "targets": jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T), np.int32)),
               "weights": jnp.ones((B, T), jnp.float32)}
-    x = jax.random.normal(k[2], (B, T, cfg.embed_dim))
+    x = jnp.asarray(rng.normal(size=(B, T, cfg.embed_dim)).astype(np.float32))
     return _split_vs_full(loss_only(Stage(gd, ExecConfig(remat=remat))), params["blocks"],
                           pieces, inputs, x)
 
@@ -83,7 +92,8 @@ def test_split_equals_full_backward_user_model_stage():
     gd, params = trainer.abstract.graphdef, trainer.init(seed=0)["params"]
     pieces = {k: v for k, v in params.items() if k != "blocks"}
     inputs = jax.tree.map(jnp.asarray, image_batch(c, B))
-    x = jax.random.normal(jax.random.key(2), (B, c.patches, c.dim))
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(B, c.patches, c.dim))
+                    .astype(np.float32))
     _split_vs_full(loss_only(Stage(gd)), params["blocks"], pieces, inputs, x)
 
 
