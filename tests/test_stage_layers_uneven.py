@@ -46,10 +46,10 @@ def shared_trainer(cfg, kind, S, M, counts):
 
 
 # A short last stage (the head's), and a short first (the embedding's) and middle one; both
-# 4 layers, so one one-device reference serves the file. GPipe runs 1F1B's op kinds (tick_kernels' F and B, each with its layer slots'
-# conditional on this stage's count) and differs only in the tick program, a constant
-# table the scan reads: a GPipe case would compile these kernels again (GPipe against one
-# device: test_pipeline_executor.py).
+# 4 layers, so one one-device reference serves the file. GPipe runs 1F1B's op kinds
+# (tick_kernels' F and B, each with its layer slots' conditional on this stage's count)
+# and differs only in the tick program, a constant table the scan reads: a GPipe case
+# would compile these kernels again (GPipe against one device: test_pipeline_executor.py).
 @pytest.mark.parametrize("kind,S,M,counts", [
     ("1f1b", 2, 4, (3, 1)),
     ("1f1b", 3, 4, (1, 1, 2)),
