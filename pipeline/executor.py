@@ -124,7 +124,7 @@ def slot_buffer_bytes(program: TickProgram, layouts, x_bytes: int) -> dict[str, 
     scratch slot; the head cells, which only the last chunk's micro-batches hold and write,
     have slots of their own). F writes its residuals into
     the slot and B reads them there, in place, so no further residual set is materialised
-    per tick (``tests/test_pipeline_tick_tax.py``). ``inbox``: the forward and backward
+    per tick (``tests/test_pipeline_hlo.py``). ``inbox``: the forward and backward
     inboxes (live slots plus scratch), the two activations in flight and the two being
     sent. Forward-only schedules stash nothing.
     """

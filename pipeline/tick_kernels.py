@@ -233,7 +233,7 @@ def forward_backward(t: Tick, c: Carry, w: Carry) -> Carry:
     beside the other's compute. B's slot is read out of the stash by a conditional of its
     own (on a flag true here), and F's write waits for that read (an optimization barrier
     on F's residuals and the read slot): without the order XLA copied the whole stash every
-    tick to keep the read valid (``tests/test_pipeline_tick_tax.py``). Only the read and
+    tick to keep the read valid (``tests/test_pipeline_hlo.py``). Only the read and
     the write are ordered; B computes on the read slot, free to interleave with F."""
     tb = t.backward_view()
     read = lambda stash: tb.step.layout.read(stash, tb.row.stash_r, tb.row.head_r)  # noqa: E731
