@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-
+import tiny_runs
 from compile_counter import compiles_during
 from triax.checkpoint import CorruptCheckpoint, Checkpointer, checksums
 from triax.cli.main import main
@@ -17,10 +17,9 @@ from triax.training.config import RunConfig
 from triax.training.loop import train
 
 # fsdp: the mesh is not the point here (a dp state saves without per-device programs too:
-# test_one_process_saves_compile_no_slice_programs).
-BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="fsdp", steps=6, lr=1e-2, lr_warmup_steps=1,
-                    lr_decay_steps=6, seed=4, eval_batches=0, progress=False, checkpoint_every=3)
+# test_one_process_saves_compile_no_slice_programs); test_training_checkpoint's run, so its
+# programs (tiny_runs.FSDP).
+BASE = RunConfig.of(**tiny_runs.FSDP, steps=6, seed=4, progress=False, checkpoint_every=3)
 
 
 @pytest.fixture(scope="module")

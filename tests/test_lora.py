@@ -1,5 +1,5 @@
 """LoRA over a frozen base equals one device on every layout (fsdp_tp, tensor × pipe with
-1F1B and ZB-H1, dp with expert parallelism): loss, adapter gradients and 3 steps (fp32); the
+ZB-H1, dp with expert parallelism): loss, adapter gradients and 3 steps (fp32); the
 base is bit-identical after training and has no optimizer state. The same compiled steps show
 what a frozen base costs: no weight-gradient matmul for any base weight (the one-device dp
 step and the ZB-H1 split backward) and the optimizer state's bytes are the adapters' AdamW
@@ -29,10 +29,13 @@ MOE = config.TINY_MOE.replace(num_layers=2, lora=LoraConfig(rank=4, alpha=8.0, t
 B, T, STEPS = 8, 12, 3
 # No dp case on data=8: the dp strategy's path (replicated adapters, their gradients
 # all-reduced over data) is the expert case's (dp on data=2 × expert=4), and every target's
-# gradient reduction over data is fsdp_tp's and the pipelines' (data=2).
+# gradient reduction over data is fsdp_tp's and the pipeline's (data=2). No 1F1B case: every
+# target's adapters through a pipeline stage on tensor × pipe (the stage's params, their
+# gradients summed over micro-batches) is ZB-H1's here, and 1F1B's schedule with LoRA
+# adapters on this mesh and strategy (F and B ops, each stage's gradient accumulators) is
+# test_lora_dropout.py's tp_pipe_uneven_1_3 (against one device, 3 steps).
 CASES = {  # name: (cfg, mesh sizes, strategy, pipeline)
     "fsdp_tp": (DENSE, dict(data=2, tensor=4), "fsdp_tp", None),
-    "tp_pipe_1f1b": (DENSE, dict(data=2, pipe=2, tensor=2), "tp", PipelineConfig("1f1b")),
     "tp_pipe_zbh1": (DENSE, dict(data=2, pipe=2, tensor=2), "tp", PipelineConfig("zb-h1")),
     "expert": (MOE, dict(data=2, expert=4), "dp", None),
 }
@@ -47,7 +50,9 @@ def reference(devices):
     out = {}
     for cfg in (DENSE, MOE):
         tr = Trainer(cfg, make_mesh(devices=devices[:1]), "dp")
-        init = start_state(tr)
+        # DENSE's init program serves test_step_zero_is_the_base too; MOE's start is drawn
+        # on the host (no init program)
+        init = start_state(tr, from_init=cfg is DENSE)
         out[cfg] = (init, run(cfg, tr.mesh, "dp", None, init))
         if cfg is DENSE:   # the trainer's own init, before start_state (B = 0)
             out["b_zero"] = jax.device_get(tr.init(0)["params"])

@@ -14,9 +14,12 @@ from triax.costs.workload import FP32, Layout, Workload
 
 # No fp32 fsdp on data=8: its path (the base gathered, no base gradient reduced, the
 # adapters' reduce-scattered) is fsdp-int8's on the same layout, which differs only in the
-# base's bytes (int8 + fp32 scales); pp-fsdp gathers an fp32 base over data.
+# base's bytes (int8 + fp32 scales); pp-fsdp gathers an fp32 base over data. No dp on
+# data=8: its one collective, the adapters' gradient all-reduce over data
+# (``costs.comm._data_axis``, an optimizer state not split over data), is tp's and
+# tp-kv-replicated's data axis, priced and compiled alike (the adapters' elements of one
+# replica; test_only_adapter_gradients_are_reduced prices dp's alone).
 CASES = {  # name: (base dtype, layers, layout)
-    "dp": ("float32", 2, Layout(data=8, strategy="dp")),
     "zero1": ("float32", 2, Layout(data=8, strategy="zero1")),
     "tp": ("float32", 2, Layout(data=4, tensor=2, strategy="tp")),
     # tiny's 2 KV heads on tensor=4: k's and v's adapters are whole (no backward all-reduce)

@@ -1,8 +1,8 @@
 """``--lora-dropout p``: PEFT's ``B(A(dropout(x)))·alpha/r`` in training steps, with masks
 drawn from per-token seeds of the step (``models.lora.dropout_seeds``) and the layer's index
-in the whole stack, so fsdp_tp and tensor × pipe (1F1B over uneven stages, ZB-H1's split
-backward, ZB-V in its routed V, interleaved over padded chunks) equal one device with dropout
-on (loss, adapter gradients, 3 steps; fp32); eval and decode never drop."""
+in the whole stack, so tensor × pipe (1F1B over uneven stages, ZB-V's split backward in its
+routed V, interleaved over padded chunks) equals one device with dropout on
+(loss, adapter gradients, 3 steps; fp32); eval and decode never drop."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,12 +32,17 @@ DROP3 = DROP.replace(num_layers=3)
 PLAIN = DROP.replace(lora=LoraConfig(rank=4, alpha=8.0, targets=TARGETS))
 B, T, STEPS = 8, 12, 3
 TP_PIPE = dict(data=2, pipe=2, tensor=2)
-# One compile per case, so no two cases run the same path: fsdp_tp splits the batch (and
-# its per-token seeds) over data as dp on data=8 would; the uneven 1F1B case runs 1F1B's
+# One compile per case, so no two cases run the same path: the uneven 1F1B case runs 1F1B's
 # schedule with a stage-to-layer offset as the even split (layers 2-3 on stage 1) would.
-CASES = {"fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
-         "tp_pipe_zbh1_padded": (DROP3, TP_PIPE, "tp", PipelineConfig("zb-h1")),
-         "tp_pipe_zbv": (DROP, TP_PIPE, "tp", PipelineConfig("zb-v")),
+# No unpipelined sharded case: there a layer's index enters from the layer scan as on the
+# one device (the reference runs that path), and what sharding changes, the batch (its
+# per-token seeds) split over data and o's and down's inputs split over tensor (their masks
+# drawn for global positions), every case below runs on data=2 × tensor=2.
+# No ZB-H1 case: every op reads its slot's layer from one table
+# (``StageLayers.layer_ids``, whose 3-layers-over-2-stages padding is its doctest), the
+# split backward's B_in and W redraw their layer's mask as ZB-V's do, and a padded slot is
+# skipped as in the interleaved padded chunks.
+CASES = {"tp_pipe_zbv": (DROP, TP_PIPE, "tp", PipelineConfig("zb-v")),
          "tp_pipe_interleaved_padded": (DROP3, TP_PIPE, "tp",
                                         PipelineConfig("interleaved", virtual=2)),
          # uneven stages (1, 3): stage 1 runs layers 1-3 (not slots 3-5 of an even numbering)
@@ -48,7 +53,7 @@ CASES = {"fsdp_tp": (DROP, dict(data=2, tensor=4), "fsdp_tp", None),
 def reference(devices):
     """Per config, the start and its one-device runs (``dropout: run``; PLAIN: no dropout)."""
     mesh = make_mesh(devices=devices[:1])
-    init = start_state(Trainer(DROP, mesh, "dp"))
+    init = start_state(Trainer(DROP, mesh, "dp"), from_init=False)   # any start serves
     # DROP3 starts from DROP's first 3 layers, its parameters' and their (fresh) moments'
     # (any start serves; no second init compile)
     init3 = jax.tree_util.tree_map_with_path(

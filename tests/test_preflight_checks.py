@@ -7,6 +7,7 @@ import warnings
 
 import jax
 import pytest
+import tiny_runs
 
 from triax.cli.main import main
 from triax.inference.engine import Engine, held_bytes_per_device
@@ -20,9 +21,9 @@ from triax.training.memory_check import check_train_memory
 from triax.training.setup import build_run
 from triax.units import human_bytes
 
-# One small program, compiled once: the CLI run below and build_run share it (step_cache).
-SMALL = dict(model="tiny", num_layers=1, mesh="data=8", strategy="dp", steps=2, batch_size=8,
-             seq_len=16, data="markov", eval_batches=0)
+# One small program, compiled once: the CLI run below and build_run share it (step_cache),
+# and the other files training tiny_runs.DP.
+SMALL = dict(tiny_runs.DP, steps=2)
 
 
 def _argv(**kw) -> list[str]:

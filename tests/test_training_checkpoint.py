@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import tiny_runs
 from compile_counter import compiles_during
 from suite_env import strict_env
 
@@ -22,10 +23,8 @@ from triax.training.loop import train
 # Checkpointer writes replicated arrays whole in one process).
 # The SIGTERM child trains the same model and step, given as flags (and the test process's
 # JAX settings, ``_child_env``): it compiles the programs the in-process runs did
-# (persistent-cache hits, not cold compiles).
-RUN = dict(model="tiny", num_layers=2, data="markov", batch_size=8, seq_len=16, mesh="data=8",
-           strategy="fsdp", lr=1e-2, lr_warmup_steps=1, lr_decay_steps=6, seed=3,
-           eval_batches=0)
+# (persistent-cache hits, not cold compiles), as test_checkpoint_integrity's runs do.
+RUN = dict(tiny_runs.FSDP, seed=3)
 BASE = RunConfig.of(**RUN, steps=6, progress=False)
 QUIET = dict(note=lambda *_: None)
 # The directory that holds the `triax` package (the repo root is the package itself).

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 
 import pytest
+import tiny_runs
 from compile_counter import compiles_during
 
 from triax.checkpoint import CheckpointError, Checkpointer
@@ -16,10 +17,7 @@ from triax.training.config import RunConfig
 from triax.training.faults import SaveFailed
 from triax.training.loop import train
 
-BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="dp", steps=52, lr=1e-2, lr_warmup_steps=1,
-                    lr_decay_steps=100, seed=7, eval_batches=0, progress=False,
-                    checkpoint_every=50)
+BASE = RunConfig.of(**tiny_runs.DP, steps=52, seed=7, progress=False, checkpoint_every=50)
 QUIET = dict(note=lambda *_: None)
 
 

@@ -7,16 +7,17 @@ import shutil
 import jax
 import numpy as np
 import pytest
+import tiny_runs
 
 from triax.checkpoint import Checkpointer
+from triax.mesh import make_mesh
 from triax.training.config import RunConfig
 from triax.training.data import Batches
 from triax.training.loop import NonFiniteLoss, train
+from triax.training.step import Trainer
 
 BAD = 4   # the batch index that carries the NaN: consumed by step 5
-BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=8", strategy="dp", steps=8, lr=1e-2, lr_warmup_steps=1,
-                    lr_decay_steps=8, seed=6, eval_batches=0, progress=False, checkpoint_every=1,
+BASE = RunConfig.of(**tiny_runs.DP, steps=8, seed=6, progress=False, checkpoint_every=1,
                     keep_checkpoints=20)
 QUIET = dict(note=lambda *_: None)
 _clean_batch = Batches.numpy_batch
@@ -58,10 +59,18 @@ def runs(tmp_path_factory):
 
 
 def test_stop_names_step_and_batch(runs):
+    """The default mode: the run stops naming the step, the batch, the last good checkpoint
+    (kept, finite) and the fixes. Also the path a diverging run takes (a NaN loss is a NaN
+    loss, whatever made it)."""
     d, out = runs
     assert "loss nan at step 5 (batch 4); stopped without saving; the last good checkpoint " \
            "(step 4)" in out["stop"]
-    assert Checkpointer(str(d / "stop"), read_only=True).steps() == [1, 2, 3, 4]
+    assert "Try a lower --lr or --precision fp32, or --on-nonfinite skip|rollback" in out["stop"]
+    ck = Checkpointer(str(d / "stop"), read_only=True)
+    assert ck.steps() == [1, 2, 3, 4]
+    abstract = Trainer(BASE.model_config(), make_mesh(data=8), "dp").abstract_state()
+    state, _ = ck.restore(4, abstract)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state["params"]))
 
 
 def test_skip_drops_the_update_and_keeps_counting(runs):
