@@ -7,7 +7,6 @@ tests/test_training_multiprocess.py's check)."""
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,31 +16,22 @@ import orbax.checkpoint as ocp
 import pytest
 
 from triax.checkpoint import Checkpointer
-from triax.training.config import RunConfig
 from triax.training.loop import train
+from two_process_run import BASE, free_port
 
-# The schedule is pinned (warmup, decay), so losses depend on the step only, not on --steps.
-BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=4,tensor=2", strategy="fsdp_tp", steps=100_000, lr=1e-2,
-                    lr_warmup_steps=1, lr_decay_steps=40, seed=5, eval_batches=0, progress=False,
-                    checkpoint_every=3)
+BASE = BASE.replace(steps=100_000, checkpoint_every=3)   # runs until killed
 HEARTBEAT_S = 5
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp_path, steps, resume=False):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    coord = f"127.0.0.1:{_free_port()}"
+    coord = f"127.0.0.1:{free_port()}"
+    # BASE as flags
     flags = ["--model", "tiny", "--num-layers", "1", "--data", "markov", "--batch-size", "8",
              "--seq-len", "16", "--mesh", "data=4,tensor=2", "--strategy", "fsdp_tp",
-             "--lr", "1e-2", "--lr-warmup-steps", "1", "--lr-decay-steps", "40", "--seed", "5",
+             "--lr", "1e-2", "--lr-warmup-steps", "1", "--lr-decay-steps", "4", "--seed", "5",
              "--eval-batches", "0", "--no-progress", "--checkpoint-every", "3",
              "--steps", str(steps), "--checkpoint-dir", str(tmp_path / "c"),
              "--log-json", str(tmp_path / "log.jsonl")] + (["--resume"] if resume else [])
