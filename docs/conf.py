@@ -22,7 +22,9 @@ copyright = "triax authors"
 extensions = ["myst_nb", "sphinx.ext.autodoc"]
 root_doc = "index"
 include_patterns = ["index.md", "docs/*.md", "notebooks/*.ipynb"]
-exclude_patterns = ["docs/_build"]
+# Hidden folders (.venv, .git, .pytest_cache) are not walked: Sphinx lists every file below
+# the source folder to match it against include_patterns, a virtual environment's too.
+exclude_patterns = ["docs/_build", ".*"]
 
 html_theme = "furo"
 html_title = "triax"

@@ -15,8 +15,8 @@ again from its tokens.
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
-    >>> draft = load_draft("tiny", config.TINY, make_mesh(tensor=-1), "tp", seed=0,
-    ...                    num_layers=1)
+    >>> draft = load_draft("tiny", config.TINY, make_mesh(devices=jax.devices()[:1]), "tp",
+    ...                    seed=0, num_layers=1)
     >>> draft.num_layers
     1
 """

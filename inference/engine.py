@@ -13,8 +13,8 @@ request. Which request runs in which slot is ``triax.inference.scheduler``'s cho
 
     >>> from triax.mesh import make_mesh
     >>> from triax.models import config
-    >>> eng = Engine.from_seed(config.TINY, make_mesh(tensor=-1), seed=0,
-    ...                        ecfg=EngineConfig(max_batch=2, max_len=32))
+    >>> eng = Engine.from_seed(config.TINY, make_mesh(tensor=2, devices=jax.devices()[:2]),
+    ...                        seed=0, ecfg=EngineConfig(max_batch=2, max_len=32))
     >>> first = eng.prefill([0], [np.array([72, 105])], seeds=[0])     # slot 0 <- prompt
     >>> active = np.array([True, False])
     >>> nxt = eng.decode(np.array([int(first[0]), 0]), active, seeds=np.zeros(2))

@@ -13,7 +13,8 @@ class's public limits (``max_len``, ``slots_per_replica``, ``dtype``, adapters).
     >>> import jax
     >>> from triax.models import config
     >>> server = Server.from_seed(config.TINY, replicas=2, mesh_sizes={"tensor": 2},
-    ...                           devices=jax.devices()[:4])    # 2 replicas × tensor=2
+    ...                           devices=jax.devices()[:4],    # 2 replicas × tensor=2
+    ...                           ecfg=EngineConfig(max_batch=2, max_len=32))
     >>> rid = server.submit([72, 105], max_new_tokens=8)
     >>> results = server.run()             # {request id: Result}
     >>> len(results[rid].tokens), results[rid].ttft_s > 0

@@ -2,19 +2,14 @@
 restore gives the losses of the single-process run on 8 devices."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 
-from triax.training.config import RunConfig
 from triax.training.loop import train
-
-BASE = RunConfig.of(model="tiny", num_layers=1, data="markov", batch_size=8, seq_len=16,
-                    mesh="data=4,tensor=2", strategy="fsdp_tp", steps=4, lr=1e-2,
-                    lr_warmup_steps=1, lr_decay_steps=4, seed=5, eval_batches=0, progress=False)
+from two_process_run import BASE, free_port
 
 WORKER = textwrap.dedent("""
     import json, sys
@@ -32,17 +27,11 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_single_process(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4",
                PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    coord = f"127.0.0.1:{_free_port()}"
+    coord = f"127.0.0.1:{free_port()}"
     base = json.dumps(BASE.to_json())
     procs = [subprocess.Popen([sys.executable, "-c", WORKER, coord, str(i), str(tmp_path / "c"),
                                base], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

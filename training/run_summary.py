@@ -5,12 +5,13 @@ and its final state; ``format_summary`` prints it.
 
     >>> from triax.training.config import RunConfig
     >>> from triax.training.setup import build_run
-    >>> run = build_run(RunConfig.of(num_layers=1, mesh="data=8", batch_size=8, seq_len=16))
+    >>> run = build_run(RunConfig.of(num_layers=1, mesh="data=8", strategy="dp", batch_size=8,
+    ...                              seq_len=16))
     >>> stats = RunStats(steps=2, losses=[5.6, 5.5], tokens_per_step=128, flops_per_step=1e9,
     ...                  times={"first_step_s": 0.2, "steps_s": 0.1})
     >>> s = summary(stats, run.compiled, run.compiled.init(seed=0))
     >>> s["strategy"], s["pipeline"], s["mean_step_s"]
-    ('fsdp_tp', None, 0.1)
+    ('dp', None, 0.1)
     >>> print(format_summary(s).splitlines()[2])  # doctest: +ELLIPSIS
       parameters: ... KiB per device of ... KiB total (... split)
 """
