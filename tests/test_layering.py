@@ -14,15 +14,10 @@ docs/architecture.md ("Layers") describes the table below; this file is its home
 from __future__ import annotations
 
 import ast
-import os
 from pathlib import Path
 
 import pytest
-
-import triax
-
-ROOT = Path(triax.__file__).parent
-NOT_PACKAGE = {"tests", "bench", "notebooks", "docs"}
+from package_files import modules
 
 # Lowest first. ``p`` names module p and those below it, ``p.*`` only those below it; a
 # module belongs to the layer of its longest matching entry.
@@ -44,23 +39,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("serving", ("triax.serving",)),
     ("command line", ("triax.cli", "triax.__main__")),
 )
-
-
-def modules() -> dict[str, Path]:
-    """Every module of the package, by dotted name (a package by its ``__init__``)."""
-    out = {}
-    for folder, subfolders, files in os.walk(ROOT):
-        here = Path(folder)
-        # Not walked at all: the virtual environment a checkout holds (.venv: a walk of all
-        # its files cost most of this file's time), .git, and the folders that are no part
-        # of the package.
-        subfolders[:] = [d for d in subfolders if not d.startswith(".")
-                         and not (here == ROOT and d in NOT_PACKAGE)]
-        for file in files:
-            if file.endswith(".py") and not file.startswith("."):
-                parts = ["triax", *(here / file).relative_to(ROOT).with_suffix("").parts]
-                out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = here / file
-    return out
 
 
 def _is_type_checking(test: ast.expr) -> bool:

@@ -29,11 +29,9 @@ def test_private_name_still_exists(name, get):
 
 def test_no_private_import_elsewhere():
     """``private_jax`` is the one module that imports ``jax._src`` or a private jaxlib module."""
-    from pathlib import Path
-    root = Path(private_jax.__file__).parent
-    offenders = [str(p.relative_to(root)) for p in root.rglob("*.py")
-                 if ".venv" not in p.parts and p.name != "private_jax.py"
-                 and "tests" not in p.parts
+    from package_files import ROOT, python_files
+    offenders = [str(p.relative_to(ROOT)) for p in python_files(frozenset({"tests"}))
+                 if p.name != "private_jax.py"
                  and any(line.lstrip().startswith(("from jax._src", "import jax._src",
                                                    "from jaxlib import _"))
                          for line in p.read_text().splitlines())]
