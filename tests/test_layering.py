@@ -14,7 +14,6 @@ docs/architecture.md ("Layers") describes the table below; this file is its home
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
 import pytest
 from package_files import modules
