@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import pytest
+from layer_collectives import with_one_more_layer
 
 from triax.mesh import make_mesh
 from triax.models import config
@@ -18,10 +19,14 @@ def count(collectives, kind, axis):
 
 
 def step_collectives(cfg, mesh, strategy):
-    return collectives_from_compiled(Trainer(cfg, mesh, strategy).lower(B, T).compile(), mesh)
+    return collectives_from_compiled(step_program(cfg, mesh, strategy), mesh)
 
 
-def forward_collectives(cfg, mesh, strategy):
+def step_program(cfg, mesh, strategy):
+    return Trainer(cfg, mesh, strategy).lower(B, T).compile()
+
+
+def forward_program(cfg, mesh, strategy):
     trainer = Trainer(cfg, mesh, strategy)
 
     def loss(params, batch):
@@ -30,7 +35,7 @@ def forward_collectives(cfg, mesh, strategy):
     sh = trainer.batch_sharding()
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh) for k in ("inputs", "targets")}
     params = trainer.abstract_state()["params"]
-    return collectives_from_compiled(jax.jit(loss).lower(params, batch).compile(), mesh)
+    return jax.jit(loss).lower(params, batch).compile()
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +46,12 @@ def tp_mesh(devices):
 @pytest.mark.parametrize("which,per_block", [("forward", 2), ("step", 4)])
 def test_tp_all_reduces_per_block(tp_mesh, which, per_block):
     """Megatron TP: one all-reduce after attention and one after the MLP in the forward;
-    their transposes in the backward; no per-layer all-gather of weights."""
-    fn = forward_collectives if which == "forward" else step_collectives
-    two, three = (fn(config.TINY.replace(num_layers=n), tp_mesh, "tp") for n in (2, 3))
+    their transposes in the backward; no per-layer all-gather of weights. Per block: the
+    2-layer program's collectives with its layer scans run once more (``layer_collectives``;
+    the 3-layer step compiles the same loop bodies)."""
+    fn = forward_program if which == "forward" else step_program
+    two, three = with_one_more_layer(fn(config.TINY.replace(num_layers=2), tp_mesh, "tp"),
+                                     tp_mesh, layers=2, loops=1 if which == "forward" else 2)
     assert count(three, "all-reduce", "tensor") - count(two, "all-reduce", "tensor") == per_block
     assert count(three, "all-gather", "tensor") == count(two, "all-gather", "tensor") == 0
     # Per-block payload: B·T·D fp32 per all-reduce in the forward; in the backward the MLP's
