@@ -4,8 +4,8 @@ as collective matmuls (``sharding.collective_matmul``), read from the compiled H
 Per transformer block (the 2-layer step with its layer scans run once more, less as
 compiled: ``tests/layer_collectives.py``): no all-gather over ``tensor`` and no reduction of
 the residual stream over it, but ``n - 1`` permutes of one sequence chunk per ring, 8 rings
-(forward: q/k/v in, attention out, MLP in, MLP out; backward: their transposes), the bytes a ring all-gather or reduce-scatter
-sends. (Equality with one device: tests/test_equivalence.py.)
+(forward: q/k/v in, attention out, MLP in, MLP out; backward: their transposes), the bytes
+a ring all-gather or reduce-scatter sends. (Equality with one device: tests/test_equivalence.py.)
 """
 import dataclasses
 
