@@ -1,4 +1,6 @@
-"""Structural facts read from the compiled HLO and from memory_analysis (exact, no timing)."""
+"""Structural facts read from the compiled HLO and from memory_analysis (exact, no timing).
+dp's gradient all-reduce and zero1's sharded moments are tests/test_equivalence.py's, read
+from the dp and zero1 steps (tiny, data=8) it runs against one device."""
 import jax
 import jax.numpy as jnp
 import pytest
@@ -16,10 +18,6 @@ B, T = 8, 16
 
 def count(collectives, kind, axis):
     return sum(c.count for c in collectives if c.kind == kind and axis in c.axes)
-
-
-def step_collectives(cfg, mesh, strategy):
-    return collectives_from_compiled(step_program(cfg, mesh, strategy), mesh)
 
 
 def step_program(cfg, mesh, strategy):
@@ -61,16 +59,6 @@ def test_tp_all_reduces_per_block(tp_mesh, which, per_block):
     assert added == (2 * BTD if which == "forward" else 6 * BTD)
 
 
-def test_dp_gradient_all_reduce_equals_parameter_bytes(devices):
-    cfg = config.TINY.replace(num_layers=2)
-    mesh = make_mesh(data=8)
-    cols = step_collectives(cfg, mesh, "dp")
-    param_bytes = 4 * cfg.num_params
-    ar = bytes_over(cols, "all-reduce", "data")
-    assert abs(ar - param_bytes) <= 0.05 * param_bytes, (ar, param_bytes)
-    assert {c.kind for c in cols} == {"all-reduce"}
-
-
 def test_fsdp_memory_is_total_over_n(devices):
     cfg = config.TINY.replace(num_layers=2)
     mesh = make_mesh(data=8)
@@ -88,15 +76,6 @@ def test_fsdp_memory_is_total_over_n(devices):
     # more than the 4-byte loss all-reduce.
     reduced = bytes_over(cols, "reduce-scatter", "data") + bytes_over(cols, "all-reduce", "data")
     assert reduced >= 4 * (cfg.num_params - cfg.vocab_size * cfg.embed_dim), reduced
-
-
-def test_zero1_shards_only_optimizer_state(devices):
-    cfg = config.TINY.replace(num_layers=2)
-    mesh = make_mesh(data=8)
-    mem = memory_from_compiled(Trainer(cfg, mesh, "zero1").lower(B, T).compile())
-    P = 4 * cfg.num_params
-    ideal = P + 2 * P / 8 + 2 * B * T * 4 // 8   # replicated params, sharded moments
-    assert abs(mem.argument_bytes - ideal) <= 0.10 * ideal, (mem.argument_bytes, ideal)
 
 
 def test_report_json_contract(devices):
