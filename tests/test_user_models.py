@@ -112,11 +112,14 @@ def vit_sharded():
     return get
 
 
-# The user's names go through each strategy's rules: dp (all replicated), tp (heads/mlp over
-# tensor) and fsdp_tp (embed over data too). fsdp 8x1 is no case of its own: its one rule
-# beyond dp, embed over data, is fsdp_tp's on the data axis of 2x4 (each strategy on every
-# mesh: tests/test_equivalence.py).
-@pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("tp", 1, 8), ("fsdp_tp", 2, 4)])
+# The user's names go through each strategy's rules: tp (heads/mlp over tensor) and fsdp_tp
+# (embed over data too). fsdp 8x1 is no case of its own: its one rule beyond dp, embed over
+# data, is fsdp_tp's on the data axis of 2x4 (each strategy on every mesh:
+# tests/test_equivalence.py). Nor is dp 8x1: its rules place none of the user's parameters
+# (all replicated, the batch split over data): tp 1x8 runs replicated leaves (the norms,
+# patch_CD, pos_PD and head_DK, whose axes tp leaves alone) and fsdp_tp 2x4 the batch split
+# over data (data=2) with the gradients reduced over it.
+@pytest.mark.parametrize("strategy,data,tensor", [("tp", 1, 8), ("fsdp_tp", 2, 4)])
 def test_vit_strategy_matches_single_device(vit_reference, vit_init, vit_sharded, strategy, data,
                                             tensor):
     check_same(run(vit_sharded(strategy, data, tensor), vit_init, VIT_BATCHES), vit_reference,
