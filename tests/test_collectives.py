@@ -1,7 +1,10 @@
-"""Structural facts read from the compiled HLO and from memory_analysis (exact, no timing)."""
+"""Structural facts read from the compiled HLO and from memory_analysis (exact, no timing).
+dp's gradient all-reduce and zero1's sharded moments are tests/test_equivalence.py's, read
+from the dp and zero1 steps (tiny, data=8) it runs against one device."""
 import jax
 import jax.numpy as jnp
 import pytest
+from layer_collectives import with_one_more_layer
 
 from triax.mesh import make_mesh
 from triax.models import config
@@ -17,11 +20,11 @@ def count(collectives, kind, axis):
     return sum(c.count for c in collectives if c.kind == kind and axis in c.axes)
 
 
-def step_collectives(cfg, mesh, strategy):
-    return collectives_from_compiled(Trainer(cfg, mesh, strategy).lower(B, T).compile(), mesh)
+def step_program(cfg, mesh, strategy):
+    return Trainer(cfg, mesh, strategy).lower(B, T).compile()
 
 
-def forward_collectives(cfg, mesh, strategy):
+def forward_program(cfg, mesh, strategy):
     trainer = Trainer(cfg, mesh, strategy)
 
     def loss(params, batch):
@@ -30,7 +33,7 @@ def forward_collectives(cfg, mesh, strategy):
     sh = trainer.batch_sharding()
     batch = {k: jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh) for k in ("inputs", "targets")}
     params = trainer.abstract_state()["params"]
-    return collectives_from_compiled(jax.jit(loss).lower(params, batch).compile(), mesh)
+    return jax.jit(loss).lower(params, batch).compile()
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,12 @@ def tp_mesh(devices):
 @pytest.mark.parametrize("which,per_block", [("forward", 2), ("step", 4)])
 def test_tp_all_reduces_per_block(tp_mesh, which, per_block):
     """Megatron TP: one all-reduce after attention and one after the MLP in the forward;
-    their transposes in the backward; no per-layer all-gather of weights."""
-    fn = forward_collectives if which == "forward" else step_collectives
-    two, three = (fn(config.TINY.replace(num_layers=n), tp_mesh, "tp") for n in (2, 3))
+    their transposes in the backward; no per-layer all-gather of weights. Per block: the
+    2-layer program's collectives with its layer scans run once more (``layer_collectives``;
+    the 3-layer step compiles the same loop bodies)."""
+    fn = forward_program if which == "forward" else step_program
+    two, three = with_one_more_layer(fn(config.TINY.replace(num_layers=2), tp_mesh, "tp"),
+                                     tp_mesh, layers=2, loops=1 if which == "forward" else 2)
     assert count(three, "all-reduce", "tensor") - count(two, "all-reduce", "tensor") == per_block
     assert count(three, "all-gather", "tensor") == count(two, "all-gather", "tensor") == 0
     # Per-block payload: B·T·D fp32 per all-reduce in the forward; in the backward the MLP's
@@ -51,16 +57,6 @@ def test_tp_all_reduces_per_block(tp_mesh, which, per_block):
     BTD = B * T * config.TINY.embed_dim * 4
     added = bytes_over(three, "all-reduce", "tensor") - bytes_over(two, "all-reduce", "tensor")
     assert added == (2 * BTD if which == "forward" else 6 * BTD)
-
-
-def test_dp_gradient_all_reduce_equals_parameter_bytes(devices):
-    cfg = config.TINY.replace(num_layers=2)
-    mesh = make_mesh(data=8)
-    cols = step_collectives(cfg, mesh, "dp")
-    param_bytes = 4 * cfg.num_params
-    ar = bytes_over(cols, "all-reduce", "data")
-    assert abs(ar - param_bytes) <= 0.05 * param_bytes, (ar, param_bytes)
-    assert {c.kind for c in cols} == {"all-reduce"}
 
 
 def test_fsdp_memory_is_total_over_n(devices):
@@ -80,15 +76,6 @@ def test_fsdp_memory_is_total_over_n(devices):
     # more than the 4-byte loss all-reduce.
     reduced = bytes_over(cols, "reduce-scatter", "data") + bytes_over(cols, "all-reduce", "data")
     assert reduced >= 4 * (cfg.num_params - cfg.vocab_size * cfg.embed_dim), reduced
-
-
-def test_zero1_shards_only_optimizer_state(devices):
-    cfg = config.TINY.replace(num_layers=2)
-    mesh = make_mesh(data=8)
-    mem = memory_from_compiled(Trainer(cfg, mesh, "zero1").lower(B, T).compile())
-    P = 4 * cfg.num_params
-    ideal = P + 2 * P / 8 + 2 * B * T * 4 // 8   # replicated params, sharded moments
-    assert abs(mem.argument_bytes - ideal) <= 0.10 * ideal, (mem.argument_bytes, ideal)
 
 
 def test_report_json_contract(devices):

@@ -11,6 +11,7 @@ from tree_checks import assert_trees_close
 from triax.mesh import make_mesh
 from triax.models import ExecConfig, config, runtime
 from triax.sharding import activation_sharding
+from triax.sharding.introspect import bytes_over, collectives_from_compiled, memory_from_compiled
 from triax.sharding.rules import get_strategy
 from triax.training.step import Trainer
 
@@ -22,10 +23,12 @@ B, T = 8, 16
 # (weights replicated over `tensor`, sharded over a data=2). Dropped as the same path: dp 4x2,
 # zero1 4x2 (the idle tensor axis, as fsdp 2x4), tp 1x8 and fsdp_tp 4x2 (the axes tp 2x4
 # splits); fsdp 8x1 and fsdp_tp 2x4, whose rules the HSDP cases run with a replica axis added
-# (fsdp's weights split over data=4, fsdp_tp's over data and tensor; tensor=4's replicated
-# KV heads are tp 2x4's).
+# (fsdp's weights split over data=4: tests/test_hsdp.py; fsdp_tp's over data and tensor;
+# tensor=4's replicated KV heads are tp 2x4's).
 CASES = [("dp", 8, 1), ("fsdp", 2, 4), ("zero1", 8, 1), ("tp", 2, 4)]
-HSDP_CASES = [("fsdp", dict(replica=2, data=4)), ("fsdp_tp", dict(replica=2, data=2, tensor=2))]
+# HSDP fsdp (replica=2 × data=4) is tests/test_hsdp.py's, against one device there, on the
+# step whose collectives that file reads (one compile for both).
+HSDP_CASES = [("fsdp_tp", dict(replica=2, data=2, tensor=2))]
 
 
 def batches(trainer, n=3):
@@ -42,12 +45,13 @@ def with_grads(cfg, mesh, strategy, **kw):
     return tr
 
 
-def run(trainer, init, n_steps=3):
-    """From ``init`` (the one-device initial state, placed: no init compile per mesh)."""
+def run(trainer, init, n_steps=3, step=None):
+    """From ``init`` (the one-device initial state, placed: no init compile per mesh);
+    ``step``: the trainer's step compiled (``trainer.lower``), run instead of its own jit."""
     state = trainer.place(init)
     metrics = []
     for b in batches(trainer, n_steps):
-        state, m = trainer.step(state, b)
+        state, m = (step or trainer.step)(state, trainer.shard_batch(b))
         metrics.append(jax.device_get(m))
     losses = [float(m["loss"]) for m in metrics]
     return losses[0], metrics[0]["grads"], losses, jax.device_get(state["params"])
@@ -71,15 +75,48 @@ def reference(one_device):
     return run(*one_device)
 
 
+@pytest.fixture(scope="module")
+def strategy_step():
+    """``with_grads`` trainers of ``CASES`` and their compiled steps, made once: the program
+    the equality test runs is the one the structural tests below read."""
+    made = {}
+
+    def get(strategy, data, tensor):
+        if (strategy, data, tensor) not in made:
+            tr = with_grads(CFG, make_mesh(data=data, tensor=tensor), strategy)
+            made[strategy, data, tensor] = tr, tr.lower(B, T).compile()
+        return made[strategy, data, tensor]
+    return get
+
+
 @pytest.mark.parametrize("strategy,data,tensor", CASES)
-def test_strategy_matches_single_device(reference, init, strategy, data, tensor):
+def test_strategy_matches_single_device(reference, init, strategy_step, strategy, data, tensor):
     ref_loss, ref_grads, ref_losses, ref_params = reference
-    loss, grads, losses, params = run(with_grads(CFG, make_mesh(data=data, tensor=tensor),
-                                                 strategy), init)
+    trainer, step = strategy_step(strategy, data, tensor)
+    loss, grads, losses, params = run(trainer, init, step=step)
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="gradients")
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="params after 3 steps")
+
+
+# Structural facts of two of the steps above, read from the programs the equality test ran
+# (the gradients among their metrics are outputs: no collective, no argument). The other
+# structural facts of the tiny steps are tests/test_collectives.py's.
+def test_dp_gradient_all_reduce_equals_parameter_bytes(strategy_step):
+    trainer, compiled = strategy_step("dp", 8, 1)
+    cols = collectives_from_compiled(compiled, trainer.mesh)
+    param_bytes = 4 * CFG.num_params
+    ar = bytes_over(cols, "all-reduce", "data")
+    assert abs(ar - param_bytes) <= 0.05 * param_bytes, (ar, param_bytes)
+    assert {c.kind for c in cols} == {"all-reduce"}
+
+
+def test_zero1_shards_only_optimizer_state(strategy_step):
+    mem = memory_from_compiled(strategy_step("zero1", 8, 1)[1])
+    P = 4 * CFG.num_params
+    ideal = P + 2 * P / 8 + 2 * B * T * 4 // 8   # replicated params, sharded moments
+    assert abs(mem.argument_bytes - ideal) <= 0.10 * ideal, (mem.argument_bytes, ideal)
 
 
 @pytest.mark.parametrize("strategy,sizes", HSDP_CASES)
@@ -118,7 +155,8 @@ def test_remat_matches_plain(reference, init):
     the same program: compiled once per run)."""
     mesh = make_mesh(**dict(HSDP_CASES)["fsdp_tp"])
     trainer = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="full"))
-    loss, grads, losses, params = run(trainer, init)
+    compiled = trainer.lower(B, T).compile()      # run, and read for its memory
+    loss, grads, losses, params = run(trainer, init, step=compiled)
     ref_loss, ref_grads, ref_losses, ref_params = reference
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="remat grads")
@@ -126,8 +164,8 @@ def test_remat_matches_plain(reference, init):
     assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="remat params")
     # Remat is on in the program: the compiled step keeps fewer temporaries than without.
     plain = with_grads(CFG, mesh, "fsdp_tp", exe=ExecConfig(remat="none"))
-    temp = {name: t.lower(B, T).compile().memory_analysis().temp_size_in_bytes
-            for name, t in (("remat", trainer), ("plain", plain))}
+    temp = {name: c.memory_analysis().temp_size_in_bytes
+            for name, c in (("remat", compiled), ("plain", plain.lower(B, T).compile()))}
     assert temp["remat"] < 0.6 * temp["plain"], temp
 
 

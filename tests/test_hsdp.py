@@ -3,13 +3,15 @@
 The compiled step's collectives per mesh axis equal the count made from the parameters'
 shapes: the gathers and gradient reductions stay on `data` (the shard group) and the only
 traffic on `replica` is one all-reduce of each gradient shard. The planner puts `replica`
-on the inter-node links. (Equality with one device: tests/test_equivalence.py.)
+on the inter-node links. FSDP's HSDP step, the one read here, and the pipelined one equal one
+device (fsdp_tp's HSDP equality: tests/test_equivalence.py).
 """
 import math
 
 import jax
 import numpy as np
 import pytest
+from step_grads import first_step_grads
 from tree_checks import assert_trees_close
 
 from triax.costs import hardware
@@ -35,10 +37,46 @@ def _bytes(cols, kind, axes):
 
 @pytest.fixture(scope="module")
 def hsdp(devices):
+    """The HSDP step compiled once: its collectives read here, the program the equality
+    test runs."""
     mesh = make_mesh(replica=REPLICA, data=DATA)
     trainer = Trainer(CFG, mesh, "fsdp")
-    cols = collectives_from_compiled(trainer.lower(B, T).compile(), mesh)
-    return trainer, cols
+    compiled = trainer.lower(B, T).compile()
+    return trainer, collectives_from_compiled(compiled, mesh), compiled
+
+
+def run(trainer, init, step=None, n_steps=3):
+    """Step 0's loss and gradients (read from the optimizer: ``step_grads``), every step's
+    loss and the parameters after ``n_steps``, from ``init`` (a host state) placed."""
+    state, losses = trainer.place(init), []
+    for i in range(n_steps):
+        state, m = (step or trainer.step)(state, trainer.shard_batch(
+            trainer.example_batch(B, T, seed=i)))
+        losses.append(float(m["loss"]))
+        if i == 0:
+            grads = first_step_grads(trainer, state, m)
+    return losses[0], grads, losses, jax.device_get(state["params"])
+
+
+@pytest.fixture(scope="module")
+def reference(devices):
+    """One device's run and its initial state on the host (every run's start)."""
+    one = Trainer(CFG, make_mesh(devices=devices[:1]), "dp")
+    init = jax.device_get(one.init(seed=0))
+    return init, run(one, init)
+
+
+def test_hsdp_fsdp_matches_single_device(hsdp, reference):
+    """FSDP within each replica group of the batch, replicated across groups: loss, every
+    gradient and the parameters after 3 steps equal one device's (fp32)."""
+    trainer, _, compiled = hsdp
+    assert "replica" in str(trainer.batch_sharding().spec)     # the batch split over groups
+    init, (ref_loss, ref_grads, ref_losses, ref_params) = reference
+    loss, grads, losses, params = run(trainer, init, step=compiled)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-7, what="HSDP fsdp gradients")
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-5, atol=1e-6, what="HSDP fsdp params")
 
 
 def _analytic(trainer):
@@ -58,7 +96,7 @@ def _analytic(trainer):
 
 
 def test_hsdp_collectives_per_axis_equal_the_analytic_count(hsdp):
-    trainer, cols = hsdp
+    trainer, cols, _ = hsdp
     a = _analytic(trainer)
     sharded = a["blocks"] + a["head"] + a["table"]
     tokens = B // (REPLICA * DATA) * T              # one device's tokens
@@ -87,7 +125,7 @@ def test_hsdp_collectives_per_axis_equal_the_analytic_count(hsdp):
 def test_comm_model_prices_the_replica_all_reduce(hsdp):
     """costs.comm: the replica axis moves the shard's gradients plus the whole leaves'
     (the compiled program's joint op, less its 4-byte loss)."""
-    trainer, cols = hsdp
+    trainer, cols, _ = hsdp
     a = _analytic(trainer)
     w = Workload.of(CFG, train=True, dtype="fp32", batch=B, seq=T, backend="cpu")
     t = traffic(w, Layout(replica=REPLICA, data=DATA, strategy="fsdp"))["replica"]
@@ -121,16 +159,14 @@ def test_planner_puts_replica_on_the_inter_node_links():
     assert hybrid.comm_time_by_axis["replica"] > 0
 
 
-def test_pipelined_hsdp_gradients_match_single_device(devices):
+def test_pipelined_hsdp_gradients_match_single_device(reference):
     """The pipeline's executor makes `pipe` and `data` manual; `replica` stays an auto batch
-    axis around it (each group runs its own pipeline on its rows, XLA sums the shards)."""
-    ref = Trainer(CFG, make_mesh(devices=devices[:1]), "dp")
-    params = jax.device_get(ref.init(0)["params"])
-    batch = ref.example_batch(B, T)
-    (ref_loss, _), ref_grads = ref.grads(params, batch)
+    axis around it (each group runs its own pipeline on its rows, XLA sums the shards).
+    Against one device's step 0 (the reference run's batch 0 at its initial parameters)."""
+    init, (ref_loss, ref_grads, _, _) = reference
     tr = Trainer(CFG, make_mesh(replica=2, data=2, pipe=2), "fsdp",
                  pipeline=PipelineConfig("1f1b", 2))
-    (loss, _), grads = tr.grads(params, batch)
+    (loss, _), grads = tr.grads(init["params"], tr.example_batch(B, T, seed=0))
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(jax.device_get(grads), jax.device_get(ref_grads), rtol=1e-5, atol=1e-7,
                        what="pipelined HSDP gradients")

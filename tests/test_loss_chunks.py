@@ -58,11 +58,13 @@ def reference(devices, init):
             for w in (False, True)}
 
 
-# Each path once: the unweighted chunked loss on one device (and through the pipeline,
-# below), the weighted one under context × tensor × sequence parallelism. The number of
-# chunks is the length of the one scan over slices (2, 4 and 8 run the same code).
+# Each path once: the chunked loss has one call site (``Transformer.head_loss`` ->
+# ``models.loss.head_nll_sum``), run unpipelined and weighted here under context × tensor ×
+# sequence parallelism, and unweighted on the pipeline's last stage below (one device
+# unweighted is no case of its own: the same scan, and ``head_nll_sum``'s docstring example
+# checks it against the whole sequence). The number of chunks is the length of the one scan
+# over slices (2, 4 and 8 run the same code).
 @pytest.mark.parametrize("chunks, strategy, mesh, weights", [
-    (4, "dp", dict(), False),
     (8, "fsdp_tp_sp", dict(context=2, tensor=2, data=2), True),
 ])
 def test_chunked_loss_matches_the_whole_sequence(reference, init, devices, chunks, strategy,

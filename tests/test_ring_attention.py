@@ -63,7 +63,10 @@ def compiled_ring(C, layout, T):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
 
 
-@pytest.mark.parametrize("C", [4, 8])
+# Context 8 only: the compiled ring is one loop of C - 1 steps whose switch picks a branch
+# per (layout, C, rank, step) from the static table, which the test above checks for C = 4
+# and 8 alike; 8 ranks is the stricter balance (contiguous: 2 - 1/C).
+@pytest.mark.parametrize("C", [8])
 def test_attention_flops_per_rank_are_balanced_by_the_zigzag(C):
     T = 8 * C
     compiled = {lay: compiled_ring(C, lay, T) for lay in ring.LAYOUTS}

@@ -1,15 +1,16 @@
 """``--tp-overlap``: sequence parallelism's all-gather → matmul and matmul → reduce-scatter
 as collective matmuls (``sharding.collective_matmul``), read from the compiled HLO.
 
-Per transformer block (the step of 2 layers less the step of 1): no all-gather over
-``tensor`` and no reduction of the residual stream over it, but ``n - 1`` permutes of one
-sequence chunk per ring, 8 rings (forward: q/k/v in, attention out, MLP in, MLP out;
-backward: their transposes), the bytes a ring all-gather or reduce-scatter sends.
-(Equality with one device: tests/test_equivalence.py.)
+Per transformer block (the 2-layer step with its layer scans run once more, less as
+compiled: ``tests/layer_collectives.py``): no all-gather over ``tensor`` and no reduction of
+the residual stream over it, but ``n - 1`` permutes of one sequence chunk per ring, 8 rings
+(forward: q/k/v in, attention out, MLP in, MLP out; backward: their transposes), the bytes
+a ring all-gather or reduce-scatter sends. (Equality with one device: tests/test_equivalence.py.)
 """
 import dataclasses
 
 import pytest
+from layer_collectives import with_one_more_layer
 
 from triax.costs import hardware
 from triax.costs.comm import traffic
@@ -30,21 +31,22 @@ B, T, DATA, TENSOR = 8, 16, 2, 4
 CFG = config.TINY.replace(num_kv_heads=4)
 
 
-def step(layers: int, overlap: bool) -> dict:
+def step(overlap: bool):
+    """The 2-layer step and its mesh."""
     mesh = make_mesh(data=DATA, tensor=TENSOR)
     st = dataclasses.replace(get_strategy("tp_sp"), tp_overlap=overlap)
-    return summarize(collectives_from_compiled(
-        Trainer(CFG.replace(num_layers=layers), mesh, st).lower(B, T).compile(), mesh))
+    return Trainer(CFG.replace(num_layers=2), mesh, st).lower(B, T).compile(), mesh
 
 
 @pytest.fixture(scope="module")
 def blocks(devices):
     """The overlapped step's collectives per block, and the plain SP step of 2 blocks."""
-    one, two = step(1, True), step(2, True)
+    two, three = (summarize(c) for c in with_one_more_layer(*step(True), layers=2))
     zero = {"count": 0, "bytes": 0}
-    per_block = {k: {f: two.get(k, zero)[f] - one.get(k, zero)[f] for f in ("count", "bytes")}
-                 for k in set(one) | set(two)}
-    return {True: per_block, False: step(2, False), "two": two}
+    per_block = {k: {f: three.get(k, zero)[f] - two.get(k, zero)[f] for f in ("count", "bytes")}
+                 for k in set(two) | set(three)}
+    return {True: per_block, False: summarize(collectives_from_compiled(*step(False))),
+            "two": two}
 
 
 def test_no_all_gather_on_the_path_and_the_same_bytes_as_permutes(blocks):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from tree_checks import assert_trees_close
 from flax import nnx
+from layer_collectives import with_one_more_layer
 from user_models import (MIXER_RULES, Mixer, MixerConfig, ViT, VitConfig, image_batch,
                          mixer_batch, mixer_loss, vit_loss)
 
@@ -13,7 +14,7 @@ import triax
 from triax.mesh import make_mesh
 from triax.pipeline.pipelined import PipelineConfig
 from triax.sharding import ShardingError
-from triax.sharding.introspect import collectives_from_compiled, placement_table
+from triax.sharding.introspect import placement_table
 
 VIT = VitConfig(layers=2)
 VIT_RULES = {"pixels": None, "classes": None}
@@ -111,11 +112,14 @@ def vit_sharded():
     return get
 
 
-# The user's names go through each strategy's rules: dp (all replicated), tp (heads/mlp over
-# tensor) and fsdp_tp (embed over data too). fsdp 8x1 is no case of its own: its one rule
-# beyond dp, embed over data, is fsdp_tp's on the data axis of 2x4 (each strategy on every
-# mesh: tests/test_equivalence.py).
-@pytest.mark.parametrize("strategy,data,tensor", [("dp", 8, 1), ("tp", 1, 8), ("fsdp_tp", 2, 4)])
+# The user's names go through each strategy's rules: tp (heads/mlp over tensor) and fsdp_tp
+# (embed over data too). fsdp 8x1 is no case of its own: its one rule beyond dp, embed over
+# data, is fsdp_tp's on the data axis of 2x4 (each strategy on every mesh:
+# tests/test_equivalence.py). Nor is dp 8x1: its rules place none of the user's parameters
+# (all replicated, the batch split over data): tp 1x8 runs replicated leaves (the norms,
+# patch_CD, pos_PD and head_DK, whose axes tp leaves alone) and fsdp_tp 2x4 the batch split
+# over data (data=2) with the gradients reduced over it.
+@pytest.mark.parametrize("strategy,data,tensor", [("tp", 1, 8), ("fsdp_tp", 2, 4)])
 def test_vit_strategy_matches_single_device(vit_reference, vit_init, vit_sharded, strategy, data,
                                             tensor):
     check_same(run(vit_sharded(strategy, data, tensor), vit_init, VIT_BATCHES), vit_reference,
@@ -155,14 +159,15 @@ def test_mixer_channels_follow_embed(devices):
 def test_vit_tp_all_reduce_per_row_parallel_matmul(vit_sharded):
     """Each block has two row-parallel matmuls (attention out, MLP down): one all-reduce over
     tensor each in the forward, and their transposes (qkv, MLP up input gradients) backward.
-    The 2-layer step is the tp 1x8 one test_vit_strategy_matches_single_device compiled (the
-    gradients among its metrics are outputs, no collective)."""
-    def tensor_all_reduces(layers):
-        trainer = vit_sharded("tp", 1, 8, layers)
-        compiled = trainer.lower(VIT_BATCHES[0]).compile()
-        return sum(c.count for c in collectives_from_compiled(compiled, trainer.mesh)
-                   if c.kind == "all-reduce" and "tensor" in c.axes)
-    assert VIT.layers == 2 and tensor_all_reduces(3) - tensor_all_reduces(2) == 4
+    The step is the tp 1x8 one test_vit_strategy_matches_single_device compiled (the
+    gradients among its metrics are outputs, no collective); per block, its collectives with
+    the layer scans run once more (``layer_collectives``)."""
+    trainer = vit_sharded("tp", 1, 8)
+    two, three = with_one_more_layer(trainer.lower(VIT_BATCHES[0]).compile(), trainer.mesh,
+                                     layers=VIT.layers)
+    tensor_all_reduces = [sum(c.count for c in cs if c.kind == "all-reduce" and "tensor" in c.axes)
+                          for cs in (two, three)]
+    assert tensor_all_reduces[1] - tensor_all_reduces[0] == 4
 
 
 # The user's stack split into stages, with its forward and backward per stage (1f1b) and
