@@ -324,14 +324,16 @@ class Engine(ModelRunner):
     def _sampled(self, tok, logits, seeds, positions, rows, slots=None, force=False):
         """A step's tokens: its own (greedy), or, where a row samples (or ``force``), the
         draw program's from its ``logits`` (``sampling.draw``; one per row count, compiled
-        by the warm-up). The step's prompt log-probabilities stay."""
+        by the warm-up), with ``slots`` put in them (``_to_slots``: the draw itself is a
+        prefill's of as many rows). The step's prompt log-probabilities stay."""
         if not (force or draws(rows)):
             return tok
-        self.compiles["draw"].add((len(seeds), slots is not None))
+        self.compiles["draw"].add(len(seeds))
         self.launches["draw"] += 1
         drawn = self._draw_jit(logits, self.sampling_seed(), np.asarray(seeds, np.int32),
-                               np.asarray(positions, np.int32), draw_rows(rows),
-                               *(() if slots is None else (slots,)))
+                               np.asarray(positions, np.int32), draw_rows(rows))
+        if slots is not None:
+            drawn = self._to_slots_jit(drawn, slots)
         if isinstance(tok, dict):
             return {**tok, **(drawn if isinstance(drawn, dict) else {"token": drawn})}
         return drawn

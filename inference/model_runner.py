@@ -146,11 +146,14 @@ class ModelRunner:
         # nothing; stop tokens are host-side.
         # Each step returns its greedy tokens and its logits; the draw (``sampling.draw``)
         # runs on them only when a row samples: one program per row count, where the sort,
-        # softmax and hashes were part of every prefill, decode and mixed program.
+        # softmax and hashes were part of every prefill, decode and mixed program. A
+        # decode's draws go to their slots by a small program of their own (``_to_slots``),
+        # so a prefill and a decode of as many rows share one draw program.
         self._prefill_jit = jax.jit(self._prefill, donate_argnums=(1,), static_argnums=(7,))
         self._decode_jit = jax.jit(self._decode, donate_argnums=(1,))
         self._mixed_jit = jax.jit(self._mixed, donate_argnums=(1,))
         self._draw_jit = jax.jit(self._draw)
+        self._to_slots_jit = jax.jit(self._to_slots)
         self.compiles = {"prefill": set(), "decode": set(), "mixed": set(), "draw": set()}
         self.launches = {"prefill": 0, "decode": 0, "mixed": 0, "draw": 0}   # programs run
 
@@ -283,11 +286,14 @@ class ModelRunner:
         return (cache, scatter_rows(tok, slots_B, self.ecfg.max_batch), first, logits,
                 first_logits)
 
-    def _draw(self, logits, seed, seeds_B, positions_B, rows, slots_B=None):
-        """A step's sampled tokens (``sampling.draw``) from its ``logits``; with ``slots_B``,
-        scattered to their slots as the step's are."""
-        tok = draw(logits, seed, seeds_B, positions_B, rows)
-        return tok if slots_B is None else scatter_rows(tok, slots_B, self.ecfg.max_batch)
+    def _draw(self, logits, seed, seeds_B, positions_B, rows):
+        """A step's sampled tokens (``sampling.draw``) from its ``logits``, one per row."""
+        return draw(logits, seed, seeds_B, positions_B, rows)
+
+    def _to_slots(self, tok, slots_B):
+        """A decode's drawn tokens (and log-probabilities) scattered to their slots, as the
+        step's own are."""
+        return scatter_rows(tok, slots_B, self.ecfg.max_batch)
 
     @property
     def mixes(self) -> bool:

@@ -20,7 +20,7 @@ from triax.inference.checkpoint import save_params
 from triax.mesh import make_mesh
 from triax.models import config
 from triax.models.config import LoraConfig
-from triax.sharding.partition import abstract_model, init_params
+from triax.sharding.partition import abstract_model
 
 
 def _fixture_tensors(name):
@@ -103,10 +103,14 @@ def test_export_equals_fixture(name, tmp_path, devices):
         export(params, cfg, str(tmp_path / "out"))
 
 
-def test_exports_get_the_users_umask(tmp_path, devices):
+def _zeros(cfg):
+    return jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_model(cfg).shapes)
+
+
+def test_exports_get_the_users_umask(tmp_path):
     """Not mkdtemp's 0700 directory, nor the 0600 safetensors writes, nor a private source's
-    mode copied with the tokenizer: what the umask gives any new file."""
-    one = make_mesh(devices=devices[:1])
+    mode copied with the tokenizer: what the umask gives any new file. The weights are host
+    zeros of the model's shapes: the modes are the point, not the values (no init compiled)."""
     cfg = config.get("tiny", num_layers=1)
     lcfg = cfg.replace(lora=LoraConfig(rank=2))
     tok = tmp_path / "tokenizer.json"
@@ -115,9 +119,8 @@ def test_exports_get_the_users_umask(tmp_path, devices):
     merged, adapter = tmp_path / "merged", tmp_path / "adapter"
     old = os.umask(0o027)
     try:
-        export(init_params(abstract_model(cfg), one, "tp"), cfg, str(merged),
-               tokenizer_files=[str(tok)])
-        write_adapters(init_params(abstract_model(lcfg), one, "tp"), lcfg, str(adapter), "tiny")
+        export(_zeros(cfg), cfg, str(merged), tokenizer_files=[str(tok)])
+        write_adapters(_zeros(lcfg), lcfg, str(adapter), "tiny")
     finally:
         os.umask(old)
     mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731

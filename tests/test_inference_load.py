@@ -62,7 +62,7 @@ def served(devices):
     params = jax.device_get(init_params(abstract_model(CFG), make_mesh(devices=devices[:1]),
                                         "tp", seed=2))
     server = Server.from_params(CFG, params, replica_meshes({}, 2, devices[:2]), ecfg=ECFG)
-    server.warmup([1])
+    server.warmup([1], sampled=False)   # every request is greedy: no draw program
     reqs = load()
     outcome: dict[int, object] = {}   # request index -> Result or the exception raised
     completions: Counter = Counter()  # request id -> times its future resolved

@@ -47,7 +47,9 @@ def _serve(server, reqs, order):
 
 def test_fifty_requests_complete_with_their_own_tokens(setup):
     server, reqs, ref = setup
-    server.warmup([len(p) for p, _ in reqs])  # compiles ahead; must leave no visible trace
+    lengths = [len(p) for p, _ in reqs]   # compiles ahead; must leave no visible trace
+    server.warmup(lengths, replicas=[0])   # with the draws: the sampled tests use replica 0
+    server.warmup(lengths, replicas=[1], sampled=False)   # greedy only: no draw program
     with compiles_during() as compiles:
         out = _serve(server, reqs, range(len(reqs)))
     # the warm-up compiled every program served (none per batch of prompts, e.g. a slice)
@@ -103,6 +105,8 @@ def test_sampled_results_independent_of_arrival_order(setup):
     eng.warmup([len(p) for p, _ in reqs[:12]])   # greedy (compiled already after the first test)
     programs = (eng._prefill_jit._cache_size(), eng._decode_jit._cache_size(),
                 eng._draw_jit._cache_size())   # the warm-up's draws too (one per row count)
+    # one draw per row count: a prefill's and a decode's of as many rows share it
+    assert programs[2] == len(set(eng._prefill_batches()) | set(eng._decode_buckets())) == 3
     eng.sampling = SamplingConfig(temperature=1.5, top_k=20, top_p=0.95, seed=5)
     try:
         forward = _serve(Server([eng]), reqs[:12], range(12))

@@ -86,13 +86,14 @@ def _serve_completions(monkeypatch, argv):
 
 
 def test_serve_with_adapter_equals_the_merged_export(dirs, monkeypatch):
+    """No base run here: the merged export's greedy tokens differ from the base's
+    (``test_generate_with_adapter_equals_the_merged_export``, the same adapter, prompts and
+    layout), so a serve that dropped the adapter would fail ``got == want``."""
     adapter, merged = dirs
     got = _serve_completions(monkeypatch, ["--model-dir", fixture("llama"), "--adapter",
                                            adapter])
     want = _serve_completions(monkeypatch, ["--model-dir", merged])
-    base = _serve_completions(monkeypatch, ["--model-dir", fixture("llama")])
     assert got == want
-    assert got != base, "the adapter changed no completion"
 
 
 def _edit_config(d, **kw):

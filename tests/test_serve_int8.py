@@ -139,11 +139,12 @@ POOL = {"dtype": "bfloat16", "kv_blocks": 8}
 
 
 @pytest.fixture(scope="module")
-def tp2_bytes(devices):
+def tp2_bytes(setup, devices):
     """Per device on tensor=2, bf16 and int8: placed weights, the compiled decode step's
-    argument bytes, and the planner's served-weight bytes."""
+    argument bytes, and the planner's served-weight bytes. The weights are ``setup``'s,
+    placed by each engine on its mesh (an init on tensor=2 would be a program of its own)."""
     mesh = make_mesh(tensor=2, devices=devices[:2])
-    params = init_params(abstract_model(CFG), mesh, "tp", 0)
+    params = setup[1]
     out = {}
     for q in ("none", "int8"):
         ecfg = engine_config_for(CFG, {"tensor": 2}, **PLAN, **POOL, quantize=q)

@@ -85,8 +85,11 @@ def served(devices):
     eos = ref.greedy(prompts[0], 3)[2]   # an "end of sequence" the first greedy text meets
     webs = []
     for mesh in meshes:
+        # one prompt bucket: a program per set of row controls and batch rows, not also per
+        # prompt length bucket (the tests' prompts differ in length)
         server = Server.from_params(cfg, params, [mesh], SERVE_STRATEGY,
-                                    EngineConfig(max_batch=2, max_len=MAX_LEN),
+                                    EngineConfig(max_batch=2, max_len=MAX_LEN,
+                                                 min_bucket=MAX_LEN),
                                     SamplingConfig(stop_tokens=(eos,)))
         app = create_app(server, tok, MODEL, ChatTemplate(TEMPLATE), request_timeout=120,
                          max_request_bytes=LIMIT)
@@ -310,7 +313,7 @@ def test_response_format_json_schema_holds_on_many_seeds(served):
     and validates, and ends ``stop`` when its value is complete; the same samples without
     the grammar are not JSON. ``json_object`` gives an object; streamed output too."""
     c = _client(served)
-    msgs = [{"role": "user", "content": "JSON"}]   # a prompt of the first bucket
+    msgs = [{"role": "user", "content": "JSON"}]
     fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA,
                                                   "strict": True}}
     kw = dict(model=MODEL, messages=msgs, max_tokens=40, temperature=1.0, n=8)

@@ -354,10 +354,11 @@ def test_under_pool_pressure_with_prefix_cache(server):
     """A pool of 7 blocks of 8 for 2 slots (a sequence ends at 5 blocks): sequences are
     preempted and recomputed, prompts share cached blocks, verify steps take blocks past
     their rows' lengths and give the rejected ones back; greedy tokens are plain decoding's
-    and every block comes back."""
+    and every block comes back. One prompt bucket (48): the lengths are not the point, and
+    each bucket would compile every prefill again."""
     server = Server.from_params(CFG, server.engines[0].params,   # the seed-0 weights
                                 [make_mesh(devices=jax.devices()[:1])],
-                                ecfg=EngineConfig(max_batch=2, max_len=48, min_bucket=16,
+                                ecfg=EngineConfig(max_batch=2, max_len=48, min_bucket=48,
                                                   kv_blocks=7, block_size=8,
                                                   prefix_cache=True))
     prompts = [list(range(100, 116)) + p for p in PROMPTS]   # two blocks in common
