@@ -14,6 +14,7 @@ imports JAX).
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 # Parallelism strategies (``triax.sharding.rules.StrategyKind`` names their rules tables).
@@ -56,6 +57,7 @@ OFFLOAD_TARGETS = ("optimizer", "params")
 OFFLOAD_UPDATES = ("stream", "host")
 
 
+@functools.lru_cache(maxsize=64)   # every Layout the planner builds parses its offload
 def parse_offload(text: str) -> tuple[str, ...]:
     """``--offload`` as the state parts it names, in ``OFFLOAD_TARGETS`` order ("" -> ())."""
     parts = {p.strip() for p in (text or "").split(",") if p.strip()}

@@ -33,7 +33,7 @@ from triax.mesh.build import AXES
 from triax.costs.activations import tensor_local
 from triax.pipeline.fsdp import layer_passes
 from triax.costs.memory import pipelined_fsdp
-from triax.costs.param_layout import (layout_rules, local_elements, local_param_elements,
+from triax.costs.param_layout import (layout_rules, leaf_elements, local_param_elements,
                                         param_leaves)
 from triax.pipeline.chunk_routes import moving_rounds, routed
 from triax.costs.pipeline_math import schedule_table
@@ -150,13 +150,14 @@ def _context_axis(w: Workload, lay: Layout, t: AxisTraffic, layers: int) -> None
     fsdp = st.fsdp and lay.data > 1
     whole = lay.unsharded_over_data().strategy.rules
     grads = 0
-    for path, shape, logical in param_leaves(cfg):   # at the optimizer's (ZeRO-1) sharding
+    opts = leaf_elements(cfg, st.optimizer_rules, lay.sizes)   # at the optimizer's (ZeRO-1)
+    fulls = leaf_elements(cfg, whole, lay.sizes)               # sharding
+    for i, (path, _, _) in enumerate(param_leaves(cfg)):
         if not trained(w, path):
             continue
-        opt = local_elements(shape, logical, st.optimizer_rules, lay.sizes)
-        table = path.startswith("embed/") and opt < local_elements(shape, logical, whole,
-                                                                   lay.sizes)
-        grads += local_elements(shape, logical, whole, lay.sizes) if table else opt
+        opt = opts[i]
+        table = path.startswith("embed/") and opt < fulls[i]
+        grads += fulls[i] if table else opt
     t.add("all-reduce", grads * FP32)
     if fsdp and not fsdp_gathers_table(w, lay):    # the exchanged lookup's output
         t.add("all-gather", rows * w.seq * cfg.embed_dim * w.dtype_bytes)
@@ -255,14 +256,16 @@ def _pipe_axis(w: Workload, lay: Layout, t: AxisTraffic, act: float, passes: int
     if routed(w.cfg.num_layers, lay.pipe, lay.virtual):
         # Interleaved and ZB-V: each step moves chunks from their storage stage to the stage that runs
         # them (and their gradients back), one chunk per device per moving round.
-        chunk = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+        elems = leaf_elements(w.cfg, rules, lay.sizes)
+        chunk = sum(elems[i] for i, (p, _, _) in enumerate(param_leaves(w.cfg))
                     if p.startswith("blocks/")) * FP32 / lay.virtual   # fp32 masters, grads
         v_shape = lay.schedule is not None and lay.schedule.v_shape
         t.add("collective-permute", chunk,
               moving_rounds(lay.pipe, lay.virtual, v_shape) * passes)
     if w.train:   # summed over pipe whole over data, before FSDP's reduce-scatter
         whole = lay.unsharded_over_data().strategy.rules
-        shared = sum(local_elements(s, l, whole, lay.sizes) for p, s, l in param_leaves(w.cfg)
+        elems = leaf_elements(w.cfg, whole, lay.sizes)
+        shared = sum(elems[i] for i, (p, _, _) in enumerate(param_leaves(w.cfg))
                      if not p.startswith("blocks/") and trained(w, p))
         if shared:
             t.add("all-reduce", shared * FP32)
@@ -275,7 +278,8 @@ def _other_batch_axes(w: Workload, lay: Layout, out: dict) -> None:
     for axis in rules.mesh_axes("batch"):
         if axis == "data" or axis not in out:
             continue
-        total = sum(local_elements(s, l, rules, lay.sizes) for p, s, l in param_leaves(w.cfg)
+        elems = leaf_elements(w.cfg, rules, lay.sizes)
+        total = sum(elems[i] for i, (p, _, l) in enumerate(param_leaves(w.cfg))
                     if not any(axis in rules.mesh_axes(n) for n in l) and trained(w, p))
         out[axis].add("all-reduce", total * FP32)
 
@@ -305,11 +309,12 @@ def _zero1(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     adapter's rank-by-heads B) is all-reduced."""
     opt = lay.strategy.optimizer_rules
     whole = lay.unsharded_over_data().strategy.rules
-    for path, shape, logical in param_leaves(w.cfg):
+    fulls, locals_ = (leaf_elements(w.cfg, r, lay.sizes) for r in (whole, opt))
+    for i, (path, _, _) in enumerate(param_leaves(w.cfg)):
         if not trained(w, path):
             continue
-        full = local_elements(shape, logical, whole, lay.sizes)
-        if local_elements(shape, logical, opt, lay.sizes) < full:
+        full = fulls[i]
+        if locals_[i] < full:
             t.add("reduce-scatter", full * FP32)
             t.add("all-gather", full * w.dtype_bytes)
         else:
@@ -336,9 +341,10 @@ def _fsdp(w: Workload, lay: Layout, t: AxisTraffic) -> None:
     reduces no gradient, and a frozen table moves only in the forward."""
     sharded = lay.strategy.rules
     whole = lay.unsharded_over_data().strategy.rules
-    for path, shape, logical in param_leaves(w.cfg):
-        full = local_elements(shape, logical, whole, lay.sizes)
-        split = local_elements(shape, logical, sharded, lay.sizes) < full
+    fulls, locals_ = (leaf_elements(w.cfg, r, lay.sizes) for r in (whole, sharded))
+    for i, (path, _, _) in enumerate(param_leaves(w.cfg)):
+        full = fulls[i]
+        split = locals_[i] < full
         grad = 1 if trained(w, path) else 0      # a frozen LoRA base leaf reduces nothing
         if pipelined_fsdp(w, lay, "layer") and split and path.startswith("blocks/"):
             gathers, scatters = layer_passes(lay.schedule.split_backward, lay.microbatches)

@@ -19,9 +19,9 @@ from triax.costs.activations import activation_bytes
 from triax.inference.errors import InferenceError
 from triax.inference.kv_pool import planned_pool   # the pool's one home (no engine needed)
 from triax.inference.pool_settings import PoolSettings
-from triax.costs.param_layout import (layout_rules, local_base_bytes, local_elements,
-                                        local_param_elements, local_served_bytes,
-                                        param_leaves)
+from triax.costs.param_layout import (block_elements, layout_rules, leaf_elements,
+                                        local_base_bytes, local_param_elements,
+                                        local_served_bytes, param_leaves)
 from triax.costs.offload import planned_cost
 from triax.costs.speculative import draft_workload
 from triax.costs.workload import ADAM_MOMENTS, FP32, Layout, Workload, ceil_div
@@ -174,8 +174,9 @@ def _stage_elements(w: Workload, lay: Layout) -> int:
     accumulates): the pre/post-stack and its ``v`` chunks of ``per_chunk`` blocks, even where
     the stack is stored whole on every stage (an uneven layer count)."""
     rules = layout_rules(w, lay.unsharded_over_data())
-    pieces = sum(local_elements(s, l, rules, lay.sizes)
-                 for p, s, l in param_leaves(w.cfg) if not p.startswith("blocks/"))
+    elems = leaf_elements(w.cfg, rules, lay.sizes)
+    pieces = sum(elems[i] for i, (p, _, _) in enumerate(param_leaves(w.cfg))
+                 if not p.startswith("blocks/"))
     return pieces + lay.virtual * _per_chunk(w, lay) * _block_grad_elements(w, lay)
 
 
@@ -187,9 +188,7 @@ def _stage_copy_elements(w: Workload, lay: Layout) -> int:
     if lay.pipe == 1 or w.cfg is None or not stack_kept_whole(
             w.cfg.num_layers, lay.pipe, lay.stage_layers):
         return 0
-    rules = layout_rules(w, lay)
-    block = sum(local_elements(s[1:], l[1:], rules, lay.sizes)
-                for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
+    block = block_elements(w.cfg, layout_rules(w, lay), lay.sizes)
     return lay.virtual * _per_chunk(w, lay) * block
 
 
@@ -204,9 +203,7 @@ def _block_grad_elements(w: Workload, lay: Layout) -> int:
     backward's working set) and, under FSDP, its gathered weights."""
     if w.cfg is None:
         return 0
-    rules = layout_rules(w, lay.unsharded_over_data())
-    return sum(local_elements(s[1:], l[1:], rules, lay.sizes)   # one layer of the stack
-               for p, s, l in param_leaves(w.cfg) if p.startswith("blocks/"))
+    return block_elements(w.cfg, layout_rules(w, lay.unsharded_over_data()), lay.sizes)
 
 
 def _fresh_grad_elements(w: Workload, lay: Layout) -> int:

@@ -41,11 +41,9 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
 def stored_leaves(w: Workload, lay: Layout) -> tuple[Leaf, ...]:
     """:func:`param_leaves` as the step stores them: under uneven pipeline stages the blocks'
     stack is ``StageLayers.stored_layers`` long (stage by stage, padded to the longest)."""
-    leaves = param_leaves(w.cfg)
-    if lay.pipe == 1:
+    leaves, n = param_leaves(w.cfg), _stored_layers(w, lay)
+    if n is None:
         return leaves
-    n = StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
-                    counts=lay.stage_layers).stored_layers
     return tuple((p, (n,) + s[1:] if p.startswith("blocks/") else s, l) for p, s, l in leaves)
 
 
@@ -79,7 +77,7 @@ def _itemsizes(cfg: ModelConfig) -> dict[str, int]:
 def local_elements(shape, logical, rules: Rules, sizes: dict[str, int]) -> int:
     """Elements of one parameter on one device: its shape divided as ``Rules.spec`` places
     it on a mesh of ``sizes`` (the placement the step compiles with)."""
-    return _local_elements(tuple(shape), tuple(logical), rules, tuple(sorted(sizes.items())))
+    return _local_elements(tuple(shape), tuple(logical), rules, _items(sizes))
 
 
 @functools.lru_cache(maxsize=1 << 16)   # the search asks the same leaf on the same mesh often
@@ -115,5 +113,80 @@ def local_param_elements(w: Workload, lay: Layout, optimizer: bool = False,
         if "data" in rules.mesh_axes("embed"):
             shards *= lay.data
         return ceil_div(w.params, shards)
-    return sum(local_elements(s, l, rules, lay.sizes) for p, s, l in stored_leaves(w, lay)
+    return _param_sum(w.cfg, rules, _items(lay.sizes), _stored_layers(w, lay), part)
+
+
+@functools.lru_cache(maxsize=4096)
+def _param_sum(cfg: ModelConfig, rules: Rules, items, layers: Optional[int],
+               part: Optional[str]) -> int:
+    """``local_param_elements``' sum, once per (model, rules, mesh, stack, part): the search
+    asks it of every candidate, and candidates that differ only in schedule, micro-batches,
+    context scheme or overlap share it."""
+    elems = _leaf_elements(cfg, rules, items, layers)
+    return sum(elems[i] for i, (p, _, _) in enumerate(param_leaves(cfg))
                if part is None or (part == "adapters") == is_adapter_path(p.split("/")))
+
+
+class LeafElements:
+    """:func:`local_elements` of each :func:`param_leaves` leaf (by index) on one mesh under
+    one rules table, each resolved when first read and then kept: the planner's memory and
+    traffic terms read the leaves of every candidate layout, and many candidates share
+    (rules, mesh). A leaf nobody reads is never resolved, so one that cannot split raises
+    its ``ShardingError`` only where it is read, as ``local_elements`` does."""
+
+    def __init__(self, leaves: tuple[Leaf, ...], rules: Rules, items: tuple):
+        self._leaves, self._rules, self._items = leaves, rules, items
+        self._got: list[Optional[int]] = [None] * len(leaves)
+
+    def __len__(self) -> int:
+        return len(self._leaves)
+
+    def __getitem__(self, i: int) -> int:
+        got = self._got[i]
+        if got is None:
+            _, shape, logical = self._leaves[i]
+            got = self._got[i] = _local_elements(shape, logical, self._rules, self._items)
+        return got
+
+
+def leaf_elements(cfg: ModelConfig, rules: Rules, sizes: dict[str, int]) -> LeafElements:
+    """The local elements of ``param_leaves(cfg)``'s leaves on a mesh of ``sizes`` under
+    ``rules`` (index as the leaves; read only what is needed: :class:`LeafElements`)."""
+    return _leaf_elements(cfg, rules, _items(sizes), None)
+
+
+def block_elements(cfg: ModelConfig, rules: Rules, sizes: dict[str, int]) -> int:
+    """One layer of the blocks' stack on one device (each ``blocks/`` leaf without its
+    ``layers`` dimension): a block's weights or its gradient."""
+    return _block_elements(cfg, rules, _items(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _block_elements(cfg: ModelConfig, rules: Rules, items) -> int:
+    return sum(_local_elements(s[1:], l[1:], rules, items)
+               for p, s, l in param_leaves(cfg) if p.startswith("blocks/"))
+
+
+@functools.lru_cache(maxsize=4096)
+def _leaf_elements(cfg: ModelConfig, rules: Rules, items, layers: Optional[int]
+                   ) -> LeafElements:
+    """``layers``: the blocks' stack stored that long (:func:`stored_leaves`), None as the
+    model has it."""
+    leaves = param_leaves(cfg)
+    if layers is not None:
+        leaves = tuple((p, (layers,) + s[1:] if p.startswith("blocks/") else s, l)
+                       for p, s, l in leaves)
+    return LeafElements(leaves, rules, items)
+
+
+def _items(sizes: dict[str, int]) -> tuple:
+    return tuple(sorted(sizes.items()))
+
+
+def _stored_layers(w: Workload, lay: Layout) -> Optional[int]:
+    """The blocks' stored stack length under pipeline stages (:func:`stored_leaves`); None
+    unpipelined (the model's own)."""
+    if lay.pipe == 1:
+        return None
+    return StageLayers(w.cfg.num_layers, lay.pipe, lay.virtual,
+                       counts=lay.stage_layers).stored_layers

@@ -184,6 +184,9 @@ class Layout:
     def __post_init__(self):
         object.__setattr__(self, "strategy", get_strategy(self.strategy))
         object.__setattr__(self, "offload", choices.parse_offload(",".join(self.offload)))
+        # the mesh sizes, read once (no field: not compared, hashed or replaced): the search
+        # asks ``sizes`` of each candidate many times
+        object.__setattr__(self, "_sizes", tuple((a, getattr(self, a)) for a in AXES))
 
     @property
     def devices(self) -> int:
@@ -191,7 +194,7 @@ class Layout:
 
     @property
     def sizes(self) -> dict[str, int]:
-        return {a: getattr(self, a) for a in AXES}
+        return dict(self._sizes)
 
     @property
     def mesh_str(self) -> str:

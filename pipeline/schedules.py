@@ -19,6 +19,7 @@ sent in tick t is usable from tick t+1). The same orders give the cost-weighted 
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Optional, Sequence
@@ -233,28 +234,51 @@ def prerequisites(op: Op, num_chunks: int) -> list[Op]:
     return deps
 
 
-def _find(done: dict, dep: Op):
-    """Finish time of ``dep``; a backward dep is met by either a B or a B_in."""
-    if dep in done:
-        return done[dep]
-    if dep.kind in (OpKind.B, OpKind.B_IN):
-        alt = Op(OpKind.B_IN if dep.kind is OpKind.B else OpKind.B, dep.mb, dep.chunk)
-        return done.get(alt)
-    return None
+# The placement, the cost model and the validator look up finish times of every op's
+# dependencies many times over: they key their tables by ``_key`` (a plain tuple: hashed and
+# compared in C, where an ``Op`` runs its dataclass ``__hash__``/``__eq__``) and work out each
+# op's dependencies once (``_dep_keys``, shared by every table with that op and chunk count).
+
+def _key(op: Op) -> tuple:
+    """``op`` as a table key: equal exactly when the ops are."""
+    return op.kind, op.mb, op.chunk, op.b_mb, op.b_chunk
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _dep_keys(op: Op, num_chunks: int) -> tuple:
+    """``prerequisites(op)`` as (key, ``_other_backward``) pairs, for ``_finish``."""
+    return tuple((_key(d), _other_backward(d)) for d in prerequisites(op, num_chunks))
+
+
+@functools.lru_cache(maxsize=1 << 17)
+def _other_backward(op: Op) -> Optional[tuple]:
+    """The key of the op that meets a backward dependency ``op`` as well (B for B_in and
+    back), else None."""
+    if op.kind not in (OpKind.B, OpKind.B_IN):
+        return None
+    return _key(Op(OpKind.B_IN if op.kind is OpKind.B else OpKind.B, op.mb, op.chunk))
+
+
+def _finish(done: dict, key: tuple, alt: Optional[tuple]):
+    """Finish time of the dependency ``key`` in ``done`` (keyed by ``_key``; None: not
+    run); a backward one is met by either a B or a B_in (``alt``: ``_other_backward``)."""
+    t = done.get(key)     # finish times are never None
+    return done.get(alt) if t is None and alt is not None else t
 
 
 def place(orders: Sequence[Sequence[Op]], num_chunks: int) -> Table:
     """Put per-stage orders onto unit ticks, each op as early as its dependencies allow."""
     S = len(orders)
     pos = [0] * S
-    done: dict[Op, int] = {}
+    done: dict[tuple, int] = {}
+    deps = [[_dep_keys(op, num_chunks) for op in o] for o in orders]
     rows = []
     while any(pos[s] < len(orders[s]) for s in range(S)):
         row: list[Optional[Op]] = [None] * S
         for s in range(S):
             if pos[s] < len(orders[s]):
                 op = orders[s][pos[s]]
-                ready = [_find(done, d) for d in prerequisites(op, num_chunks)]
+                ready = [_finish(done, k, a) for k, a in deps[s][pos[s]]]
                 if all(t is not None and t < len(rows) for t in ready):
                     row[s] = op
         if not any(row):
@@ -264,7 +288,7 @@ def place(orders: Sequence[Sequence[Op]], num_chunks: int) -> Table:
         for s, op in enumerate(row):
             if op is not None:
                 for part in op.parts():
-                    done[part] = len(rows)
+                    done[_key(part)] = len(rows)
                 pos[s] += 1
         rows.append(tuple(row))
     return tuple(rows)
@@ -280,19 +304,20 @@ def run_orders(orders, S: int, num_chunks: int, costs: dict) -> tuple[float, lis
     """Run the orders with op durations ``costs``, each op as soon as its stage is free and
     its inputs are done: ``(makespan, per-stage idle time)``."""
     pos, free, done = [0] * S, [0.0] * S, {}
+    deps = [[_dep_keys(op, num_chunks) for op in o] for o in orders]
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
         for s in range(S):
             while pos[s] < len(orders[s]):
                 op = orders[s][pos[s]]
-                ready = [_find(done, d) for d in prerequisites(op, num_chunks)]
+                ready = [_finish(done, k, a) for k, a in deps[s][pos[s]]]
                 if any(t is None for t in ready):
                     break
                 start = max([free[s]] + ready)
                 free[s] = start + costs[op.kind]
                 for part in op.parts():
-                    done[part] = free[s]
+                    done[_key(part)] = free[s]
                 pos[s] += 1
                 remaining -= 1
                 progressed = True

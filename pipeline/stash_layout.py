@@ -211,7 +211,8 @@ def _place(c, free: list, cells: list) -> CutPlace:
     shape, dtype = tuple(c.shape), jnp.dtype(c.dtype)
 
     def claim(want, k):
-        fits = sorted((i for i in free if _core(cells[i].shape) == _core(want)
+        core = _core(want)
+        fits = sorted((i for i in free if _core(cells[i].shape) == core
                        and _holds(cells[i].dtype, dtype)),
                       key=lambda i: jnp.dtype(cells[i].dtype).itemsize)
         if len(fits) < k:

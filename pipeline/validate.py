@@ -7,7 +7,8 @@ Errors name the tick, the stage and the op::
 """
 from __future__ import annotations
 
-from triax.pipeline.schedules import Op, OpKind, Schedule, ScheduleError, _find, prerequisites
+from triax.pipeline.schedules import (Op, OpKind, Schedule, ScheduleError, _dep_keys, _finish,
+                                      _key, _other_backward, prerequisites)
 
 
 def _cells(sched: Schedule):
@@ -47,22 +48,23 @@ def _check_op(t: int, s: int, cell: Op, op: Op, sched: Schedule) -> None:
 
 def validate(sched: Schedule) -> None:
     """Raise :class:`ScheduleError` on the first broken rule (tick, stage and op named)."""
-    done: dict[Op, int] = {}
+    done: dict[tuple, int] = {}     # by ``schedules._key``
     for t, s, cell in _cells(sched):
         for op in cell.parts():
             _check_op(t, s, cell, op, sched)
-            again = _find(done, op) if op.kind in (OpKind.B, OpKind.B_IN) else done.get(op)
+            again = _finish(done, _key(op), _other_backward(op))
             if again is not None:
                 raise ScheduleError(f"tick {t}, stage {s}, op {op}: runs twice (first at "
                                     f"tick {again})")
-            for dep in prerequisites(op, sched.num_chunks):
-                when = _find(done, dep)
+            for j, (key, alt) in enumerate(_dep_keys(op, sched.num_chunks)):
+                when = _finish(done, key, alt)
                 if when is None or when >= t:
+                    dep = prerequisites(op, sched.num_chunks)[j]
                     raise ScheduleError(
                         f"tick {t}, stage {s}, op {op}: needs {dep} to finish in an earlier "
                         f"tick, but it {'has not run' if when is None else f'runs at tick {when}'}")
         for op in cell.parts():
-            done[op] = t
+            done[_key(op)] = t
     _check_complete(sched, done)
 
 
@@ -71,11 +73,11 @@ def _check_complete(sched: Schedule, done: dict) -> None:
     for m in range(sched.microbatches):
         for c in range(sched.num_chunks):
             need = [Op(OpKind.F, m, c)]
-            if sched.has_backward and Op(OpKind.B, m, c) not in done:
+            if sched.has_backward and _key(Op(OpKind.B, m, c)) not in done:
                 need += [Op(OpKind.B_IN, m, c), Op(OpKind.W, m, c)]
                 if sched.kind.backward_kinds == {OpKind.B}:
                     need = [Op(OpKind.F, m, c), Op(OpKind.B, m, c)]
             for op in need:
-                if op not in done:
+                if _key(op) not in done:
                     raise ScheduleError(f"stage {sched.stage_of(c)}: op {op} never runs "
                                         f"(each micro-batch needs one of each per chunk)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -91,12 +92,18 @@ class Rules:
     def as_dict(self) -> dict[str, tuple[str, ...]]:
         return dict(self.table)
 
+    @functools.cached_property
+    def _lookup(self) -> dict[str, tuple[str, ...]]:
+        # ``table`` as a dict, built once: the planner asks ``mesh_axes`` of every leaf of
+        # every candidate layout. Read only here (``as_dict`` hands out copies).
+        return dict(self.table)
+
     def mesh_axes(self, logical: Optional[str]) -> tuple[str, ...]:
         if logical is None:
             return ()
         if logical not in LOGICAL_AXES and logical not in self.user_names:
             raise self.unknown_names_error({logical: None})
-        return self.as_dict().get(logical, ())
+        return self._lookup.get(logical, ())
 
     def split_axes(self, logical: str, sizes: Mapping[str, int]) -> tuple[str, ...]:
         """The mesh axes (size > 1 in ``sizes``) that ``logical`` is split over."""
