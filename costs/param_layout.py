@@ -41,10 +41,18 @@ def param_leaves(cfg: ModelConfig) -> tuple[Leaf, ...]:
 def stored_leaves(w: Workload, lay: Layout) -> tuple[Leaf, ...]:
     """:func:`param_leaves` as the step stores them: under uneven pipeline stages the blocks'
     stack is ``StageLayers.stored_layers`` long (stage by stage, padded to the longest)."""
-    leaves, n = param_leaves(w.cfg), _stored_layers(w, lay)
-    if n is None:
+    return _restacked(w.cfg, _stored_layers(w, lay))
+
+
+@functools.lru_cache(maxsize=32)
+def _restacked(cfg: ModelConfig, layers: Optional[int]) -> tuple[Leaf, ...]:
+    """:func:`param_leaves` with the blocks' stack ``layers`` long (None: as the model has
+    it)."""
+    leaves = param_leaves(cfg)
+    if layers is None:
         return leaves
-    return tuple((p, (n,) + s[1:] if p.startswith("blocks/") else s, l) for p, s, l in leaves)
+    return tuple((p, (layers,) + s[1:] if p.startswith("blocks/") else s, l)
+                 for p, s, l in leaves)
 
 
 def local_base_bytes(w: Workload, lay: Layout) -> int:
@@ -172,11 +180,7 @@ def _leaf_elements(cfg: ModelConfig, rules: Rules, items, layers: Optional[int]
                    ) -> LeafElements:
     """``layers``: the blocks' stack stored that long (:func:`stored_leaves`), None as the
     model has it."""
-    leaves = param_leaves(cfg)
-    if layers is not None:
-        leaves = tuple((p, (layers,) + s[1:] if p.startswith("blocks/") else s, l)
-                       for p, s, l in leaves)
-    return LeafElements(leaves, rules, items)
+    return LeafElements(_restacked(cfg, layers), rules, items)
 
 
 def _items(sizes: dict[str, int]) -> tuple:
